@@ -1,0 +1,1 @@
+"""The backend role: PyTorch engine behind a gRPC GenerateStreamCall."""

@@ -1,0 +1,83 @@
+"""Paged attention for one engine step: write this step's K/V into the block cache, attend over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of query rows that is longer than a single token."""
+    rows: slice                 # its rows in the flat batch
+    key_slots: torch.Tensor     # [K] cache slots of every key it sees (cached prefix + this chunk)
+    start: int                  # position of its first query row (== number of keys before the chunk)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner and shared by every layer."""
+    slot_mapping: torch.Tensor          # [T] where each new token's K/V is written
+    decode_rows: torch.Tensor | None    # [B] rows that are single-token queries (decodes)
+    decode_key_slots: torch.Tensor | None  # [B, Kmax] slots each decode row reads (padded with 0)
+    decode_key_mask: torch.Tensor | None   # [B, 1, 1, Kmax] True where the slot is a real key
+    prefills: list[PrefillSpan]
+
+
+class KVCache:
+    """K and V for every layer, addressed by slot = block_id * block_size + offset."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, S, Hkv, d]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, H, d]; k, v: [T, Hkv, d] for this step's tokens → out [T, H, d]."""
+    k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    n_rep = q.shape[1] // k.shape[1]
+
+    if meta.decode_rows is not None:
+        assert meta.decode_key_slots is not None and meta.decode_key_mask is not None
+        qd = q[meta.decode_rows].unsqueeze(2)                     # [B, H, 1, d]
+        kd = _repeat_kv(k_cache[meta.decode_key_slots], n_rep)     # [B, H, Kmax, d]
+        vd = _repeat_kv(v_cache[meta.decode_key_slots], n_rep)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask)
+        out[meta.decode_rows] = od.squeeze(2)
+
+    for span in meta.prefills:
+        qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
+        kp = _repeat_kv(k_cache[span.key_slots].unsqueeze(0), n_rep)        # [1, H, K, d]
+        vp = _repeat_kv(v_cache[span.key_slots].unsqueeze(0), n_rep)
+        n_q, n_k = qp.shape[2], kp.shape[2]
+        if span.start == 0:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+        else:
+            # Query i sits at position start+i and sees keys 0..start+i: the last row sees every key.
+            q_pos = torch.arange(span.start, span.start + n_q, device=q.device)
+            mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+        out[span.rows] = op.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, K, Hkv, d] → [B, Hkv*n_rep, K, d] (GQA: each KV head serves n_rep query heads)."""
+    x = x.transpose(1, 2)
+    if n_rep == 1:
+        return x
+    b, h, k, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, k, d).reshape(b, h * n_rep, k, d)

@@ -1,0 +1,57 @@
+"""BackendConfig: built once from the environment by the role launcher, then passed down."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvyard.env import env_choice, env_int, env_str
+from kvyard.model_path import resolve_model_path
+
+DEFAULT_START_PORT = 8088
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    checkpoint_path: Path        # GGUF file or HF directory with the weights
+    tokenizer_path: Path         # where eos ids come from (defaults to checkpoint_path)
+    host: str                    # bind address
+    grpc_port: int               # START_PORT + 1
+    http_port: int               # START_PORT + 5 (worker status, debug)
+    device: str                  # "cpu" or "cuda"
+    dtype: str                   # "float32" or "bfloat16"
+    block_size: int              # tokens per KV block
+    kv_cache_mb: int             # memory for the KV cache
+    max_num_seqs: int            # sequences running at once
+    max_num_batched_tokens: int  # token budget of one engine step
+    max_seq_len: int             # 0 = the model's own context length
+    num_threads: int             # torch intra-op threads; 0 = torch's default
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
+        start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
+        checkpoint = resolve_model_path(env.get("CHECKPOINT_PATH"))
+        tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or str(checkpoint))
+        device = env_choice(env, "DEVICE", _default_device(), ("cpu", "cuda"))
+        dtype = env_choice(env, "DTYPE", "bfloat16" if device == "cuda" else "float32",
+                           ("float32", "bfloat16", "float16"))
+        return cls(
+            checkpoint_path=checkpoint,
+            tokenizer_path=tokenizer,
+            host=env_str(env, "HOST", "0.0.0.0"),
+            grpc_port=start_port + 1,
+            http_port=start_port + 5,
+            device=device,
+            dtype=dtype,
+            block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
+            kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
+            max_num_seqs=env_int(env, "MAX_NUM_SEQS", 64, minimum=1),
+            max_num_batched_tokens=env_int(env, "MAX_NUM_BATCHED_TOKENS", 2048, minimum=1),
+            max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0),
+            num_threads=env_int(env, "TORCH_NUM_THREADS", 0, minimum=0),
+        )
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"

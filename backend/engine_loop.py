@@ -1,0 +1,134 @@
+"""Runs the Engine on its own thread and bridges it to asyncio: one queue of tokens per request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from backend.engine import Engine, GenerationRequest, TokenOutput
+from kvyard.errors import ErrorCode, RequestError
+
+log = logging.getLogger("kvyard.engine")
+
+
+@dataclass
+class _Add:
+    request: GenerationRequest
+    sink: asyncio.Queue[list[TokenOutput] | RequestError]
+    loop: asyncio.AbstractEventLoop
+    unfinished: int = 0  # sequences of this request still generating (engine thread only)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    """The engine thread owns the Engine; asyncio code talks to it only through commands."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, _Add] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._alive = False
+
+    def start(self) -> None:
+        self._alive = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._alive and self._thread.is_alive()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenOutput]]:
+        """Yields each step's tokens for this request until every sequence finished.
+        Leaving early (cancelled, timed out, consumer gone) aborts it in the engine."""
+        self.engine.validate(request)
+        if not self.alive:
+            raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
+        sink: asyncio.Queue[list[TokenOutput] | RequestError] = asyncio.Queue()
+        self._commands.put(_Add(request, sink, asyncio.get_running_loop()))
+        remaining = request.n
+        try:
+            while remaining:
+                item = await sink.get()
+                if isinstance(item, RequestError):
+                    raise item
+                remaining -= sum(1 for out in item if out.finish_reason is not None)
+                yield item
+        finally:
+            if remaining:
+                self._commands.put(_Abort(request.request_id))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._apply_commands(block=not self.engine.has_work):
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # an engine bug must not hang every caller: fail them all loudly
+                    log.exception("engine step failed")
+                    self._fail_all(RequestError(ErrorCode.INTERNAL, "engine step failed; see backend log"))
+                    continue
+                self._deliver(outputs)
+        finally:
+            self._alive = False
+            self._fail_all(RequestError(ErrorCode.UNAVAILABLE, "the engine stopped"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Returns False when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Add):
+                if cmd.request.request_id in self._sinks:
+                    self._send(cmd, RequestError(ErrorCode.INVALID_ARGUMENT,
+                                                 f"request_id {cmd.request.request_id!r} is already running"))
+                    continue
+                cmd.unfinished = cmd.request.n
+                self._sinks[cmd.request.request_id] = cmd
+                self.engine.add(cmd.request)
+            else:
+                self.engine.abort(cmd.request_id)
+                self._sinks.pop(cmd.request_id, None)
+
+    def _deliver(self, outputs: list[TokenOutput]) -> None:
+        grouped: dict[str, list[TokenOutput]] = {}
+        for out in outputs:
+            grouped.setdefault(out.request_id, []).append(out)
+        for request_id, outs in grouped.items():
+            add = self._sinks.get(request_id)
+            if add is None:
+                continue
+            self._send(add, outs)
+            add.unfinished -= sum(1 for o in outs if o.finish_reason is not None)
+            if add.unfinished <= 0:
+                del self._sinks[request_id]
+
+    def _fail_all(self, error: RequestError) -> None:
+        for request_id, add in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            self._send(add, error)
+        self._sinks.clear()
+
+    @staticmethod
+    def _send(add: _Add, item: list[TokenOutput] | RequestError) -> None:
+        try:
+            add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop is closed: nobody is listening any more

@@ -1,0 +1,56 @@
+"""Backend role start-up: load the model, size the KV cache, start the engine thread and gRPC server."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import torch
+
+from backend.attention import KVCache
+from backend.config import BackendConfig
+from backend.engine import Engine
+from backend.engine_loop import EngineLoop
+from backend.model import LlamaModel
+from backend.model_runner import ModelRunner
+from backend.scheduler import Scheduler, SchedulerConfig
+from backend.server import ModelRpcServicer, start_grpc_server
+from backend.weights import load_weights
+from kvyard.model_config import load_model_config
+from kvyard.tokenizer import TextTokenizer
+
+log = logging.getLogger("kvyard.backend")
+
+
+def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int]:
+    """Returns the started-ready engine loop, the model's eos ids and the served context length."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    model_cfg = load_model_config(cfg.checkpoint_path)
+    tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
+    model = LlamaModel(model_cfg, load_weights(cfg.checkpoint_path, model_cfg, dtype, device))
+    per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
+                                        model_cfg.head_dim, dtype)
+    num_blocks = max(1, cfg.kv_cache_mb * 1024 * 1024 // per_block)
+    cache = KVCache(model_cfg.num_layers, num_blocks, cfg.block_size, model_cfg.num_kv_heads,
+                    model_cfg.head_dim, dtype, device)
+    max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
+                        model_cfg.max_position_embeddings)
+    log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MB)", num_blocks, cfg.block_size,
+             num_blocks * cfg.block_size, num_blocks * per_block / 2**20)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=cfg.block_size,
+                                          max_num_seqs=cfg.max_num_seqs,
+                                          max_num_batched_tokens=cfg.max_num_batched_tokens))
+    engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len)
+    eos = frozenset(t for t in (tokenizer.eos_token_id,) if t is not None)
+    return EngineLoop(engine), eos, max_model_len
+
+
+async def start_backend(cfg: BackendConfig) -> tuple[grpc.aio.Server, EngineLoop]:
+    engine_loop, eos, max_model_len = await asyncio.to_thread(build_engine_loop, cfg)
+    engine_loop.start()
+    server = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len),
+                                     cfg.host, cfg.grpc_port)
+    return server, engine_loop

@@ -1,0 +1,88 @@
+"""One engine step on the device: scheduled chunks → flat tensors → model forward → logits of sampling rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from backend.attention import AttentionMetadata, KVCache, PrefillSpan
+from backend.model import LlamaModel
+
+
+class ChunkSeq(Protocol):
+    token_ids: list[int]    # prompt then output
+    block_table: list[int]  # KV block ids in position order
+
+
+class StepChunk(Protocol):
+    """What the runner needs of one scheduled sequence (backend.scheduler.ScheduledSeq fits)."""
+    seq: ChunkSeq
+    start: int            # first position computed this step
+    num_new_tokens: int   # tokens computed this step
+    samples: bool         # whether a token is sampled after this chunk
+
+
+@dataclass
+class StepTensors:
+    input_ids: torch.Tensor   # [T]
+    positions: torch.Tensor   # [T]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] one row per chunk that samples, in chunk order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+
+    def run(self, chunks: Sequence[StepChunk]) -> torch.Tensor:
+        """Logits [S, V] (float32) for the chunks with samples=True, in their order."""
+        t = self.prepare(chunks)
+        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows)
+
+    def prepare(self, chunks: Sequence[StepChunk]) -> StepTensors:
+        bs = self.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[Sequence[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for chunk in chunks:
+            row0, start, n = len(ids), chunk.start, chunk.num_new_tokens
+            table = chunk.seq.block_table
+            ids.extend(chunk.seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_rows.append(row0)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                key_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
+                prefills.append(PrefillSpan(rows=slice(row0, row0 + n),
+                                            key_slots=self._tensor(key_slots), start=start))
+            if chunk.samples:
+                logits_rows.append(row0 + n - 1)
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_rows=None,
+                                 decode_key_slots=None, decode_key_mask=None, prefills=prefills)
+        if decode_rows:
+            max_blocks = max((n + bs - 1) // bs for n in decode_lens)
+            table = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
+            for r, (tbl, n) in enumerate(zip(decode_tables, decode_lens)):
+                used = (n + bs - 1) // bs
+                table[r, :used] = torch.tensor(tbl[:used], dtype=torch.long)
+            key_slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(decode_rows), -1)
+            mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(decode_lens)[:, None]
+            meta.decode_rows = self._tensor(decode_rows)
+            meta.decode_key_slots = key_slots.to(self.device)
+            meta.decode_key_mask = mask[:, None, None, :].to(self.device)
+        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows))
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

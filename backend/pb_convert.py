@@ -1,0 +1,68 @@
+"""Protobuf ⇄ engine types, at the gRPC edge only: nothing past backend/server.py sees protobuf."""
+from __future__ import annotations
+
+from backend.engine import GenerationRequest, TokenOutput
+from backend.sampler import SamplingParams
+from backend.sequence import FinishReason, StopConditions
+from kvyard.errors import ErrorCode, RequestError
+from proto import model_rpc_pb2 as pb
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_STOP,
+}
+def request_from_pb(msg: pb.GenerateInputPB, eos_token_ids: frozenset[int],
+                    max_model_len: int) -> GenerationRequest:
+    """Raises RequestError(INVALID_ARGUMENT) for values no engine could accept."""
+    cfg = msg.generate_config
+    prompt = list(msg.token_ids)
+    max_new = cfg.max_new_tokens or max(1, max_model_len - len(prompt))
+    try:
+        if cfg.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+        stop = StopConditions(
+            max_new_tokens=max_new,
+            eos_token_ids=eos_token_ids,
+            stop_token_ids=frozenset(cfg.stop_token_ids),
+            stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
+            min_new_tokens=cfg.min_new_tokens,
+            ignore_eos=cfg.ignore_eos,
+            max_total_len=max_model_len,
+        )
+    except ValueError as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+    sampling = SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p if cfg.top_p > 0 else 1.0,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        seed=cfg.seed if cfg.HasField("seed") else None,
+        repetition_penalty=cfg.repetition_penalty or 1.0,
+        presence_penalty=cfg.presence_penalty,
+        frequency_penalty=cfg.frequency_penalty,
+        logit_bias=dict(cfg.logit_bias),
+        logprobs=cfg.return_logprobs or cfg.top_logprobs > 0,
+        top_logprobs=cfg.top_logprobs,
+    )
+    return GenerationRequest(request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
+                             stop=stop, n=max(1, cfg.num_return_sequences))
+
+
+def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutputsPB:
+    msg = pb.GenerateOutputsPB(request_id=request_id)
+    for out in outs:
+        item = msg.generate_outputs.add(index=out.index, output_ids=[out.token_id],
+                                        finished=out.finish_reason is not None,
+                                        finish_reason=_FINISH_TO_PB[out.finish_reason])
+        if out.sample.logprob is not None:
+            lp = item.logprobs.add(token_id=out.token_id, logprob=out.sample.logprob)
+            for tok, val in out.sample.top_logprobs or ():
+                lp.top_logprobs.add(token_id=tok, logprob=val)
+        a = out.aux
+        item.aux_info.CopyFrom(pb.AuxInfoPB(
+            input_len=a.input_len, output_len=a.output_len, iter_count=a.iter_count,
+            reuse_len=a.reuse_len, cost_time_us=a.cost_time_us,
+            first_token_cost_time_us=a.first_token_cost_time_us, wait_time_us=a.wait_time_us))
+    return msg

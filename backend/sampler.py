@@ -1,0 +1,141 @@
+"""Logits of the sampling rows → next tokens (and their logprobs), each row with its own parameters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0         # 0 → greedy
+    top_p: float = 1.0               # 1 → off
+    top_k: int = 0                   # 0 → off
+    min_p: float = 0.0               # 0 → off
+    seed: int | None = None          # per-request RNG: same seed, same tokens, whatever the batch
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens; 1 → off
+    presence_penalty: float = 0.0    # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False           # return the sampled token's logprob
+    top_logprobs: int = 0            # and this many alternatives (<= MAX_TOP_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError naming the bad field."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: its parameters, RNG and the token history the penalties look at."""
+    params: SamplingParams
+    generator: torch.Generator | None  # None when greedy
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float | None                            # when params.logprobs
+    top_logprobs: list[tuple[int, float]] | None     # most likely first, when top_logprobs > 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
+    """logits: [S, V] float32, one row per SampleRow."""
+    logits = _apply_penalties_and_bias(logits, rows)
+    want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # before temperature
+    tokens = logits.argmax(dim=-1)
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            tokens[i] = _sample_row(logits[i], row.params, row.generator)
+    token_list = tokens.tolist()
+
+    out: list[Sample] = []
+    for i, (row, token) in enumerate(zip(rows, token_list)):
+        lp = top = None
+        if logprobs is not None and (row.params.logprobs or row.params.top_logprobs):
+            lp = float(logprobs[i, token])
+            if row.params.top_logprobs:
+                vals, idx = logprobs[i].topk(row.params.top_logprobs)
+                top = list(zip(idx.tolist(), vals.tolist()))
+        out.append(Sample(token, lp, top))
+    return out
+
+
+def _apply_penalties_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    touched = [i for i, r in enumerate(rows) if _needs_history(r.params) or r.params.logit_bias]
+    if not touched:
+        return logits
+    logits = logits.clone()
+    for i in touched:
+        p = rows[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(rows[i].prompt_ids) | set(rows[i].output_ids)),
+                                dtype=torch.long, device=row.device)
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and rows[i].output_ids:
+            ids = torch.tensor(list(rows[i].output_ids), dtype=torch.long, device=row.device)
+            counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            idx = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    return logits
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """logits: [V] → one token, after temperature, top_k, top_p and min_p filtering."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[0]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep a token when the mass before it is < top_p: the top token always survives.
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=gen))

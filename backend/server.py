@@ -1,0 +1,62 @@
+"""The backend's gRPC edge: GenerateStreamCall → EngineLoop, plus grpc.health.v1."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from backend.engine_loop import EngineLoop
+from backend.pb_convert import outputs_to_pb, request_from_pb
+from kvyard.pb_errors import error_to_pb
+from kvyard.errors import ErrorCode, RequestError
+from proto import model_rpc_pb2 as pb
+from proto import model_rpc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvyard.backend")
+
+SERVICE_NAME = "kvyard.ModelRpcService"
+
+
+class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
+    def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.engine_loop = engine_loop
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
+        request_id = request.request_id
+        try:
+            req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
+            timeout_s = request.generate_config.timeout_ms / 1000 or None
+            async with asyncio.timeout(timeout_s):
+                async for outs in self.engine_loop.generate(req):
+                    yield outputs_to_pb(request_id, outs)
+        except RequestError as exc:
+            log.info("request %s failed: %s", request_id, exc.message)
+            yield error_to_pb(request_id, exc)
+        except TimeoutError:
+            yield error_to_pb(request_id, RequestError(
+                ErrorCode.TIMEOUT, f"not finished within timeout_ms={request.generate_config.timeout_ms}"))
+        except asyncio.CancelledError:
+            log.info("request %s cancelled by the client", request_id)
+            raise
+
+
+async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_ModelRpcServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot bind the backend gRPC port {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("backend gRPC serving on %s:%d", host, port)
+    return server

@@ -1,0 +1,123 @@
+"""Checkpoint → tensors named the way backend/model.py wants them (GGUF or safetensors)."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvyard.model_config import ModelConfig
+from kvyard.model_path import ModelFileError, is_gguf
+
+log = logging.getLogger("kvyard.weights")
+
+# Our tensor names: embed, norm, lm_head (absent when tied), and per layer i:
+# layers.{i}.attn_norm, .qkv (+ .qkv_bias), .o, .ffn_norm, .gate_up, .down — all [out, in].
+
+
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    start = time.monotonic()
+    raw = _read_gguf(path, config) if is_gguf(path) else _read_safetensors(path)
+    weights = _fuse(raw, config)
+    out = {name: t.to(device=device, dtype=dtype).contiguous() for name, t in weights.items()}
+    n_params = sum(t.numel() for t in out.values())
+    log.info("loaded %d tensors (%.1fM parameters) from %s in %.1f s as %s on %s",
+             len(out), n_params / 1e6, path, time.monotonic() - start, dtype, device)
+    return out
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves each head's rows so RoPE pairs (2i, 2i+1)
+    are adjacent; our RoPE pairs (i, i + d/2) like the Hugging Face layout."""
+    out_dim = w.shape[0]
+    head_dim = out_dim // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out_dim, *rest)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+    "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+}
+
+
+def _read_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r")
+    raw: dict[str, torch.Tensor] = {}
+    tensors = reader.tensors
+    for i, tensor in enumerate(tensors):
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        parts = tensor.name.split(".")  # e.g. blk.3.attn_q.weight / token_embd.weight
+        if parts[0] == "blk":
+            kind = _GGUF_LAYER_NAMES.get(parts[2])
+            if kind is None:
+                raise ModelFileError(f"{path}: unexpected tensor {tensor.name}")
+            if kind == "q":
+                data = _unpermute_rope(data, config.num_heads)
+            elif kind == "k":
+                data = _unpermute_rope(data, config.num_kv_heads)
+            name = f"layers.{parts[1]}.{kind}" + ("_bias" if parts[-1] == "bias" else "")
+        else:
+            name = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}.get(parts[0], "")
+            if not name:
+                continue  # e.g. rope_freqs: not used by the architectures we accept
+        raw[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # owned copy, not the mmap
+        if (i + 1) % 50 == 0 or i + 1 == len(tensors):
+            log.info("dequantizing GGUF tensors: %d/%d", i + 1, len(tensors))
+    return raw
+
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "self_attn.o_proj.weight": "o",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{path}: no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, tensor in load_file(str(file)).items():
+            key = key.removeprefix("model.")
+            if key.startswith("layers."):
+                _, idx, rest = key.split(".", 2)
+                if rest in _HF_LAYER_NAMES:
+                    raw[f"layers.{idx}.{_HF_LAYER_NAMES[rest]}"] = tensor.float()
+            elif key in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+                raw[{"embed_tokens.weight": "embed", "norm.weight": "norm",
+                     "lm_head.weight": "lm_head"}[key]] = tensor.float()
+        log.info("read %s", file.name)
+    return raw
+
+
+def _fuse(raw: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Fuse q/k/v and gate/up so each layer does two big matmuls instead of five small ones."""
+    out = {"embed": raw["embed"], "norm": raw["norm"]}
+    if "lm_head" in raw and not config.tie_word_embeddings:
+        out["lm_head"] = raw["lm_head"]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        try:
+            out[p + "attn_norm"] = raw[p + "attn_norm"]
+            out[p + "ffn_norm"] = raw[p + "ffn_norm"]
+            out[p + "qkv"] = torch.cat([raw[p + "q"], raw[p + "k"], raw[p + "v"]], dim=0)
+            out[p + "o"] = raw[p + "o"]
+            out[p + "gate_up"] = torch.cat([raw[p + "gate"], raw[p + "up"]], dim=0)
+            out[p + "down"] = raw[p + "down"]
+        except KeyError as exc:
+            raise ModelFileError(f"checkpoint lacks tensor for {exc.args[0]}") from exc
+        if config.attention_bias:
+            out[p + "qkv_bias"] = torch.cat([raw[p + "q_bias"], raw[p + "k_bias"], raw[p + "v_bias"]])
+    return out

@@ -1,0 +1,1 @@
+"""The frontend role: OpenAI-compatible HTTP API in front of the backends."""

@@ -1,0 +1,133 @@
+"""Frontend → backend gRPC edge: plain dataclasses in, plain dataclasses out (no protobuf past here)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.pb_errors import error_from_pb
+from proto import model_rpc_pb2 as pb
+from proto import model_rpc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvyard.frontend")
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass
+class GenerateParams:
+    """What the frontend asks of the backend for one request (mirrors GenerateConfigPB)."""
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    timeout_ms: int = 0
+
+    def to_pb(self) -> pb.GenerateConfigPB:
+        cfg = pb.GenerateConfigPB(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, return_logprobs=self.return_logprobs,
+            top_logprobs=self.top_logprobs, timeout_ms=self.timeout_ms,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_new_tokens, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias, num_return_sequences=self.n)
+        if self.seed is not None:
+            cfg.seed = self.seed
+        for ids in self.stop_sequences:
+            cfg.stop_words_list.add(ids=ids)
+        return cfg
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class BackendOutput:
+    """New tokens for one sequence of a request, from one backend step."""
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None       # "stop" / "length" once finished
+    logprobs: list[TokenLogprob]    # one per token id when asked
+    input_len: int
+    output_len: int
+    reuse_len: int
+
+
+class BackendClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+        ])
+        self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def healthy(self, timeout_s: float = 1.0) -> bool:
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def generate(self, request_id: str, input_ids: list[int],
+                       params: GenerateParams) -> AsyncIterator[list[BackendOutput]]:
+        """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
+        cancels the gRPC call, which aborts the request in the backend and frees its KV."""
+        msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
+                                 generate_config=params.to_pb())
+        call = self._stub.GenerateStreamCall(msg)
+        try:
+            async for out in call:
+                if out.HasField("error"):
+                    raise error_from_pb(out.error)
+                yield [_from_pb(o) for o in out.generate_outputs]
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self.address) from exc
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+
+def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:
+    return BackendOutput(
+        index=o.index, token_ids=list(o.output_ids),
+        finish_reason=_FINISH.get(o.finish_reason) if o.finished else None,
+        logprobs=[TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                  for lp in o.logprobs],
+        input_len=o.aux_info.input_len, output_len=o.aux_info.output_len, reuse_len=o.aux_info.reuse_len)
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, address: str) -> RequestError:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return RequestError(ErrorCode.UNAVAILABLE, f"backend {address} is unreachable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestError(ErrorCode.TIMEOUT, "the backend did not answer in time")
+    if code == grpc.StatusCode.CANCELLED:
+        return RequestError(ErrorCode.CANCELLED, "the backend call was cancelled")
+    log.error("backend %s failed: %s %s", address, code, exc.details())
+    return RequestError(ErrorCode.INTERNAL, f"backend error: {code.name}")

@@ -1,0 +1,28 @@
+"""Typed readers for environment variables, used only by the roles' config builders."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, minimum: int | None = None) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+    return env.get(name, "") or default
+
+
+def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = (env.get(name, "") or default).lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,29 @@
+"""Per-request error kinds shared by every role; frontend/errors.py maps them to HTTP statuses."""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    OUT_OF_KV_CACHE = "out_of_kv_cache"
+    OVERLOADED = "overloaded"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNAVAILABLE = "unavailable"  # no backend can be reached
+    INTERNAL = "internal"
+
+
+class RequestError(Exception):
+    """A request failed for a reason the caller should see; other requests are unaffected."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param  # the request field at fault, when there is one
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.code.name}, {self.message!r})"

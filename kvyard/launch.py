@@ -1,0 +1,117 @@
+"""The one entry point (`python -m kvyard`, `kvyard`): ROLE_TYPE picks which role processes start."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from enum import Enum
+
+from kvyard.logs import setup_logging
+from kvyard.model_path import ModelFileError
+
+log = logging.getLogger("kvyard.launch")
+
+
+class RoleType(Enum):
+    PDFUSION = 0   # backend (prefill + decode) and frontend
+    PREFILL = 1    # prefill-only backend (prefill/decode disaggregation)
+    DECODE = 2     # decode-only backend
+    FRONTEND = 4   # HTTP API only: tokenizer and templates, no weights
+    MASTER = 5     # the cluster scheduler
+
+
+def parse_role(value: str | None) -> RoleType:
+    name = (value or "PDFUSION").strip().upper()
+    try:
+        return RoleType[name]
+    except KeyError:
+        raise ValueError(f"unknown ROLE_TYPE {value!r}; one of: {', '.join(r.name for r in RoleType)}") from None
+
+
+def run_backend(env: Mapping[str, str]) -> None:
+    from backend.config import BackendConfig
+    from backend.main import start_backend
+
+    setup_logging("backend")
+    cfg = BackendConfig.from_env(env)
+
+    async def serve() -> None:
+        server, engine_loop = await start_backend(cfg)
+        try:
+            await server.wait_for_termination()
+        finally:
+            engine_loop.stop()
+
+    asyncio.run(serve())
+
+
+def run_frontend(env: Mapping[str, str]) -> None:
+    from frontend.config import FrontendConfig
+    from frontend.main import serve_frontend
+
+    setup_logging("frontend")
+    asyncio.run(serve_frontend(FrontendConfig.from_env(env)))
+
+
+def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
+    """Validate every config this role needs before starting anything, so mistakes fail fast."""
+    if role in (RoleType.PDFUSION, RoleType.FRONTEND):
+        from frontend.config import FrontendConfig
+        FrontendConfig.from_env(env)
+    if role is RoleType.PDFUSION:
+        from backend.config import BackendConfig
+        BackendConfig.from_env(env)
+    if role in (RoleType.PREFILL, RoleType.DECODE, RoleType.MASTER):
+        raise ValueError(f"ROLE_TYPE={role.name} is not available in this version yet")
+
+
+def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dict[str, str]) -> int:
+    """Start each role in its own process; when one exits, stop the rest and exit with its code."""
+    ctx = mp.get_context("spawn")
+    procs = {name: ctx.Process(target=fn, args=(env,), name=name, daemon=False) for name, fn in targets.items()}
+    for p in procs.values():
+        p.start()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping %s", signum, ", ".join(procs))
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        from multiprocessing.connection import wait
+        wait([p.sentinel for p in procs.values()])
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    codes = {name: p.exitcode for name, p in procs.items()}
+    log.info("role processes exited: %s", codes)
+    first_bad = next((c for c in codes.values() if c not in (0, None, -signal.SIGTERM)), 0)
+    return abs(first_bad or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("launch")
+    env = dict(os.environ)
+    try:
+        role = parse_role(env.get("ROLE_TYPE"))
+        _check_configs(role, env)
+    except (ValueError, ModelFileError) as exc:
+        print(f"kvyard: error: {exc}", file=sys.stderr)
+        return 2
+    log.info("starting ROLE_TYPE=%s", role.name)
+    if role is RoleType.FRONTEND:
+        run_frontend(env)
+        return 0
+    return _supervise({"backend": run_backend, "frontend": run_frontend}, env)

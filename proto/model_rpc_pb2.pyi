@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReasonPB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReasonPB]
+    FINISH_REASON_STOP: _ClassVar[FinishReasonPB]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReasonPB]
+
+class ErrorCodePB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCodePB]
+    INVALID_ARGUMENT: _ClassVar[ErrorCodePB]
+    CONTEXT_LENGTH_EXCEEDED: _ClassVar[ErrorCodePB]
+    OUT_OF_KV_CACHE: _ClassVar[ErrorCodePB]
+    OVERLOADED: _ClassVar[ErrorCodePB]
+    TIMEOUT: _ClassVar[ErrorCodePB]
+    CANCELLED: _ClassVar[ErrorCodePB]
+    INTERNAL: _ClassVar[ErrorCodePB]
+FINISH_REASON_UNSPECIFIED: FinishReasonPB
+FINISH_REASON_STOP: FinishReasonPB
+FINISH_REASON_LENGTH: FinishReasonPB
+ERROR_CODE_UNSPECIFIED: ErrorCodePB
+INVALID_ARGUMENT: ErrorCodePB
+CONTEXT_LENGTH_EXCEEDED: ErrorCodePB
+OUT_OF_KV_CACHE: ErrorCodePB
+OVERLOADED: ErrorCodePB
+TIMEOUT: ErrorCodePB
+CANCELLED: ErrorCodePB
+INTERNAL: ErrorCodePB
+
+class TokenIdsPB(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateConfigPB(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_words_list", "return_logprobs", "top_logprobs", "timeout_ms", "stop_token_ids", "ignore_eos", "min_new_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "num_return_sequences")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_WORDS_LIST_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_words_list: _containers.RepeatedCompositeFieldContainer[TokenIdsPB]
+    return_logprobs: bool
+    top_logprobs: int
+    timeout_ms: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    min_new_tokens: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    num_return_sequences: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ...) -> None: ...
+
+class GenerateInputPB(_message.Message):
+    __slots__ = ("request_id", "token_ids", "generate_config")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generate_config: GenerateConfigPB
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ...) -> None: ...
+
+class TopLogprobPB(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprobPB(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobPB]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobPB, _Mapping]]] = ...) -> None: ...
+
+class AuxInfoPB(_message.Message):
+    __slots__ = ("input_len", "output_len", "iter_count", "reuse_len", "cost_time_us", "first_token_cost_time_us", "wait_time_us")
+    INPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    ITER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REUSE_LEN_FIELD_NUMBER: _ClassVar[int]
+    COST_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_COST_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    input_len: int
+    output_len: int
+    iter_count: int
+    reuse_len: int
+    cost_time_us: int
+    first_token_cost_time_us: int
+    wait_time_us: int
+    def __init__(self, input_len: _Optional[int] = ..., output_len: _Optional[int] = ..., iter_count: _Optional[int] = ..., reuse_len: _Optional[int] = ..., cost_time_us: _Optional[int] = ..., first_token_cost_time_us: _Optional[int] = ..., wait_time_us: _Optional[int] = ...) -> None: ...
+
+class GenerateOutputPB(_message.Message):
+    __slots__ = ("index", "output_ids", "finished", "finish_reason", "logprobs", "aux_info")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    AUX_INFO_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: FinishReasonPB
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobPB]
+    aux_info: AuxInfoPB
+    def __init__(self, index: _Optional[int] = ..., output_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReasonPB, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobPB, _Mapping]]] = ..., aux_info: _Optional[_Union[AuxInfoPB, _Mapping]] = ...) -> None: ...
+
+class ErrorDetailsPB(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: ErrorCodePB
+    message: str
+    def __init__(self, code: _Optional[_Union[ErrorCodePB, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateOutputsPB(_message.Message):
+    __slots__ = ("request_id", "generate_outputs", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generate_outputs: _containers.RepeatedCompositeFieldContainer[GenerateOutputPB]
+    error: ErrorDetailsPB
+    def __init__(self, request_id: _Optional[str] = ..., generate_outputs: _Optional[_Iterable[_Union[GenerateOutputPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ...) -> None: ...
