@@ -113,11 +113,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        now = time.monotonic()
         for s in batch.scheduled:
             _state(s.seq).iter_count += 1
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = now
         sampling_rows = [s for s in batch.scheduled if s.samples]
         logits = self.runner.run(batch.scheduled)  # [S, V]
         samples = sample(logits, [_sample_row(s.seq) for s in sampling_rows])
@@ -129,8 +126,6 @@ class Engine:
         for seq, token, finish in results:
             if token is None:
                 continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             outputs.append(TokenOutput(seq.request_id, _state(seq).index, token, by_seq[seq.seq_id],
                                        finish, _aux(seq, now)))
         return outputs

