@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from kvyard.errors import ErrorCode, RequestError
 from renderers.base import ChatRenderer, RenderedPrompt, RenderRequest
@@ -24,10 +25,21 @@ def _raise(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Refuse unsafe attribute access outright: with ChainableUndefined the sandbox's default (an
+    undefined value that raises only when used) would print as "" and hide the attempt."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe.")
+
+
+# Templates may call json.dumps / json.loads; the module itself would expose codecs, re, sys... to them.
+_TEMPLATE_JSON = SimpleNamespace(dumps=json.dumps, loads=json.loads)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        undefined=jinja2.ChainableUndefined)
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -55,7 +67,7 @@ class BasicRenderer(ChatRenderer):
             "add_generation_prompt": request.add_generation_prompt,
             "bos_token": tok.bos_token or "",
             "eos_token": tok.eos_token or "",
-            "json": json,
+            "json": _TEMPLATE_JSON,
         }
         if request.tools:
             args["tools"] = request.tools
