@@ -17,7 +17,10 @@ class StopStringMatcher:
         if not self.stop:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        # The stop string that completes first wins (ties: the one that starts first), so the result
+        # is the same however the text is split into pieces (e.g. stops "abcd" and "bc" in "abcd").
+        found = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stop) if i >= 0]
+        cut = min(found)[1] if found else -1
         if cut >= 0:
             self.stopped = True
             self._held = ""
