@@ -48,36 +48,27 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    n_rep = q.shape[1] // k.shape[1]
 
     if meta.decode_rows is not None:
         assert meta.decode_key_slots is not None and meta.decode_key_mask is not None
         qd = q[meta.decode_rows].unsqueeze(2)                     # [B, H, 1, d]
-        kd = _repeat_kv(k_cache[meta.decode_key_slots], n_rep)     # [B, H, Kmax, d]
-        vd = _repeat_kv(v_cache[meta.decode_key_slots], n_rep)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask)
+        kd = k_cache[meta.decode_key_slots].transpose(1, 2)        # [B, Hkv, Kmax, d]
+        vd = v_cache[meta.decode_key_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
 
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
-        kp = _repeat_kv(k_cache[span.key_slots].unsqueeze(0), n_rep)        # [1, H, K, d]
-        vp = _repeat_kv(v_cache[span.key_slots].unsqueeze(0), n_rep)
+        kp = k_cache[span.key_slots].transpose(0, 1).unsqueeze(0)           # [1, Hkv, K, d]
+        vp = v_cache[span.key_slots].transpose(0, 1).unsqueeze(0)
         n_q, n_k = qp.shape[2], kp.shape[2]
         if span.start == 0:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
             # Query i sits at position start+i and sees keys 0..start+i: the last row sees every key.
             q_pos = torch.arange(span.start, span.start + n_q, device=q.device)
             mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
         out[span.rows] = op.squeeze(0).transpose(0, 1)
     return out
 
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, K, Hkv, d] → [B, Hkv*n_rep, K, d] (GQA: each KV head serves n_rep query heads)."""
-    x = x.transpose(1, 2)
-    if n_rep == 1:
-        return x
-    b, h, k, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, k, d).reshape(b, h * n_rep, k, d)

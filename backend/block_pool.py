@@ -81,6 +81,8 @@ class BlockPool:
         # (len - 1) // bs full blocks end strictly before the last token: at least one token is
         # always left to compute, so the model has logits to sample from.
         max_hits = (len(seq.token_ids) - 1) // self.block_size
+        if seq.max_cached_tokens is not None:
+            max_hits = min(max_hits, seq.max_cached_tokens // self.block_size)
         hits: list[int] = []
         for key in self._full_block_keys(seq, max_hits)[:max_hits]:
             block_id = self.cached.get(key)

@@ -1,49 +1,22 @@
 """The backend's step loop: schedule → run the model → sample → hand tokens back to the scheduler."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult,
+                                  TokenOutput, WorkerStatus)
 from backend.model_runner import ModelRunner
-from backend.sampler import Sample, SampleRow, SamplingParams, make_generator, sample
+from backend.sampler import (MAX_TOP_LOGPROBS, Sample, SampleRow, SamplingParams, make_generator,
+                             sample)
 from backend.scheduler import Scheduler, ScheduledSeq
-from backend.sequence import FinishReason, Sequence, StopConditions
+from backend.sequence import Sequence, StopConditions
 from kvyard.errors import ErrorCode, RequestError
 
-
-@dataclass
-class GenerationRequest:
-    """A validated request as the engine takes it (built from protobuf in server.py)."""
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stop: StopConditions
-    n: int = 1                       # sequences sampled from this prompt
-    arrival_time: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class AuxInfo:
-    input_len: int
-    output_len: int
-    iter_count: int
-    reuse_len: int
-    cost_time_us: int
-    first_token_cost_time_us: int
-    wait_time_us: int
-
-
-@dataclass
-class TokenOutput:
-    """One sequence's new token in one step."""
-    request_id: str
-    index: int                            # which of the request's n sequences
-    token_id: int
-    sample: Sample                        # carries logprobs when asked
-    finish_reason: FinishReason | None
-    aux: AuxInfo
+_EMA = 0.2  # weight of the newest step in the moving averages the master routes on
 
 
 @dataclass
@@ -53,37 +26,56 @@ class _SeqState:
     sampling: SamplingParams
     generator: torch.Generator | None
     iter_count: int = 0
+    score_from: int | None = None    # scoring: position of the first scored token
+    top_logprobs: int = 0            # scoring: alternatives per scored position
+    scores: dict[int, Sample] = field(default_factory=dict)  # scoring: position → its token's logprob
 
 
 class Engine:
-    """Single-threaded: only the engine loop thread calls add / abort / step."""
+    """Only the engine loop thread calls add / abort / step; status readers from other threads take
+    `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, role: str = "PDFUSION") -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.role = role
+        self.lock = threading.Lock()
+        self.iterations = 0
+        self.step_latency_ms = 0.0
+        self.prefill_tokens_per_s = 0.0
 
-    def validate(self, req: GenerationRequest) -> None:
+    # ---- requests in ------------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest | ScoreRequest) -> None:
         """Raises RequestError for input this engine can never serve. Pure: safe from any thread."""
+        ids = req.prompt_ids + (req.scored_ids if isinstance(req, ScoreRequest) else [])
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "the prompt has no tokens", "token_ids")
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"token ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}",
                                "token_ids")
-        if n_prompt >= self.max_model_len:
+        if len(ids) >= self.max_model_len:
             raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                               f"the prompt has {n_prompt} tokens; this model's context is "
+                               f"the request has {len(ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, so at most {self.max_model_len - 1} "
-                               "prompt tokens leave room for one generated token", "token_ids")
-        if not self.scheduler.fits_ever(n_prompt + 1):
+                               "input tokens leave room for one more", "token_ids")
+        if not self.scheduler.fits_ever(len(ids) + 1):
             raise RequestError(ErrorCode.OUT_OF_KV_CACHE,
-                               f"a prompt of {n_prompt} tokens can never fit this backend's KV cache",
-                               "token_ids")
+                               f"{len(ids)} tokens can never fit this backend's KV cache "
+                               f"({self.scheduler.token_capacity} tokens)", "token_ids")
+        if isinstance(req, ScoreRequest):
+            if not req.scored_ids:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "nothing to score", "scored_ids")
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+            return
         if req.n < 1:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"n must be >= 1, got {req.n}", "n")
         try:
@@ -91,49 +83,147 @@ class Engine:
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    def add(self, req: GenerationRequest) -> None:
+    def add(self, req: GenerationRequest | ScoreRequest) -> None:
+        if isinstance(req, ScoreRequest):
+            state = _SeqState(0, SamplingParams(), None, score_from=len(req.prompt_ids),
+                              top_logprobs=req.top_logprobs)
+            seq = Sequence(req.request_id, req.prompt_ids + req.scored_ids,
+                           StopConditions(max_new_tokens=1, ignore_eos=True), payload=state,
+                           arrival_time=req.arrival_time)
+            seq.max_cached_tokens = len(req.prompt_ids) - 1  # logits are needed from there on
+            with self.lock:
+                self.scheduler.add(seq)
+            return
         device = self.runner.device
+        seqs = []
         for index in range(req.n):
             sampling = req.sampling
             if sampling.seed is not None and index:
                 # n > 1 with a seed: distinct but reproducible streams.
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + index})
             state = _SeqState(index, sampling, make_generator(sampling, device))
-            self.scheduler.add(Sequence(req.request_id, req.prompt_ids, req.stop, payload=state,
-                                        arrival_time=req.arrival_time))
+            seqs.append(Sequence(req.request_id, req.prompt_ids, req.stop, payload=state,
+                                 arrival_time=req.arrival_time))
+        with self.lock:
+            for seq in seqs:
+                self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        with self.lock:
+            self.scheduler.abort(request_id)
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[TokenOutput]:
-        batch = self.scheduler.schedule()
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[TokenOutput | ScoreResult]:
+        t0 = time.monotonic()
+        with self.lock:
+            batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        for s in batch.scheduled:
-            _state(s.seq).iter_count += 1
-        sampling_rows = [s for s in batch.scheduled if s.samples]
-        logits = self.runner.run(batch.scheduled)  # [S, V]
-        samples = sample(logits, [_sample_row(s.seq) for s in sampling_rows])
-        by_seq = {s.seq.seq_id: smp for s, smp in zip(sampling_rows, samples)}
-        results = self.scheduler.update_from_output(
-            batch, {seq_id: smp.token_id for seq_id, smp in by_seq.items()})
+        rows = [_logit_rows(s) for s in batch.scheduled]
+        logits = self.runner.run(batch.scheduled, rows)  # [sum(len(rows)), V]
+
+        sampled: dict[int, Sample] = {}
+        sample_seqs: list[Sequence] = []
+        sample_at: list[int] = []
+        i = 0
+        for s, chunk_rows in zip(batch.scheduled, rows):
+            st = _state(s.seq)
+            st.iter_count += 1
+            if st.score_from is not None:
+                _record_scores(s, chunk_rows, logits[i:i + len(chunk_rows)], st)
+            if s.samples:
+                sample_seqs.append(s.seq)
+                sample_at.append(i + len(chunk_rows) - 1)  # the chunk's last row samples
+            i += len(chunk_rows)
+        if sample_seqs:
+            picked = sample(logits[sample_at], [_sample_row(seq) for seq in sample_seqs])
+            sampled = {seq.seq_id: smp for seq, smp in zip(sample_seqs, picked)}
+
+        with self.lock:
+            results = self.scheduler.update_from_output(
+                batch, {seq_id: smp.token_id for seq_id, smp in sampled.items()})
+            self._measure(batch.num_batched_tokens - len(batch.scheduled), time.monotonic() - t0)
         now = time.monotonic()
-        outputs = []
+        outputs: list[TokenOutput | ScoreResult] = []
         for seq, token, finish in results:
-            if token is None:
-                continue
-            outputs.append(TokenOutput(seq.request_id, _state(seq).index, token, by_seq[seq.seq_id],
-                                       finish, _aux(seq, now)))
+            st = _state(seq)
+            if st.score_from is not None:
+                if finish is not None:
+                    positions = range(st.score_from, len(seq.token_ids) - 1)  # the extra sampled token is not ours
+                    outputs.append(ScoreResult(seq.request_id, [st.scores[p] for p in positions], _aux(seq, now)))
+            elif token is not None:
+                outputs.append(TokenOutput(seq.request_id, st.index, token, sampled[seq.seq_id], finish,
+                                           _aux(seq, now)))
         return outputs
+
+    def _measure(self, prefill_tokens: int, seconds: float) -> None:
+        self.iterations += 1
+        ms = seconds * 1000
+        self.step_latency_ms = ms if self.iterations == 1 else (1 - _EMA) * self.step_latency_ms + _EMA * ms
+        if prefill_tokens > 0:
+            rate = prefill_tokens / seconds
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                (1 - _EMA) * self.prefill_tokens_per_s + _EMA * rate
+
+    # ---- load reports (any thread) ----------------------------------------------------------
+
+    def worker_status(self, alive: bool) -> WorkerStatus:
+        with self.lock:
+            st = self.scheduler.stats()
+            return WorkerStatus(
+                role=self.role, running=st.num_running, waiting=st.num_waiting,
+                queued_prefill_tokens=st.queued_prefill_tokens, step_latency_ms=self.step_latency_ms,
+                prefill_tokens_per_s=self.prefill_tokens_per_s, free_blocks=st.free_blocks,
+                total_blocks=st.total_blocks, block_size=self.scheduler.config.block_size,
+                version=st.version, iterate_count=self.iterations, alive=alive,
+                cache_version=self.scheduler.block_pool.cache_version)
+
+    def cache_status(self, since_version: int) -> CacheStatus:
+        with self.lock:
+            pool = self.scheduler.block_pool
+            diff = pool.cache_diff(since_version) if since_version >= 0 else None
+            if diff is None:
+                return CacheStatus(pool.cache_version, False, pool.cached_keys(), [], [], pool.block_size)
+            version, added, removed = diff
+            return CacheStatus(version, True, [], added, removed, pool.block_size)
 
 
 def _state(seq: Sequence) -> _SeqState:
     assert isinstance(seq.payload, _SeqState)
     return seq.payload
+
+
+def _logit_rows(s: ScheduledSeq) -> list[int]:
+    """Chunk-relative rows whose logits this step needs: scored positions, then the sampling row."""
+    st = _state(s.seq)
+    rows: list[int] = []
+    if st.score_from is not None:
+        # The logits at position p give the probability of token p + 1.
+        first = max(s.start, st.score_from - 1)
+        last = min(s.start + s.num_new_tokens, len(s.seq.token_ids) - 1)
+        rows = [p - s.start for p in range(first, last)]
+    if s.samples and (not rows or rows[-1] != s.num_new_tokens - 1):
+        rows.append(s.num_new_tokens - 1)
+    return rows
+
+
+def _record_scores(s: ScheduledSeq, chunk_rows: list[int], logits: torch.Tensor, st: _SeqState) -> None:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for r, row in enumerate(chunk_rows):
+        p = s.start + row
+        if not st.score_from - 1 <= p < len(s.seq.token_ids) - 1:
+            continue
+        token = s.seq.token_ids[p + 1]
+        top = None
+        if st.top_logprobs:
+            vals, idx = logprobs[r].topk(st.top_logprobs)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        st.scores[p + 1] = Sample(token, float(logprobs[r, token]), top)
 
 
 def _sample_row(seq: Sequence) -> SampleRow:

@@ -8,7 +8,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from backend.engine import Engine, GenerationRequest, TokenOutput
+from backend.engine import Engine
+from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
 from kvyard.errors import ErrorCode, RequestError
 
 log = logging.getLogger("kvyard.engine")
@@ -16,8 +17,8 @@ log = logging.getLogger("kvyard.engine")
 
 @dataclass
 class _Add:
-    request: GenerationRequest
-    sink: asyncio.Queue[list[TokenOutput] | RequestError]
+    request: GenerationRequest | ScoreRequest
+    sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError]
     loop: asyncio.AbstractEventLoop
     unfinished: int = 0  # sequences of this request still generating (engine thread only)
 
@@ -49,13 +50,27 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._alive and self._thread.is_alive()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenOutput]]:
+    def worker_status(self) -> WorkerStatus:
+        return self.engine.worker_status(self.alive)
+
+    def cache_status(self, since_version: int) -> CacheStatus:
+        return self.engine.cache_status(since_version)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        async for outs in self.generate(request):
+            for out in outs:
+                if isinstance(out, ScoreResult):
+                    return out
+        raise RequestError(ErrorCode.INTERNAL, "scoring ended without a result")
+
+    async def generate(self, request: GenerationRequest | ScoreRequest
+                       ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
         """Yields each step's tokens for this request until every sequence finished.
         Leaving early (cancelled, timed out, consumer gone) aborts it in the engine."""
         self.engine.validate(request)
         if not self.alive:
             raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
-        sink: asyncio.Queue[list[TokenOutput] | RequestError] = asyncio.Queue()
+        sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError] = asyncio.Queue()
         self._commands.put(_Add(request, sink, asyncio.get_running_loop()))
         remaining = request.n
         try:
@@ -107,8 +122,8 @@ class EngineLoop:
                 self.engine.abort(cmd.request_id)
                 self._sinks.pop(cmd.request_id, None)
 
-    def _deliver(self, outputs: list[TokenOutput]) -> None:
-        grouped: dict[str, list[TokenOutput]] = {}
+    def _deliver(self, outputs: list[TokenOutput | ScoreResult]) -> None:
+        grouped: dict[str, list[TokenOutput | ScoreResult]] = {}
         for out in outputs:
             grouped.setdefault(out.request_id, []).append(out)
         for request_id, outs in grouped.items():
@@ -127,7 +142,7 @@ class EngineLoop:
         self._sinks.clear()
 
     @staticmethod
-    def _send(add: _Add, item: list[TokenOutput] | RequestError) -> None:
+    def _send(add: _Add, item: list[TokenOutput | ScoreResult] | RequestError) -> None:
         try:
             add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
         except RuntimeError:

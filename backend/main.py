@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 import torch
+import uvicorn
 
 from backend.attention import KVCache
 from backend.config import BackendConfig
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
+from backend.http_server import create_backend_http_app
 from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
 from backend.scheduler import Scheduler, SchedulerConfig
@@ -48,9 +49,17 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     return EngineLoop(engine), eos, max_model_len
 
 
-async def start_backend(cfg: BackendConfig) -> tuple[grpc.aio.Server, EngineLoop]:
+async def serve_backend(cfg: BackendConfig) -> None:
+    """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until stopped."""
     engine_loop, eos, max_model_len = await asyncio.to_thread(build_engine_loop, cfg)
     engine_loop.start()
     server = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len),
                                      cfg.host, cfg.grpc_port)
-    return server, engine_loop
+    http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop), host=cfg.host,
+                                         port=cfg.http_port, log_level="warning", access_log=False))
+    log.info("backend HTTP (status, debug) on %s:%d", cfg.host, cfg.http_port)
+    try:
+        await asyncio.gather(server.wait_for_termination(), http.serve())
+    finally:
+        await server.stop(grace=2)
+        engine_loop.stop()

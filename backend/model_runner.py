@@ -1,4 +1,4 @@
-"""One engine step on the device: scheduled chunks → flat tensors → model forward → logits of sampling rows."""
+"""One engine step on the device: scheduled chunks → flat tensors → model forward → logits of the rows asked."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ class StepTensors:
     input_ids: torch.Tensor   # [T]
     positions: torch.Tensor   # [T]
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [S] one row per chunk that samples, in chunk order
+    logits_rows: torch.Tensor  # [R] flat rows whose logits are computed, in chunk order
 
 
 class ModelRunner:
@@ -37,12 +37,15 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
 
-    def run(self, chunks: Sequence[StepChunk]) -> torch.Tensor:
-        """Logits [S, V] (float32) for the chunks with samples=True, in their order."""
-        t = self.prepare(chunks)
+    def run(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Logits [R, V] (float32) for the requested chunk-relative rows, chunk by chunk in order.
+        By default one row per chunk with samples=True: its last."""
+        if logit_rows is None:
+            logit_rows = [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
+        t = self.prepare(chunks, logit_rows)
         return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows)
 
-    def prepare(self, chunks: Sequence[StepChunk]) -> StepTensors:
+    def prepare(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]]) -> StepTensors:
         bs = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -52,7 +55,7 @@ class ModelRunner:
         decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
-        for chunk in chunks:
+        for chunk, rows in zip(chunks, logit_rows):
             row0, start, n = len(ids), chunk.start, chunk.num_new_tokens
             table = chunk.seq.block_table
             ids.extend(chunk.seq.token_ids[start:start + n])
@@ -66,8 +69,7 @@ class ModelRunner:
                 key_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
                 prefills.append(PrefillSpan(rows=slice(row0, row0 + n),
                                             key_slots=self._tensor(key_slots), start=start))
-            if chunk.samples:
-                logits_rows.append(row0 + n - 1)
+            logits_rows.extend(row0 + r for r in rows)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_rows=None,
                                  decode_key_slots=None, decode_key_mask=None, prefills=prefills)

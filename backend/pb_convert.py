@@ -1,7 +1,7 @@
 """Protobuf ⇄ engine types, at the gRPC edge only: nothing past backend/server.py sees protobuf."""
 from __future__ import annotations
 
-from backend.engine import GenerationRequest, TokenOutput
+from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
 from backend.sampler import SamplingParams
 from backend.sequence import FinishReason, StopConditions
 from kvyard.errors import ErrorCode, RequestError
@@ -50,6 +50,34 @@ def request_from_pb(msg: pb.GenerateInputPB, eos_token_ids: frozenset[int],
                              stop=stop, n=max(1, cfg.num_return_sequences))
 
 
+def score_request_from_pb(msg: pb.ScoreInputPB) -> ScoreRequest:
+    return ScoreRequest(request_id=msg.request_id, prompt_ids=list(msg.prompt_ids),
+                        scored_ids=list(msg.scored_ids), top_logprobs=msg.top_logprobs)
+
+
+def score_result_to_pb(result: ScoreResult) -> pb.ScoreOutputPB:
+    msg = pb.ScoreOutputPB(aux_info=_aux_pb(result.aux))
+    for smp in result.logprobs:
+        lp = msg.logprobs.add(token_id=smp.token_id, logprob=smp.logprob or 0.0)
+        for tok, val in smp.top_logprobs or ():
+            lp.top_logprobs.add(token_id=tok, logprob=val)
+    return msg
+
+
+def worker_status_to_pb(st: WorkerStatus) -> pb.WorkerStatusPB:
+    return pb.WorkerStatusPB(**st.__dict__)
+
+
+def cache_status_to_pb(st: CacheStatus) -> pb.CacheStatusPB:
+    return pb.CacheStatusPB(**st.__dict__)
+
+
+def _aux_pb(a: AuxInfo) -> pb.AuxInfoPB:
+    return pb.AuxInfoPB(input_len=a.input_len, output_len=a.output_len, iter_count=a.iter_count,
+                        reuse_len=a.reuse_len, cost_time_us=a.cost_time_us,
+                        first_token_cost_time_us=a.first_token_cost_time_us, wait_time_us=a.wait_time_us)
+
+
 def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutputsPB:
     msg = pb.GenerateOutputsPB(request_id=request_id)
     for out in outs:
@@ -60,9 +88,5 @@ def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutput
             lp = item.logprobs.add(token_id=out.token_id, logprob=out.sample.logprob)
             for tok, val in out.sample.top_logprobs or ():
                 lp.top_logprobs.add(token_id=tok, logprob=val)
-        a = out.aux
-        item.aux_info.CopyFrom(pb.AuxInfoPB(
-            input_len=a.input_len, output_len=a.output_len, iter_count=a.iter_count,
-            reuse_len=a.reuse_len, cost_time_us=a.cost_time_us,
-            first_token_cost_time_us=a.first_token_cost_time_us, wait_time_us=a.wait_time_us))
+        item.aux_info.CopyFrom(_aux_pb(out.aux))
     return msg

@@ -79,6 +79,7 @@ class Sequence:
         self.num_preemptions: int = 0                   # times it was preempted by recompute
         self.stop: StopConditions = stop                # what ends generation
         self.payload: object = payload                  # opaque to the scheduler (sampling params, stream handle...)
+        self.max_cached_tokens: int | None = None       # cap on prefix-cache hits (scoring needs logits from there on)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.name}, "

@@ -8,7 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from backend.engine_loop import EngineLoop
-from backend.pb_convert import outputs_to_pb, request_from_pb
+from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, request_from_pb, score_request_from_pb,
+                                score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
 from proto import model_rpc_pb2 as pb
@@ -42,6 +43,20 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", request_id)
             raise
+
+    async def ScoreCall(self, request: pb.ScoreInputPB, context: grpc.aio.ServicerContext) -> pb.ScoreOutputPB:
+        try:
+            return score_result_to_pb(await self.engine_loop.score(score_request_from_pb(request)))
+        except RequestError as exc:
+            return pb.ScoreOutputPB(error=error_to_pb(request.request_id, exc).error)
+
+    async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
+                              context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
+        return worker_status_to_pb(self.engine_loop.worker_status())
+
+    async def GetCacheStatus(self, request: pb.CacheStatusRequestPB,
+                             context: grpc.aio.ServicerContext) -> pb.CacheStatusPB:
+        return cache_status_to_pb(self.engine_loop.cache_status(request.since_version))
 
 
 async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int) -> grpc.aio.Server:

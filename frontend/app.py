@@ -8,7 +8,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 
 from frontend.backend_client import BackendClient, TokenLogprob
 from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
@@ -16,23 +18,9 @@ from frontend.config import FrontendConfig
 from frontend.errors import error_body, install_error_handlers, request_error_body
 from frontend.protocol import ChatCompletionRequest
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_json import JsonBodyByDefault
 from kvyard.tokenizer import TextTokenizer
 from renderers import get_renderer
-
-
-class _JsonBodyByDefault:
-    """`curl -d '{...}'` sends a form content type; every body here is JSON, so read it as JSON."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            ctype = dict(scope["headers"]).get(b"content-type", b"")
-            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
 
 
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
@@ -46,7 +34,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
 
     app = FastAPI(title="kvyard frontend", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(_JsonBodyByDefault)
+    app.add_middleware(JsonBodyByDefault)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -99,7 +87,11 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         if "messages" in body:
-            rendered = chat.render(ChatCompletionRequest.model_validate(body))
+            try:
+                req = ChatCompletionRequest.model_validate(body)
+            except ValidationError as exc:  # the same 400 as a route's own body validation
+                raise RequestValidationError(exc.errors()) from exc
+            rendered = chat.render(req)
             return {"token_ids": rendered.input_ids, "prompt": rendered.prompt}
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

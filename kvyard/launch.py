@@ -34,19 +34,10 @@ def parse_role(value: str | None) -> RoleType:
 
 def run_backend(env: Mapping[str, str]) -> None:
     from backend.config import BackendConfig
-    from backend.main import start_backend
+    from backend.main import serve_backend
 
     setup_logging("backend")
-    cfg = BackendConfig.from_env(env)
-
-    async def serve() -> None:
-        server, engine_loop = await start_backend(cfg)
-        try:
-            await server.wait_for_termination()
-        finally:
-            engine_loop.stop()
-
-    asyncio.run(serve())
+    asyncio.run(serve_backend(BackendConfig.from_env(env)))
 
 
 def run_frontend(env: Mapping[str, str]) -> None:

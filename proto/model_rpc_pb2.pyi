@@ -167,3 +167,83 @@ class GenerateOutputsPB(_message.Message):
     generate_outputs: _containers.RepeatedCompositeFieldContainer[GenerateOutputPB]
     error: ErrorDetailsPB
     def __init__(self, request_id: _Optional[str] = ..., generate_outputs: _Optional[_Iterable[_Union[GenerateOutputPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ...) -> None: ...
+
+class ScoreInputPB(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "scored_ids", "top_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORED_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    scored_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., scored_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class ScoreOutputPB(_message.Message):
+    __slots__ = ("logprobs", "error", "aux_info")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    AUX_INFO_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobPB]
+    error: ErrorDetailsPB
+    aux_info: AuxInfoPB
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprobPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ..., aux_info: _Optional[_Union[AuxInfoPB, _Mapping]] = ...) -> None: ...
+
+class WorkerStatusRequestPB(_message.Message):
+    __slots__ = ("latest_version",)
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+
+class WorkerStatusPB(_message.Message):
+    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITERATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    step_latency_ms: float
+    prefill_tokens_per_s: float
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    version: int
+    iterate_count: int
+    alive: bool
+    cache_version: int
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ...) -> None: ...
+
+class CacheStatusRequestPB(_message.Message):
+    __slots__ = ("since_version",)
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    since_version: int
+    def __init__(self, since_version: _Optional[int] = ...) -> None: ...
+
+class CacheStatusPB(_message.Message):
+    __slots__ = ("version", "is_diff", "cached_keys", "added_keys", "removed_keys", "block_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    is_diff: bool
+    cached_keys: _containers.RepeatedScalarFieldContainer[int]
+    added_keys: _containers.RepeatedScalarFieldContainer[int]
+    removed_keys: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, version: _Optional[int] = ..., is_diff: _Optional[bool] = ..., cached_keys: _Optional[_Iterable[int]] = ..., added_keys: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...

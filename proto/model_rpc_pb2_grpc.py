@@ -39,6 +39,21 @@ class ModelRpcServiceStub:
                 request_serializer=proto_dot_model__rpc__pb2.GenerateInputPB.SerializeToString,
                 response_deserializer=proto_dot_model__rpc__pb2.GenerateOutputsPB.FromString,
                 _registered_method=True)
+        self.ScoreCall = channel.unary_unary(
+                '/kvyard.ModelRpcService/ScoreCall',
+                request_serializer=proto_dot_model__rpc__pb2.ScoreInputPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.ScoreOutputPB.FromString,
+                _registered_method=True)
+        self.GetWorkerStatus = channel.unary_unary(
+                '/kvyard.ModelRpcService/GetWorkerStatus',
+                request_serializer=proto_dot_model__rpc__pb2.WorkerStatusRequestPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.WorkerStatusPB.FromString,
+                _registered_method=True)
+        self.GetCacheStatus = channel.unary_unary(
+                '/kvyard.ModelRpcService/GetCacheStatus',
+                request_serializer=proto_dot_model__rpc__pb2.CacheStatusRequestPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.CacheStatusPB.FromString,
+                _registered_method=True)
 
 
 class ModelRpcServiceServicer:
@@ -52,6 +67,27 @@ class ModelRpcServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreCall(self, request, context):
+        """Log-probabilities of given continuation tokens after a prompt (LMTP's SCORE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWorkerStatus(self, request, context):
+        """Load report for the master: queue, running batch, KV room, step latency.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCacheStatus(self, request, context):
+        """The prefix-cache block keys this backend holds, in full or as a diff since a version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRpcServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +95,21 @@ def add_ModelRpcServiceServicer_to_server(servicer, server):
                     servicer.GenerateStreamCall,
                     request_deserializer=proto_dot_model__rpc__pb2.GenerateInputPB.FromString,
                     response_serializer=proto_dot_model__rpc__pb2.GenerateOutputsPB.SerializeToString,
+            ),
+            'ScoreCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreCall,
+                    request_deserializer=proto_dot_model__rpc__pb2.ScoreInputPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.ScoreOutputPB.SerializeToString,
+            ),
+            'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWorkerStatus,
+                    request_deserializer=proto_dot_model__rpc__pb2.WorkerStatusRequestPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.WorkerStatusPB.SerializeToString,
+            ),
+            'GetCacheStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCacheStatus,
+                    request_deserializer=proto_dot_model__rpc__pb2.CacheStatusRequestPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.CacheStatusPB.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +139,87 @@ class ModelRpcService:
             '/kvyard.ModelRpcService/GenerateStreamCall',
             proto_dot_model__rpc__pb2.GenerateInputPB.SerializeToString,
             proto_dot_model__rpc__pb2.GenerateOutputsPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvyard.ModelRpcService/ScoreCall',
+            proto_dot_model__rpc__pb2.ScoreInputPB.SerializeToString,
+            proto_dot_model__rpc__pb2.ScoreOutputPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWorkerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvyard.ModelRpcService/GetWorkerStatus',
+            proto_dot_model__rpc__pb2.WorkerStatusRequestPB.SerializeToString,
+            proto_dot_model__rpc__pb2.WorkerStatusPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCacheStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvyard.ModelRpcService/GetCacheStatus',
+            proto_dot_model__rpc__pb2.CacheStatusRequestPB.SerializeToString,
+            proto_dot_model__rpc__pb2.CacheStatusPB.FromString,
             options,
             channel_credentials,
             insecure,

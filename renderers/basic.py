@@ -25,12 +25,29 @@ def _raise(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
+MAX_TEMPLATE_VALUE = 1_000_000  # characters or items one `*` may build
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """Refuse unsafe attribute access outright: with ChainableUndefined the sandbox's default (an
     undefined value that raises only when used) would print as "" and hide the attempt."""
 
+    # `*` and `**` can build gigantic values from a few characters ('x' * 10**10): bound them.
+    intercepted_binops = frozenset({"*", "**"})
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe.")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise SecurityError("exponent too large in a chat template")
+            return left ** right
+        if isinstance(left, (str, list, tuple)) or isinstance(right, (str, list, tuple)):
+            seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_VALUE:
+                raise SecurityError("value too large in a chat template")
+        return super().call_binop(context, operator, left, right)
 
 
 # Templates may call json.dumps / json.loads; the module itself would expose codecs, re, sys... to them.

@@ -1,0 +1,88 @@
+"""Hand-off types between the gRPC edge, the engine loop and the engine (no protobuf, no torch)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from backend.sampler import Sample, SamplingParams
+from backend.sequence import FinishReason, StopConditions
+
+
+@dataclass
+class GenerationRequest:
+    """A validated generation request as the engine takes it (built from protobuf in pb_convert.py)."""
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopConditions
+    n: int = 1                       # sequences sampled from this prompt
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ScoreRequest:
+    """Log-probabilities of scored_ids after prompt_ids, computed in one prefill."""
+    request_id: str
+    prompt_ids: list[int]
+    scored_ids: list[int]
+    top_logprobs: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    n: int = 1                       # one result, so the engine loop counts it like one sequence
+
+
+@dataclass
+class AuxInfo:
+    input_len: int
+    output_len: int
+    iter_count: int
+    reuse_len: int
+    cost_time_us: int
+    first_token_cost_time_us: int
+    wait_time_us: int
+
+
+@dataclass
+class TokenOutput:
+    """One sequence's new token in one step."""
+    request_id: str
+    index: int                            # which of the request's n sequences
+    token_id: int
+    sample: Sample                        # carries logprobs when asked
+    finish_reason: FinishReason | None
+    aux: AuxInfo
+
+
+@dataclass
+class ScoreResult:
+    """The finished answer to a ScoreRequest: one Sample per scored token, in order."""
+    request_id: str
+    logprobs: list[Sample]
+    aux: AuxInfo
+    finish_reason: FinishReason = FinishReason.STOP
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    role: str
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    step_latency_ms: float
+    prefill_tokens_per_s: float
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    version: int
+    iterate_count: int
+    alive: bool
+    cache_version: int
+
+
+@dataclass(frozen=True)
+class CacheStatus:
+    version: int
+    is_diff: bool
+    cached_keys: list[int]
+    added_keys: list[int]
+    removed_keys: list[int]
+    block_size: int

@@ -1,0 +1,491 @@
+"""A real ROLE_TYPE=FRONTEND process against a scripted gRPC backend (no weights): the OpenAI surface,
+the debugging routes, every bad input answered 4xx with one error shape, backend failures, cancellation."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jinja2
+import openai
+import pytest
+
+from kvyard.tokenizer import TextTokenizer
+from proto import model_rpc_pb2 as pb
+from tests.support.procs import REPO, RoleProcess, free_port_block
+from tests.support.stub_backend import StubBackend, StubServicer
+
+SCRIPT_TEXT = "Hello there, friend!"
+EOS_ID = 2
+MAX_SEQ_LEN = 64
+MODEL = "stub-model"
+HI = [{"role": "user", "content": "Hi"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@dataclass
+class Frontend:
+    url: str
+    proc: RoleProcess
+
+
+@dataclass
+class Stack:
+    url: str                    # the frontend backed by the stub
+    servicer: StubServicer
+    script_ids: list[int]       # what the stub streams, one id per step, <|im_end|> last
+    down: Frontend              # a frontend whose backend address has nothing listening
+
+
+def _wait_answering(proc: RoleProcess, url: str, timeout_s: float = 60.0) -> None:
+    """Until the HTTP server answers at all (a frontend without a backend says 503 on /health)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"frontend exited with {proc.proc.returncode}:\n{proc.log()}")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {timeout_s} s:\n{proc.log()}")
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    base = free_port_block(4)
+    stub_port, port, down_port, dead_port = base, base + 1, base + 2, base + 3
+    script_ids = [*tokenizer.encode(SCRIPT_TEXT), EOS_ID]
+    servicer = StubServicer(lambda _req: [[i] for i in script_ids])
+    stub = StubBackend(servicer, stub_port)
+    logs = tmp_path_factory.mktemp("frontend_role")
+    common = {"ROLE_TYPE": "FRONTEND", "MAX_SEQ_LEN": str(MAX_SEQ_LEN), "MODEL_NAME": MODEL}
+    procs: list[RoleProcess] = []
+    try:
+        stub.start()
+        # Both frontends start together: most of their start-up is imports and the tokenizer.
+        procs.append(RoleProcess({**common, "START_PORT": str(port),
+                                  "BACKEND_ADDRESS": f"127.0.0.1:{stub_port}"}, logs / "frontend.log"))
+        procs.append(RoleProcess({**common, "START_PORT": str(down_port),
+                                  "BACKEND_ADDRESS": f"127.0.0.1:{dead_port}"}, logs / "down.log"))
+        url, down_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{down_port}"
+        procs[0].wait_healthy(f"{url}/health", timeout_s=60)
+        _wait_answering(procs[1], f"{down_url}/health")
+        yield Stack(url, servicer, script_ids, Frontend(down_url, procs[1]))
+    finally:
+        for p in procs:
+            p.stop()
+        stub.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def http(stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.url, timeout=10) as c:
+        yield c
+
+
+@contextmanager
+def reconfigured(servicer: StubServicer, **attrs: Any) -> Iterator[None]:
+    """Change the stub's behaviour for one test (it reads its attributes on every call)."""
+    old = {k: getattr(servicer, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(servicer, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(servicer, k, v)
+
+
+def sse_data(text: str) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == ERROR_KEYS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert isinstance(body["error"]["type"], str) and body["error"]["type"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def render(http: httpx.Client, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    resp = http.post("/v1/chat/render", json={"messages": messages})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+# ---- the OpenAI surface -------------------------------------------------------------------------
+
+def test_non_stream_answer_and_usage(client: openai.OpenAI, http: httpx.Client, stack: Stack) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=HI)
+    choice = resp.choices[0]
+    assert choice.message.content == SCRIPT_TEXT
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert resp.model == MODEL
+    assert resp.object == "chat.completion"
+    n_prompt = len(render(http, HI)["input_ids"])
+    assert resp.usage.prompt_tokens == n_prompt
+    assert resp.usage.completion_tokens == len(stack.script_ids)
+    assert resp.usage.total_tokens == n_prompt + len(stack.script_ids)
+
+
+def test_model_may_be_omitted(http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/completions", json={"messages": HI})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == SCRIPT_TEXT
+
+
+def test_stream_with_openai_client(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == SCRIPT_TEXT
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stream_raw_sse(http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "stream": True})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    data = sse_data(resp.text)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == SCRIPT_TEXT
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count("stop") == 1
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
+
+
+def test_stream_include_usage(client: openai.OpenAI, http: httpx.Client, stack: Stack) -> None:
+    n_prompt = len(render(http, HI)["input_ids"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert chunks[-1].usage.completion_tokens == len(stack.script_ids)
+    assert chunks[-1].usage.total_tokens == n_prompt + len(stack.script_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    # On the wire: `"usage": null` on every other chunk, then the usage chunk, then [DONE].
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+    data = sse_data(resp.text)
+    assert data[-1] == "[DONE]"
+    raw = [json.loads(d) for d in data[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in raw[:-1])
+    assert raw[-1]["choices"] == [] and raw[-1]["usage"]["completion_tokens"] == len(stack.script_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_text(client: openai.OpenAI, stream: bool) -> None:
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stop=["there"], stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        resp = client.chat.completions.create(model=MODEL, messages=HI, stop=["there"])
+        text, finishes = resp.choices[0].message.content, [resp.choices[0].finish_reason]
+    assert text == "Hello "
+    assert finishes == ["stop"]
+
+
+def test_stop_as_a_single_string(http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "stop": ", fr"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "Hello there"
+
+
+def test_request_the_backend_received(client: openai.OpenAI, http: httpx.Client, stack: Stack) -> None:
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"}]
+    input_ids = render(http, messages)["input_ids"]
+    client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    req = stack.servicer.requests[-1]
+    assert list(req.token_ids) == input_ids
+    assert req.generate_config.max_new_tokens == MAX_SEQ_LEN - len(input_ids)
+    assert req.generate_config.temperature == 0.0
+    assert req.request_id.startswith("chatcmpl-")
+
+    client.chat.completions.create(model=MODEL, messages=messages, temperature=0.5, max_tokens=5, seed=7)
+    cfg = stack.servicer.requests[-1].generate_config
+    assert cfg.max_new_tokens == 5
+    assert cfg.temperature == pytest.approx(0.5)
+    assert cfg.seed == 7
+
+
+def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert body["data"][0]["max_model_len"] == MAX_SEQ_LEN
+
+
+def test_health(http: httpx.Client) -> None:
+    resp = http.get("/health")
+    assert resp.status_code == 200
+    assert resp.text == "ok"
+
+
+def test_tokenizer_encode(http: httpx.Client, tokenizer: TextTokenizer) -> None:
+    prompt = SCRIPT_TEXT + "<|im_end|>"
+    resp = http.post("/tokenizer/encode", json={"prompt": prompt, "return_offsets_mapping": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["token_ids"] == tokenizer.encode(prompt, parse_special=True)
+    assert body["token_ids"][-1] == EOS_ID
+    assert body["tokens"] == [tokenizer.id_to_piece(i) for i in body["token_ids"]]
+    offsets = body["offset_mapping"]
+    assert len(offsets) == len(body["token_ids"])
+    assert "".join(prompt[s:e] for s, e in offsets) == prompt
+    assert offsets[0] == [0, len("Hello")]
+    plain = http.post("/tokenizer/encode", json={"prompt": prompt, "parse_special": False}).json()
+    assert EOS_ID not in plain["token_ids"]
+    assert "offset_mapping" not in plain
+
+
+def test_tokenize_prompt_and_messages(http: httpx.Client, tokenizer: TextTokenizer) -> None:
+    body = http.post("/tokenize", json={"prompt": SCRIPT_TEXT}).json()
+    assert body["token_ids"] == tokenizer.encode(SCRIPT_TEXT)
+    body = http.post("/tokenize", json={"messages": HI}).json()
+    rendered = render(http, HI)
+    assert body["token_ids"] == rendered["input_ids"]
+    assert body["prompt"] == rendered["input_prompt"]
+
+
+def test_render_equals_template(http: httpx.Client, tokenizer: TextTokenizer) -> None:
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U 日本"},
+                {"role": "assistant", "content": "A"}, {"role": "user", "content": [{"type": "text", "text": "V"}]}]
+    body = render(http, messages)
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "V"} for m in messages]
+    expected = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
+        tokenizer.chat_template or "").render(messages=flat, add_generation_prompt=True)
+    assert body["input_prompt"] == expected
+    assert body["input_ids"] == tokenizer.encode(expected, parse_special=True)
+    assert body["max_seq_len"] == MAX_SEQ_LEN
+    assert body["eos_token_id"] == EOS_ID
+    assert body["renderer_info"]["template_source"] == "model"
+
+
+def test_render_user_template_ssti_is_400(http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/render", json={"messages": HI,
+                                              "user_template": "{{ cycler.__init__.__globals__ }}"})
+    assert_error(resp, 400, "invalid_argument")
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "user_template": "{{ messages.__class__ }}"})
+    assert_error(resp, 400, "invalid_argument")
+
+
+# ---- bad input: always 4xx with one error shape, never 422 or 500 -------------------------------
+
+LONG = [{"role": "user", "content": "word " * 200}]
+
+BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
+    # id, path, body (bytes = raw), status, code
+    ("malformed-json", "/v1/chat/completions", b'{"messages": [', 400, None),
+    ("not-json", "/v1/chat/completions", b"hello", 400, None),
+    ("json-array", "/v1/chat/completions", [1, 2], 400, None),
+    ("no-messages", "/v1/chat/completions", {"model": MODEL}, 400, None),
+    ("messages-string", "/v1/chat/completions", {"messages": "hi"}, 400, None),
+    ("temperature-hot", "/v1/chat/completions", {"messages": HI, "temperature": "hot"}, 400, None),
+    ("temperature-big", "/v1/chat/completions", {"messages": HI, "temperature": 9}, 400, None),
+    ("empty-messages", "/v1/chat/completions", {"messages": []}, 400, None),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("max-tokens-0", "/v1/chat/completions", {"messages": HI, "max_tokens": 0}, 400, "invalid_argument"),
+    ("max-tokens-neg", "/v1/chat/completions", {"messages": HI, "max_tokens": -1}, 400, "invalid_argument"),
+    ("max-completion-0", "/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
+     "invalid_argument"),
+    ("max-tokens-str", "/v1/chat/completions", {"messages": HI, "max_tokens": "many"}, 400, None),
+    ("empty-stop", "/v1/chat/completions", {"messages": HI, "stop": [""]}, 400, None),
+    ("n-0", "/v1/chat/completions", {"messages": HI, "n": 0}, 400, None),
+    ("logit-bias-key", "/v1/chat/completions", {"messages": HI, "logit_bias": {"x": 1}}, 400, "invalid_argument"),
+    ("logit-bias-id", "/v1/chat/completions", {"messages": HI, "logit_bias": {"99999999": 1}}, 400,
+     "invalid_argument"),
+    ("template-key-and-user-template", "/v1/chat/completions",
+     {"messages": HI, "template_key": "default", "user_template": "{{ messages }}"}, 400, "invalid_argument"),
+    ("bad-user-template", "/v1/chat/completions", {"messages": HI, "user_template": "{% for %}"}, 400,
+     "invalid_argument"),
+    ("prompt-too-long", "/v1/chat/completions", {"messages": LONG}, 400, "context_length_exceeded"),
+    ("prompt-too-long-stream", "/v1/chat/completions", {"messages": LONG, "stream": True}, 400,
+     "context_length_exceeded"),
+    ("unknown-model", "/v1/chat/completions", {"model": "gpt-9", "messages": HI}, 404, "model_not_found"),
+    ("unknown-model-stream", "/v1/chat/completions", {"model": "gpt-9", "messages": HI, "stream": True}, 404,
+     "model_not_found"),
+    ("render-empty", "/v1/chat/render", {"messages": []}, 400, None),
+    ("render-malformed", "/v1/chat/render", b"{", 400, None),
+    ("encode-no-prompt", "/tokenizer/encode", {"text": "x"}, 400, "invalid_argument"),
+    ("encode-malformed", "/tokenizer/encode", b"[", 400, None),
+    ("tokenize-no-prompt", "/tokenize", {"prompt": 3}, 400, "invalid_argument"),
+    ("tokenize-bad-messages", "/tokenize", {"messages": "hi"}, 400, None),
+    ("unknown-route", "/v1/nope", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code"), [b[1:] for b in BAD_INPUTS],
+                         ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(http: httpx.Client, path: str, body: Any, status: int, code: str | None) -> None:
+    if isinstance(body, bytes):
+        resp = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = http.post(path, json=body)
+    assert resp.status_code not in (422, 500), resp.text
+    assert_error(resp, status, code)
+
+
+def test_bad_input_without_content_type(http: httpx.Client) -> None:
+    # curl -d sends a form content type; the body is still read (and refused) as JSON.
+    resp = http.post("/v1/chat/completions", content=b'{"messages": "hi"}',
+                     headers={"content-type": "application/x-www-form-urlencoded"})
+    assert_error(resp, 400)
+
+
+def test_wrong_method(http: httpx.Client) -> None:
+    resp = http.get("/v1/chat/completions")
+    assert resp.status_code == 405
+    assert_error(resp, 405)
+
+
+def test_max_tokens_beyond_context_names_the_numbers(http: httpx.Client) -> None:
+    n_prompt = len(render(http, HI)["input_ids"])
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1000})
+    err = assert_error(resp, 400, "context_length_exceeded")
+    for number in (MAX_SEQ_LEN, n_prompt, 1000, n_prompt + 1000):
+        assert str(number) in err["message"]
+    assert err["param"] == "max_tokens"
+    # Exactly filling the context is fine.
+    ok = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": MAX_SEQ_LEN - n_prompt})
+    assert ok.status_code == 200, ok.text
+    over = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": MAX_SEQ_LEN - n_prompt + 1})
+    assert_error(over, 400, "context_length_exceeded")
+
+
+def test_prompt_beyond_context_names_the_numbers(http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/completions", json={"messages": LONG})
+    err = assert_error(resp, 400, "context_length_exceeded")
+    assert str(MAX_SEQ_LEN) in err["message"]
+    assert err["param"] == "messages"
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1000)
+    assert bad.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=HI)
+
+
+# ---- backend failures ---------------------------------------------------------------------------
+
+BACKEND_ERROR = pb.ErrorDetailsPB(code=pb.INVALID_ARGUMENT, message="token id 99 is not allowed here")
+
+
+def test_backend_error_non_stream(http: httpx.Client, stack: Stack) -> None:
+    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+        resp = http.post("/v1/chat/completions", json={"messages": HI})
+    err = assert_error(resp, 400, "invalid_argument")
+    assert err["message"] == BACKEND_ERROR.message
+
+
+def test_backend_error_stream(http: httpx.Client, stack: Stack) -> None:
+    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+        resp = http.post("/v1/chat/completions", json={"messages": HI, "stream": True})
+    assert resp.status_code == 200  # the headers went out before the backend answered
+    data = sse_data(resp.text)
+    assert data[-1] == "[DONE]"
+    body = json.loads(data[-2])
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS
+    assert body["error"]["code"] == "invalid_argument"
+    assert body["error"]["message"] == BACKEND_ERROR.message
+    assert all("error" not in json.loads(d) for d in data[:-2])
+
+
+def test_backend_error_stream_with_openai_client(client: openai.OpenAI, stack: Stack) -> None:
+    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+        with pytest.raises(openai.APIError, match="token id 99"):
+            list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
+
+
+def test_backend_down(stack: Stack) -> None:
+    down = stack.down.url
+    with httpx.Client(base_url=down, timeout=10) as c:
+        start = time.monotonic()
+        health = c.get("/health")
+        assert health.status_code == 503
+        assert_error(health, 503)
+        resp = c.post("/v1/chat/completions", json={"messages": HI})
+        assert_error(resp, 503, "unavailable")
+        assert resp.headers.get("retry-after") == "1"
+        stream = c.post("/v1/chat/completions", json={"messages": HI, "stream": True})
+        data = sse_data(stream.text)
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == "unavailable"
+        assert time.monotonic() - start < 8
+        # Everything that needs no backend still works.
+        assert c.post("/v1/chat/render", json={"messages": HI}).status_code == 200
+        assert c.get("/v1/models").status_code == 200
+    client = openai.OpenAI(base_url=f"{down}/v1", api_key="x", max_retries=0, timeout=5)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model=MODEL, messages=HI)
+    assert exc.value.status_code == 503
+
+
+def test_client_disconnect_cancels_backend_call(stack: Stack) -> None:
+    steps = [[t] for t in (stack.script_ids[:-1] * 50)[:50]]
+    servicer = stack.servicer
+    with reconfigured(servicer, script=lambda _req: steps, delay_s=0.2):
+        time.sleep(0.3)  # let any earlier call's late cancellation land before the baseline
+        before, n_requests = servicer.cancelled, len(servicer.requests)
+        with httpx.Client(base_url=stack.url, timeout=10) as c:
+            with c.stream("POST", "/v1/chat/completions", json={"messages": HI, "stream": True}) as resp:
+                assert resp.status_code == 200
+                seen = 0
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                        if seen == 2:
+                            break
+        closed = time.monotonic()
+        while servicer.cancelled == before and time.monotonic() - closed < 3:
+            time.sleep(0.05)
+        assert servicer.cancelled == before + 1, "backend call not cancelled within 3 s"
+        assert len(servicer.requests) == n_requests + 1
+    # The frontend is still fine afterwards.
+    with httpx.Client(base_url=stack.url, timeout=10) as c:
+        assert c.post("/v1/chat/completions", json={"messages": HI}).json()["choices"][0]["message"][
+            "content"] == SCRIPT_TEXT
+
+
+# ---- the launcher refuses bad configuration before starting anything -----------------------------
+
+@pytest.mark.parametrize("env", [{"ROLE_TYPE": "NOPE"}, {"CHECKPOINT_PATH": "/does/not/exist"},
+                                 {"ROLE_TYPE": "FRONTEND", "CHECKPOINT_PATH": "/does/not/exist"}],
+                         ids=["role", "checkpoint", "frontend-checkpoint"])
+def test_launcher_bad_config_exits_2(env: dict[str, str]) -> None:
+    full = {k: v for k, v in os.environ.items() if k not in ("ROLE_TYPE", "CHECKPOINT_PATH", "TOKENIZER_PATH")}
+    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "kvyard"], env={**full, **env}, cwd=Path(REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvyard: error:")
+    assert ("NOPE" if env.get("ROLE_TYPE") == "NOPE" else "/does/not/exist") in lines[0]
