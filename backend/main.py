@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import torch
 import uvicorn
@@ -15,7 +16,7 @@ from backend.http_server import create_backend_http_app
 from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
 from backend.scheduler import Scheduler, SchedulerConfig
-from backend.server import ModelRpcServicer, start_grpc_server
+from backend.server import ModelRpcServicer, set_serving, start_grpc_server, watch_engine
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.tokenizer import TextTokenizer
@@ -49,17 +50,30 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     return EngineLoop(engine), eos, max_model_len
 
 
-async def serve_backend(cfg: BackendConfig) -> None:
-    """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until stopped."""
+async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None:
+    """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
+    turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
     engine_loop, eos, max_model_len = await asyncio.to_thread(build_engine_loop, cfg)
     engine_loop.start()
-    server = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len),
-                                     cfg.host, cfg.grpc_port)
+    server, health_servicer = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len),
+                                                      cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop), host=cfg.host,
                                          port=cfg.http_port, log_level="warning", access_log=False))
+    http.install_signal_handlers = lambda: None  # this function owns the signals
     log.info("backend HTTP (status, debug) on %s:%d", cfg.host, cfg.http_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(http.serve()), asyncio.create_task(watch_engine(engine_loop, health_servicer))]
     try:
-        await asyncio.gather(server.wait_for_termination(), http.serve())
+        await stop.wait()
+        log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", drain_grace_s)
+        await set_serving(health_servicer, False)
+        await server.stop(grace=drain_grace_s)
     finally:
-        await server.stop(grace=2)
+        http.should_exit = True
+        for task in tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         engine_loop.stop()

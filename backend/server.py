@@ -59,7 +59,8 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         return cache_status_to_pb(self.engine_loop.cache_status(request.since_version))
 
 
-async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int) -> grpc.aio.Server:
+async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int
+                            ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", 256 * 1024 * 1024),
         ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -71,7 +72,23 @@ async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int) ->
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind the backend gRPC port {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, True)
     log.info("backend gRPC serving on %s:%d", host, port)
-    return server
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
+
+
+async def watch_engine(engine_loop: EngineLoop, health_servicer: health.aio.HealthServicer) -> None:
+    """Health follows the engine thread: a dead engine must not look healthy to anyone."""
+    serving = True
+    while True:
+        await asyncio.sleep(0.5)
+        if engine_loop.alive != serving:
+            serving = engine_loop.alive
+            log.error("engine thread is %s", "running again" if serving else "DEAD: health is NOT_SERVING")
+            await set_serving(health_servicer, serving)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def make_engine(model_f32: LlamaModel, model_config: ModelConfig) -> EngineFacto
 
 @dataclass
 class _Chunk:
-    """A whole-prompt prefill chunk in the shape ModelRunner.prepare reads."""
+    """A whole-prompt prefill chunk in the shape ModelRunner reads (backend.model_runner.StepChunk)."""
     seq: _Seq
     start: int
     num_new_tokens: int
@@ -110,10 +111,44 @@ def full_logits(model: LlamaModel, config: ModelConfig, token_ids: Sequence[int]
     num_blocks = -(-len(token_ids) // block_size)
     cache = KVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
                     model.dtype, model.device)
-    runner = ModelRunner(model, cache)
-    t = runner.prepare([_Chunk(_Seq(list(token_ids), list(range(num_blocks))), 0, len(token_ids))])
-    rows = torch.arange(len(token_ids), device=model.device)
-    return model.forward(t.input_ids, t.positions, cache, t.meta, rows)
+    n = len(token_ids)
+    chunk = _Chunk(_Seq(list(token_ids), list(range(num_blocks))), 0, n)
+    return ModelRunner(model, cache).run([chunk], [list(range(n))])
+
+
+class LogitsRecorder:
+    """Wraps engine.runner.run and keeps, per request id, the logits of every sampling row in step order
+    (the row the sampler picked each token from)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.by_request: dict[str, list[torch.Tensor]] = {}
+        self._run = engine.runner.run
+
+        def run(chunks: Sequence[Any], logit_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+            logits = self._run(chunks, logit_rows)
+            rows = logit_rows if logit_rows is not None else \
+                [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
+            i = 0
+            for chunk, chunk_rows in zip(chunks, rows):
+                if chunk.samples:
+                    assert chunk_rows and chunk_rows[-1] == chunk.num_new_tokens - 1
+                    self.by_request.setdefault(chunk.seq.request_id, []).append(
+                        logits[i + len(chunk_rows) - 1].clone())
+                i += len(chunk_rows)
+            assert i == logits.shape[0]
+            return logits
+
+        engine.runner.run = run  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self.engine.runner.run = self._run  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def record_logits() -> Callable[[Engine], LogitsRecorder]:
+    """record_logits(engine) → a LogitsRecorder installed on that engine's runner."""
+    return LogitsRecorder
 
 
 @pytest.fixture(scope="session")

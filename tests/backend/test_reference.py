@@ -56,29 +56,19 @@ def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int],
     return tokens, step_logits
 
 
-def engine_greedy(engine: Engine, ids: Sequence[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+def engine_greedy(engine: Engine, record_logits: Callable[[Engine], Any], ids: Sequence[int],
+                  steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens through the Engine (paged KV, chunked prefill per its budget) and their logits."""
-    captured: list[torch.Tensor] = []
-    run = engine.runner.run
-
-    def recording_run(chunks: Any) -> torch.Tensor:
-        logits = run(chunks)
-        assert logits.shape[0] <= 1  # one request in flight: at most one sampling row per step
-        if logits.shape[0]:
-            captured.append(logits[0].clone())
-        return logits
-
-    engine.runner.run = recording_run  # type: ignore[method-assign]
+    recorder = record_logits(engine)
     req = GenerationRequest("ref", list(ids), SamplingParams(),
                             StopConditions(max_new_tokens=steps, ignore_eos=True))
     engine.validate(req)
     engine.add(req)
     tokens: list[int] = []
     while engine.has_work:
-        outs = engine.step()
-        tokens.extend(o.token_id for o in outs)
-    engine.runner.run = run  # type: ignore[method-assign]
-    return tokens, captured
+        tokens.extend(o.token_id for o in engine.step())
+    recorder.close()
+    return tokens, recorder.by_request["ref"]
 
 
 @pytest.fixture(scope="module")
@@ -113,25 +103,27 @@ def test_logits_match_transformers_every_position(
 
 
 def test_chunked_prefill_last_logits_match_transformers(
-        hf_model: Any, make_engine: Callable[..., Engine], prompts: dict[str, list[int]]) -> None:
+        hf_model: Any, make_engine: Callable[..., Engine], record_logits: Callable[[Engine], Any],
+        prompts: dict[str, list[int]]) -> None:
     """Through the Engine with 40-token prefill chunks: the 180-token prompt takes 5 steps over paged
     KV (block size 16), so chunks start mid-block and attend to keys cached by earlier steps."""
     for name in ("prose_180", "chat"):
         ids = prompts[name]
         engine = make_engine(num_blocks=32, block_size=16, max_num_batched_tokens=48,
                              long_prefill_token_threshold=40)
-        _, captured = engine_greedy(engine, ids, steps=1)
+        _, captured = engine_greedy(engine, record_logits, ids, steps=1)
         diff = max_diff(captured[0], hf_logits(hf_model, ids)[-1])
         assert diff <= ATOL, f"{name}: max |logit diff| {diff:.2e} > {ATOL}"
 
 
 @pytest.mark.parametrize("name", ["chat", "prose_64"])
 def test_greedy_decode_matches_transformers(
-        hf_model: Any, make_engine: Callable[..., Engine], prompts: dict[str, list[int]], name: str) -> None:
+        hf_model: Any, make_engine: Callable[..., Engine], record_logits: Callable[[Engine], Any],
+        prompts: dict[str, list[int]], name: str) -> None:
     ids = prompts[name]
     theirs, their_logits = hf_greedy(hf_model, ids, GREEDY_STEPS)
     engine = make_engine(num_blocks=16, block_size=16)
-    ours, our_logits = engine_greedy(engine, ids, GREEDY_STEPS)
+    ours, our_logits = engine_greedy(engine, record_logits, ids, GREEDY_STEPS)
     assert len(our_logits) == GREEDY_STEPS
     for step, (a, b) in enumerate(zip(our_logits, their_logits)):
         if ours[:step] != theirs[:step]:
