@@ -5,7 +5,7 @@ KVCache and Scheduler, which are cheap. The session `tokenizer` fixture comes fr
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,23 @@ from kvyard.tokenizer import TextTokenizer
 
 CPU = torch.device("cpu")
 
-# The SmolLM2 ChatML template, rendered by hand: the system prompt is the template's default.
-CHAT_FRANCE = (
+# The SmolLM2 ChatML template rendered by hand for one user turn (the template's default system prompt).
+CHAT_TEMPLATE = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    "<|im_start|>user\n{question}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread while backend tests run. On this 2-core box the servers other tests start
+    (and anything else running) share the cores; a 2-thread OpenMP team then stalls on its barriers
+    and a 60 ms decode step can take 600 ms, while one thread stays steady. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +66,17 @@ def model_f32(model_config: ModelConfig, weights_f32: dict[str, torch.Tensor]) -
 
 
 @pytest.fixture(scope="session")
-def france_prompt_ids(tokenizer: TextTokenizer) -> list[int]:
-    return tokenizer.encode(CHAT_FRANCE, parse_special=True)
+def chat_ids(tokenizer: TextTokenizer) -> Callable[[str], list[int]]:
+    """chat_ids(question) → the token ids of the chat prompt asking it, ready for the assistant's answer."""
+    def encode(question: str) -> list[int]:
+        return tokenizer.encode(CHAT_TEMPLATE.format(question=question), parse_special=True)
+    return encode
+
+
+@pytest.fixture(scope="session")
+def france_prompt_ids(chat_ids: Callable[[str], list[int]]) -> list[int]:
+    """Greedy answer: "The capital of France is Paris." then eos."""
+    return chat_ids("What is the capital of France?")
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +99,13 @@ def build_engine(model: LlamaModel, config: ModelConfig, *, num_blocks: int = 25
                                           long_prefill_token_threshold=long_prefill_token_threshold))
     return Engine(ModelRunner(model, cache), scheduler, config.vocab_size,
                   max_model_len or config.max_position_embeddings)
+
+
+@pytest.fixture(scope="session")
+def engine_builder() -> Callable[..., Engine]:
+    """engine_builder(model, config, **make_engine's options) → an Engine around any model
+    (e.g. bfloat16 on CUDA); the KV cache takes the model's dtype and device."""
+    return build_engine
 
 
 @pytest.fixture(scope="session")

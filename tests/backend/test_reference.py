@@ -77,7 +77,7 @@ def prompts(tokenizer: TextTokenizer, france_prompt_ids: list[int], long_text_id
         "chat": france_prompt_ids,
         "tiny": tokenizer.encode("Once upon a time"),
         "digits": tokenizer.encode("In 1969, 3 astronauts flew 384400 km; 2 + 2 = 4 and 12 * 12 = 144."),
-        "prose_64": long_text_ids[10:74],
+        "prose_64": long_text_ids[30:94],
         "prose_180": long_text_ids[200:380],
     }
     assert len(out["tiny"]) <= 5 and len(out["prose_180"]) > 100
