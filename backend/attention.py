@@ -11,7 +11,8 @@ import torch.nn.functional as F
 class PrefillSpan:
     """One sequence's chunk of query rows that is longer than a single token."""
     rows: slice                 # its rows in the flat batch
-    key_slots: torch.Tensor     # [K] cache slots of every key it sees (cached prefix + this chunk)
+    key_blocks: torch.Tensor    # [nblk] KV blocks holding every key it sees (cached prefix + this chunk)
+    num_keys: int               # keys it sees: start + chunk length
     start: int                  # position of its first query row (== number of keys before the chunk)
 
 
@@ -20,8 +21,8 @@ class AttentionMetadata:
     """Built once per step by the model runner and shared by every layer."""
     slot_mapping: torch.Tensor          # [T] where each new token's K/V is written
     decode_rows: torch.Tensor | None    # [B] rows that are single-token queries (decodes)
-    decode_key_slots: torch.Tensor | None  # [B, Kmax] slots each decode row reads (padded with 0)
-    decode_key_mask: torch.Tensor | None   # [B, 1, 1, Kmax] True where the slot is a real key
+    decode_blocks: torch.Tensor | None  # [B, nblk] KV blocks each decode row reads (padded with 0)
+    decode_key_mask: torch.Tensor | None   # [B, 1, 1, nblk * block_size] True where a key is real
     prefills: list[PrefillSpan]
 
 
@@ -41,6 +42,14 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [S, Hkv, d] slots; blocks: [...] block ids → [..., len * block_size, Hkv, d].
+    Whole blocks are contiguous rows, so one index_select moves them at memcpy speed."""
+    hkv, d = cache.shape[1], cache.shape[2]
+    rows = cache.view(-1, block_size * hkv * d).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
+
+
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, H, d]; k, v: [T, Hkv, d] for this step's tokens → out [T, H, d]."""
@@ -50,17 +59,20 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     out = torch.empty_like(q)
 
     if meta.decode_rows is not None:
-        assert meta.decode_key_slots is not None and meta.decode_key_mask is not None
-        qd = q[meta.decode_rows].unsqueeze(2)                     # [B, H, 1, d]
-        kd = k_cache[meta.decode_key_slots].transpose(1, 2)        # [B, Hkv, Kmax, d]
-        vd = v_cache[meta.decode_key_slots].transpose(1, 2)
+        assert meta.decode_blocks is not None and meta.decode_key_mask is not None
+        bs = cache.block_size
+        qd = q[meta.decode_rows].unsqueeze(2)                                   # [B, H, 1, d]
+        kd = _gather_blocks(k_cache, meta.decode_blocks, bs).transpose(1, 2)     # [B, Hkv, Kmax, d]
+        vd = _gather_blocks(v_cache, meta.decode_blocks, bs).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
 
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
-        kp = k_cache[span.key_slots].transpose(0, 1).unsqueeze(0)           # [1, Hkv, K, d]
-        vp = v_cache[span.key_slots].transpose(0, 1).unsqueeze(0)
+        kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size)[:span.num_keys]
+        vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size)[:span.num_keys]
+        kp = kp.transpose(0, 1).unsqueeze(0)                                # [1, Hkv, K, d]
+        vp = vp.transpose(0, 1).unsqueeze(0)
         n_q, n_k = qp.shape[2], kp.shape[2]
         if span.start == 0:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)

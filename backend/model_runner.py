@@ -66,23 +66,22 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                key_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
-                prefills.append(PrefillSpan(rows=slice(row0, row0 + n),
-                                            key_slots=self._tensor(key_slots), start=start))
+                used = (start + n + bs - 1) // bs
+                prefills.append(PrefillSpan(rows=slice(row0, row0 + n), key_blocks=self._tensor(list(table[:used])),
+                                            num_keys=start + n, start=start))
             logits_rows.extend(row0 + r for r in rows)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_rows=None,
-                                 decode_key_slots=None, decode_key_mask=None, prefills=prefills)
+                                 decode_blocks=None, decode_key_mask=None, prefills=prefills)
         if decode_rows:
             max_blocks = max((n + bs - 1) // bs for n in decode_lens)
             table = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
             for r, (tbl, n) in enumerate(zip(decode_tables, decode_lens)):
                 used = (n + bs - 1) // bs
                 table[r, :used] = torch.tensor(tbl[:used], dtype=torch.long)
-            key_slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(decode_rows), -1)
             mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(decode_lens)[:, None]
             meta.decode_rows = self._tensor(decode_rows)
-            meta.decode_key_slots = key_slots.to(self.device)
+            meta.decode_blocks = table.to(self.device)
             meta.decode_key_mask = mask[:, None, None, :].to(self.device)
         return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows))
 
