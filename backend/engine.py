@@ -44,6 +44,9 @@ class Engine:
         self.role = role
         self.lock = threading.Lock()
         self.iterations = 0
+        # n > 1: siblings wait here until the first sequence has computed (and cached) the prompt,
+        # then join with a prefix-cache hit instead of computing the same prompt n times.
+        self._siblings: dict[str, list[Sequence]] = {}
         self.step_latency_ms = 0.0
         self.prefill_tokens_per_s = 0.0
 
@@ -105,16 +108,18 @@ class Engine:
             seqs.append(Sequence(req.request_id, req.prompt_ids, req.stop, payload=state,
                                  arrival_time=req.arrival_time))
         with self.lock:
-            for seq in seqs:
-                self.scheduler.add(seq)
+            self.scheduler.add(seqs[0])
+            if len(seqs) > 1:
+                self._siblings[req.request_id] = seqs[1:]
 
     def abort(self, request_id: str) -> None:
         with self.lock:
+            self._siblings.pop(request_id, None)
             self.scheduler.abort(request_id)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._siblings)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -147,6 +152,10 @@ class Engine:
         with self.lock:
             results = self.scheduler.update_from_output(
                 batch, {seq_id: smp.token_id for seq_id, smp in sampled.items()})
+            for seq, token, _ in results:
+                if token is not None and seq.request_id in self._siblings:
+                    for sibling in self._siblings.pop(seq.request_id):
+                        self.scheduler.add(sibling)
             self._measure(batch.num_batched_tokens - len(batch.scheduled), time.monotonic() - t0)
         now = time.monotonic()
         outputs: list[TokenOutput | ScoreResult] = []

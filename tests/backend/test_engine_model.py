@@ -229,6 +229,29 @@ def test_aux_reports_prefix_reuse(make_engine: EngineFactory, long_text_ids: lis
     assert last.iter_count == 3 and second[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_n_sequences_share_the_prompt_blocks(make_engine: EngineFactory, long_text_ids: list[int]) -> None:
+    """n > 1: the siblings reuse the first sequence's prompt blocks instead of recomputing them."""
+    prompt = long_text_ids[200:270]  # 70 tokens: 4 full blocks
+    engine = make_engine(num_blocks=32)
+    req = request("fan", prompt, max_new_tokens=4)
+    req.n = 3
+    engine.validate(req)
+    engine.add(req)
+    by_index: dict[int, list[TokenOutput]] = {}
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        for o in engine.step():
+            by_index.setdefault(o.index, []).append(o)
+    assert sorted(by_index) == [0, 1, 2]
+    assert by_index[0][-1].aux.reuse_len == 0
+    assert by_index[1][-1].aux.reuse_len == 64 and by_index[2][-1].aux.reuse_len == 64
+    tokens = [[o.token_id for o in by_index[i]] for i in range(3)]
+    assert tokens[0] == tokens[1] == tokens[2]  # greedy: siblings agree
+    assert [sum(o.finish_reason is not None for o in by_index[i]) for i in range(3)] == [1, 1, 1]
+    assert engine.scheduler.block_pool.num_free_blocks == engine.scheduler.block_pool.num_total_blocks
+
+
 # ---- 6. validation --------------------------------------------------------------------------------
 
 def test_validate_rejects_bad_input(make_engine: EngineFactory, model_config: Any) -> None:
