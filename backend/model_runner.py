@@ -24,6 +24,22 @@ class StepChunk(Protocol):
 
 
 @dataclass
+class DirectSeq:
+    """A bare sequence for callers that drive the runner without a scheduler (benchmarks, tests)."""
+    token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass
+class DirectChunk:
+    """A StepChunk built by hand: compute seq.token_ids[start:start + num_new_tokens]."""
+    seq: DirectSeq
+    start: int
+    num_new_tokens: int
+    samples: bool = True
+
+
+@dataclass
 class StepTensors:
     input_ids: torch.Tensor   # [T]
     positions: torch.Tensor   # [T]

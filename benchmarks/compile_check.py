@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,24 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.attention import KVCache  # noqa: E402
 from backend.model import LlamaModel  # noqa: E402
-from backend.model_runner import ModelRunner  # noqa: E402
+from backend.model_runner import DirectChunk, DirectSeq, ModelRunner  # noqa: E402
 from backend.weights import load_weights  # noqa: E402
 from kvyard.model_config import load_model_config  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
-
-@dataclass
-class _Seq:
-    token_ids: list[int]
-    block_table: list[int]
-
-
-@dataclass
-class _Chunk:
-    seq: _Seq
-    start: int
-    num_new_tokens: int
-    samples: bool = True
 
 
 def step_ms(model: LlamaModel, batch: int, ctx: int, reps: int = 5) -> float:
@@ -42,7 +28,7 @@ def step_ms(model: LlamaModel, batch: int, ctx: int, reps: int = 5) -> float:
     nb = ctx // bs + 2
     cache = KVCache(c.num_layers, batch * nb, bs, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, cache)
-    chunks = [_Chunk(_Seq([7] * (ctx + 1), list(range(i * nb, (i + 1) * nb))), ctx, 1) for i in range(batch)]
+    chunks = [DirectChunk(DirectSeq([7] * (ctx + 1), list(range(i * nb, (i + 1) * nb))), ctx, 1) for i in range(batch)]
     for _ in range(2):
         runner.run(chunks)
     t0 = time.perf_counter()

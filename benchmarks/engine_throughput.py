@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.attention import KVCache  # noqa: E402
 from backend.config import BackendConfig  # noqa: E402
 from backend.engine import Engine, GenerationRequest  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.main import build_engine_loop  # noqa: E402
-from backend.model_runner import ModelRunner  # noqa: E402
+from backend.model_runner import DirectChunk, DirectSeq, ModelRunner  # noqa: E402
 from backend.sampler import SamplingParams  # noqa: E402
 from backend.sequence import StopConditions  # noqa: E402
 
@@ -60,19 +59,6 @@ def request(i: int, prompt: list[int], out: int) -> GenerationRequest:
                              StopConditions(max_new_tokens=out, ignore_eos=True))
 
 
-@dataclass
-class _Seq:
-    token_ids: list[int]
-    block_table: list[int]
-
-
-@dataclass
-class _Chunk:
-    seq: _Seq
-    start: int
-    num_new_tokens: int
-    samples: bool = True
-
 
 def baseline_loop(runner: ModelRunner, prompts: list[list[int]], out: int) -> Result:
     """One request at a time, straight through the model runner: the number to beat."""
@@ -80,9 +66,9 @@ def baseline_loop(runner: ModelRunner, prompts: list[list[int]], out: int) -> Re
     ttft, itl, tokens = [], [], 0
     t0 = time.perf_counter()
     for prompt in prompts:
-        seq = _Seq(list(prompt), list(range((len(prompt) + out) // bs + 1)))
+        seq = DirectSeq(list(prompt), list(range((len(prompt) + out) // bs + 1)))
         start = time.perf_counter()
-        chunk = _Chunk(seq, 0, len(prompt))
+        chunk = DirectChunk(seq, 0, len(prompt))
         last = start
         for k in range(out):
             tok = int(runner.run([chunk])[0].argmax())
@@ -90,7 +76,7 @@ def baseline_loop(runner: ModelRunner, prompts: list[list[int]], out: int) -> Re
             (ttft if k == 0 else itl).append(now - last if k else now - start)
             last = now
             seq.token_ids.append(tok)
-            chunk = _Chunk(seq, len(seq.token_ids) - 1, 1)
+            chunk = DirectChunk(seq, len(seq.token_ids) - 1, 1)
             tokens += 1
     return Result("loop (1 at a time)", tokens, time.perf_counter() - t0, ttft, itl)
 

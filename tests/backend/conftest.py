@@ -6,7 +6,6 @@ KVCache and Scheduler, which are cheap. The session `tokenizer` fixture comes fr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 from backend.attention import KVCache
 from backend.engine import Engine
 from backend.model import LlamaModel
-from backend.model_runner import ModelRunner
+from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig, load_model_config
@@ -117,20 +116,6 @@ def make_engine(model_f32: LlamaModel, model_config: ModelConfig) -> EngineFacto
     return make
 
 
-@dataclass
-class _Chunk:
-    """A whole-prompt prefill chunk in the shape ModelRunner reads (backend.model_runner.StepChunk)."""
-    seq: _Seq
-    start: int
-    num_new_tokens: int
-    samples: bool = True
-
-
-@dataclass
-class _Seq:
-    token_ids: list[int]
-    block_table: list[int]
-
 
 def full_logits(model: LlamaModel, config: ModelConfig, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits [len(token_ids), V] (float32) of every position: one cold causal prefill on a private cache."""
@@ -139,7 +124,7 @@ def full_logits(model: LlamaModel, config: ModelConfig, token_ids: Sequence[int]
     cache = KVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
                     model.dtype, model.device)
     n = len(token_ids)
-    chunk = _Chunk(_Seq(list(token_ids), list(range(num_blocks))), 0, n)
+    chunk = DirectChunk(DirectSeq(list(token_ids), list(range(num_blocks))), 0, n)
     return ModelRunner(model, cache).run([chunk], [list(range(n))])
 
 
