@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvyard.env import env_choice, env_int, env_str
-from kvyard.model_path import resolve_model_path
+from kvyard.model_path import default_model_name, resolve_model_path
 
 DEFAULT_START_PORT = 8088
 
@@ -26,6 +26,9 @@ class BackendConfig:
     max_num_batched_tokens: int  # token budget of one engine step
     max_seq_len: int             # 0 = the model's own context length
     num_threads: int             # torch intra-op threads; 0 = torch's default
+    master_address: str = ""     # MASTER_ADDRESS: the master to register with (host:port); "" = none
+    model_name: str = ""         # MODEL_NAME: what it registers as serving
+    advertise_host: str = ""     # ADVERTISE_HOST: address the master should dial; "" = the one it sees
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
@@ -49,6 +52,9 @@ class BackendConfig:
             max_num_batched_tokens=env_int(env, "MAX_NUM_BATCHED_TOKENS", 2048, minimum=1),
             max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0),
             num_threads=env_int(env, "TORCH_NUM_THREADS", 0, minimum=0),
+            master_address=env_str(env, "MASTER_ADDRESS", ""),
+            model_name=env_str(env, "MODEL_NAME", default_model_name(checkpoint)),
+            advertise_host=env_str(env, "ADVERTISE_HOST", ""),
         )
 
 

@@ -15,6 +15,7 @@ from backend.engine_loop import EngineLoop
 from backend.http_server import create_backend_http_app
 from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
+from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.server import ModelRpcServicer, set_serving, start_grpc_server, watch_engine
 from backend.weights import load_weights
@@ -66,6 +67,8 @@ async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(http.serve()), asyncio.create_task(watch_engine(engine_loop, health_servicer))]
+    if cfg.master_address:
+        tasks.append(asyncio.create_task(register_forever(cfg)))
     try:
         await stop.wait()
         log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", drain_grace_s)

@@ -5,9 +5,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from frontend.backend_client import BackendClient, GenerateParams, TokenLogprob
+from frontend.backend_client import GenerateParams, TokenLogprob
 from frontend.config import FrontendConfig
 from frontend.protocol import ChatCompletionRequest
+from frontend.routing import Router
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -22,6 +23,7 @@ class PreparedRequest:
     rendered: RenderedPrompt
     params: GenerateParams
     stop_strings: list[str]
+    model: str | None = None   # as the client asked (None: this frontend's own); the master routes by it
 
 
 @dataclass
@@ -36,14 +38,15 @@ class ChoiceEvent:
 
 class ChatService:
     def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, renderer: ChatRenderer,
-                 client: BackendClient) -> None:
+                 client: Router) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.renderer = renderer
         self.client = client
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.cfg.model_name:
+        # With a master, it knows every model the cluster serves and answers 404 for the rest.
+        if model and model != self.cfg.model_name and not self.cfg.master_address:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND,
                                f"The model '{model}' does not exist; this server serves "
                                f"'{self.cfg.model_name}'", "model")
@@ -94,7 +97,7 @@ class ChatService:
             timeout_ms=int(self.cfg.request_timeout_s * 1000),
         )
         stops = [*req.stop_list(), *self.cfg.stop_words]
-        return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, stops)
+        return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, stops, req.model or None)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -116,7 +119,7 @@ class ChatService:
         choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(prep.stop_strings))
                    for i in range(prep.params.n)}
         unfinished = len(choices)
-        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params)
+        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
         try:
             async for outs in gen:
                 for out in outs:

@@ -5,10 +5,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvyard.env import env_int, env_str
 from kvyard.model_config import load_model_config
-from kvyard.model_path import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_path, is_gguf, resolve_model_path
+from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
 
 DEFAULT_START_PORT = 8088
 
@@ -25,32 +26,34 @@ class FrontendConfig:
     stop_words: tuple[str, ...]       # STOP_WORDS_STR: extra stop strings for every request
     stop_word_ids: tuple[tuple[int, ...], ...]  # STOP_WORDS_LIST: extra stop token sequences
     request_timeout_s: float          # whole-request limit passed to the backend (0 = none)
+    master_address: str = ""          # host:port of the master's HTTP; "" = call backend_address directly
+    fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
+    block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
+    master_timeout_s: float = 0.5     # one schedule call's limit before falling back
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
         start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or env.get("CHECKPOINT_PATH"))
-        default_name = EMBEDDED_MODEL_NAME if tokenizer == embedded_model_path_or_none() else \
-            (tokenizer.stem.split(".")[0] if is_gguf(tokenizer) else tokenizer.name)
+        backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{start_port + 1}")
+        service = _model_service_config(env)
+        fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
         return cls(
             host=env_str(env, "HOST", "0.0.0.0"),
             port=start_port,
             tokenizer_path=tokenizer,
-            model_name=env_str(env, "MODEL_NAME", default_name),
+            model_name=env_str(env, "MODEL_NAME", default_model_name(tokenizer)),
             model_type=env.get("MODEL_TYPE") or None,
-            backend_address=env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{start_port + 1}"),
+            backend_address=backend,
             max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or _model_context(tokenizer),
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),
             stop_word_ids=tuple(tuple(ids) for ids in _json_list(env, "STOP_WORDS_LIST", list)),
             request_timeout_s=float(env_int(env, "REQUEST_TIMEOUT_S", 600, minimum=0)),
+            master_address=env_str(env, "MASTER_ADDRESS", service.get("master_address", "")),
+            fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
+            block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
+            master_timeout_s=env_int(env, "MASTER_TIMEOUT_MS", 500, minimum=1) / 1000,
         )
-
-
-def embedded_model_path_or_none() -> Path | None:
-    try:
-        return embedded_model_path()
-    except ModelFileError:
-        return None
 
 
 def _model_context(path: Path) -> int:
@@ -71,3 +74,30 @@ def _json_list(env: Mapping[str, str], name: str, item_type: type) -> list:
     if not isinstance(value, list) or not all(isinstance(v, item_type) for v in value):
         raise ValueError(f"{name} must be a JSON list of {item_type.__name__}, got {raw!r}")
     return value
+
+
+def _model_service_config(env: Mapping[str, str]) -> dict[str, Any]:
+    """MODEL_SERVICE_CONFIG (RTP-LLM's JSON): the master endpoint and, our addition, the backends to fall
+    back to, e.g. {"master_endpoint": {"address": "10.0.0.5:8088"}, "backend_addresses": ["10.0.0.7:8089"]}.
+    Other keys RTP-LLM puts there are ignored."""
+    raw = env.get("MODEL_SERVICE_CONFIG", "")
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}")
+    out: dict[str, Any] = {}
+    endpoint = value.get("master_endpoint")
+    if endpoint is not None:
+        address = endpoint.get("address") if isinstance(endpoint, dict) else None
+        if not isinstance(address, str) or ":" not in address:
+            raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.address must be \"host:port\", got {endpoint!r}")
+        out["master_address"] = address
+    backends = value.get("backend_addresses", [])
+    if not isinstance(backends, list) or not all(isinstance(b, str) and ":" in b for b in backends):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.backend_addresses must be a list of \"host:port\", got {backends!r}")
+    out["backend_addresses"] = backends
+    return out

@@ -21,7 +21,7 @@ class RoleType(Enum):
     PREFILL = 1    # prefill-only backend (prefill/decode disaggregation)
     DECODE = 2     # decode-only backend
     FRONTEND = 4   # HTTP API only: tokenizer and templates, no weights
-    MASTER = 5     # the cluster scheduler
+    MASTER = 5     # the cluster scheduler: routes each request to a backend (master/)
 
 
 def parse_role(value: str | None) -> RoleType:
@@ -48,15 +48,35 @@ def run_frontend(env: Mapping[str, str]) -> None:
     asyncio.run(serve_frontend(FrontendConfig.from_env(env)))
 
 
+def run_master(env: Mapping[str, str]) -> None:
+    from master.config import MasterConfig
+    from master.main import serve_master
+
+    setup_logging("master")
+    asyncio.run(serve_master(MasterConfig.from_env(env)))
+
+
+def frontend_count(env: Mapping[str, str]) -> int:
+    """FRONTEND_SERVER_COUNT: 1 (default) runs a frontend beside a PDFUSION backend; 0 the backend alone."""
+    from kvyard.env import env_int
+    count = env_int(env, "FRONTEND_SERVER_COUNT", 1, minimum=0)
+    if count > 1:
+        raise ValueError(f"FRONTEND_SERVER_COUNT must be 0 or 1 in this version, got {count}")
+    return count
+
+
 def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
     """Validate every config this role needs before starting anything, so mistakes fail fast."""
-    if role in (RoleType.PDFUSION, RoleType.FRONTEND):
+    if role is RoleType.FRONTEND or (role is RoleType.PDFUSION and frontend_count(env)):
         from frontend.config import FrontendConfig
         FrontendConfig.from_env(env)
     if role is RoleType.PDFUSION:
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
-    if role in (RoleType.PREFILL, RoleType.DECODE, RoleType.MASTER):
+    if role is RoleType.MASTER:
+        from master.config import MasterConfig
+        MasterConfig.from_env(env)
+    if role in (RoleType.PREFILL, RoleType.DECODE):
         raise ValueError(f"ROLE_TYPE={role.name} is not available in this version yet")
 
 
@@ -105,4 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if role is RoleType.FRONTEND:
         run_frontend(env)
         return 0
+    if role is RoleType.MASTER:
+        run_master(env)
+        return 0
+    if not frontend_count(env):
+        return _supervise({"backend": run_backend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)

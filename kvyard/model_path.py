@@ -46,3 +46,13 @@ def resolve_model_path(path: str | None) -> Path:
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
+
+
+def default_model_name(path: Path) -> str:
+    """The name clients use for a model when MODEL_NAME is not set (frontend and backend agree on it)."""
+    try:
+        if path == embedded_model_path():
+            return EMBEDDED_MODEL_NAME
+    except ModelFileError:
+        pass
+    return path.stem.split(".")[0] if is_gguf(path) else path.name

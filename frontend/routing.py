@@ -1,0 +1,159 @@
+"""Frontend → which backend: ask the master with the prompt's block keys, else round-robin the direct list.
+
+Every request calls `Router.generate`. With a master configured it computes the prompt's block keys with
+the engine's own function (kvyard.block_keys, the exact token ids sent to the backend), POSTs them to
+/rtp_llm/schedule and streams from the chosen backend. The master's refusals are the client's answer
+(unknown model 404, no room 429); a master that cannot be reached (or has no healthy backend) sends the
+request to the direct backend list instead, and a backend that cannot be reached before its first output
+is retried once on another.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from frontend.backend_client import BackendClient, BackendOutput, GenerateParams
+from frontend.config import FrontendConfig
+from kvyard.block_keys import block_cache_keys
+from kvyard.errors import ErrorCode, RequestError
+
+log = logging.getLogger("kvyard.frontend")
+
+MASTER_RETRY_S = 1.0  # after a failed master call, go direct for this long before asking it again
+ATTEMPTS = 2          # backends tried per request (only before its first output)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes."""
+    address: str         # host:grpc_port of the backend
+    via_master: bool     # False: the direct fallback list
+    hit_cache_len: int   # the master's estimate of its prefix-cache hit (0 when direct)
+
+
+class Router:
+    """Owns the master HTTP client and one BackendClient (gRPC channel) per backend address."""
+
+    def __init__(self, cfg: FrontendConfig) -> None:
+        self.cfg = cfg
+        self._clients: dict[str, BackendClient] = {}
+        self._round_robin = itertools.count()
+        self._master_down_until = 0.0
+        self._master: httpx.AsyncClient | None = None
+        if cfg.master_address:
+            base = cfg.master_address if "://" in cfg.master_address else f"http://{cfg.master_address}"
+            self._master = httpx.AsyncClient(base_url=base, timeout=cfg.master_timeout_s)
+
+    async def close(self) -> None:
+        if self._master is not None:
+            await self._master.aclose()
+        for client in self._clients.values():
+            await client.close()
+
+    def client(self, address: str) -> BackendClient:
+        if address not in self._clients:
+            self._clients[address] = BackendClient(address)
+        return self._clients[address]
+
+    async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
+                       model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
+        """BackendClient.generate on the chosen backend; an unreachable backend is retried elsewhere
+        as long as nothing was streamed yet."""
+        failed: set[str] = set()
+        for attempt in range(ATTEMPTS):
+            route = await self.route(model or self.cfg.model_name, input_ids, exclude=failed)
+            started = False
+            try:
+                async for outs in self.client(route.address).generate(request_id, input_ids, params):
+                    started = True
+                    yield outs
+                return
+            except RequestError as exc:
+                failed.add(route.address)
+                others = [a for a in self.cfg.fallback_addresses if a not in failed]
+                if started or exc.code is not ErrorCode.UNAVAILABLE or attempt == ATTEMPTS - 1 or not others:
+                    raise
+                log.warning("backend %s unreachable for %s; trying another", route.address, request_id)
+
+    async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset()) -> Route:
+        if self._master is not None and time.monotonic() >= self._master_down_until:
+            route = await self._ask_master(model, input_ids)
+            if route is not None and route.address not in exclude:
+                return route
+        return self._direct(exclude)
+
+    def _direct(self, exclude: set[str]) -> Route:
+        choices = [a for a in self.cfg.fallback_addresses if a not in exclude]
+        if not choices:
+            raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
+        return Route(choices[next(self._round_robin) % len(choices)], False, 0)
+
+    async def _ask_master(self, model: str, input_ids: list[int]) -> Route | None:
+        """The master's pick; None when it cannot answer (then the caller goes direct). Raises the
+        master's verdict when it says no backend should take this request."""
+        assert self._master is not None
+        body = {"model": model, "block_cache_keys": block_cache_keys(input_ids, self.cfg.block_size),
+                "seq_len": len(input_ids), "debug": False,
+                "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        try:
+            resp = await self._master.post("/rtp_llm/schedule", json=body)
+            data = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return self._master_failed(f"{type(exc).__name__}: {exc}")
+        if resp.status_code == 200:
+            try:
+                server = data["server_status"][0]
+                return Route(f"{server['server_ip']}:{int(server['grpc_port'])}", True,
+                             int((server.get("debug_info") or {}).get("hit_cache_len", 0)))
+            except (KeyError, IndexError, TypeError, ValueError):
+                return self._master_failed(f"malformed schedule answer: {str(data)[:200]}")
+        error = _master_error(data)
+        if error is None or error.code in (ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.INVALID_ARGUMENT):
+            # Nothing the client did wrong: the master has no healthy backend or misbehaves.
+            return self._master_failed(f"HTTP {resp.status_code}: {str(data)[:200]}")
+        raise error
+
+    def _master_failed(self, why: str) -> None:
+        if time.monotonic() >= self._master_down_until:
+            log.warning("master %s cannot route (%s); calling backends directly for %.0f s",
+                        self.cfg.master_address, why, MASTER_RETRY_S)
+        self._master_down_until = time.monotonic() + MASTER_RETRY_S
+        return None
+
+    async def healthy(self) -> bool:
+        """A healthy master (it has a healthy backend) or any healthy direct backend."""
+        if self._master is not None:
+            try:
+                if (await self._master.get("/health")).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+        for address in self.cfg.fallback_addresses:
+            if await self.client(address).healthy():
+                return True
+        return False
+
+    async def models(self) -> list[str]:
+        """Every model the cluster serves, per the master (this frontend's own model first)."""
+        names = [self.cfg.model_name]
+        if self._master is not None:
+            try:
+                resp = await self._master.get("/v1/models")
+                names += [m["id"] for m in resp.json()["data"] if m["id"] not in names]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
+        return names
+
+
+def _master_error(data: Any) -> RequestError | None:
+    try:
+        err = data["error"]
+        return RequestError(ErrorCode(err["code"]), str(err["message"]), err.get("param"))
+    except (KeyError, TypeError, ValueError):
+        return None

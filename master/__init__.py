@@ -1,0 +1,1 @@
+"""The master role: KV-cache-aware routing of requests across backends."""

@@ -1,0 +1,115 @@
+"""The master's HTTP routes: /rtp_llm/schedule picks a backend for a frontend, plus registration and views."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from frontend.errors import error_body, install_error_handlers
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_json import JsonBodyByDefault
+from kvyard.metrics import HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from master.config import BackendEndpoint, MasterConfig
+from master.discovery import add_static, watch_dns
+from master.policy import RouteRequest, choose_backend
+from master.poll_loop import PollLoop
+from master.registry import SOURCE_REGISTERED, Registry
+from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candidates_view, debug_info
+
+
+def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    registry = registry or Registry(cfg)
+    request_ids = itertools.count(1)
+    metrics = MasterMetrics()
+    metrics.watch_backends(lambda: registry.loads(clock()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        add_static(registry, cfg, clock())
+        tasks = [asyncio.create_task(PollLoop(registry, clock).run())]
+        if cfg.dns_targets:
+            tasks.append(asyncio.create_task(watch_dns(registry, cfg, clock)))
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    app = FastAPI(title="kvyard master", lifespan=lifespan)
+    app.state.registry = registry
+    install_error_handlers(app)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
+    app.add_middleware(JsonBodyByDefault)
+    add_metrics_route(app, metrics.registry)
+
+    @app.post("/rtp_llm/schedule")
+    async def schedule(req: ScheduleRequest) -> dict[str, Any]:
+        if len(req.block_cache_keys) > req.seq_len:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"block_cache_keys has {len(req.block_cache_keys)} "
+                               f"blocks but seq_len is only {req.seq_len} tokens", "block_cache_keys")
+        now = clock()
+        decision = choose_backend(RouteRequest(req.model, req.block_cache_keys, req.seq_len),
+                                  registry.loads(now), cfg.policy)
+        if decision.chosen is None:
+            metrics.record_decision(decision.reason)
+            registry.stats.rejected += 1
+            raise RequestError(decision.error or ErrorCode.INTERNAL, decision.message,
+                               "model" if decision.error is ErrorCode.MODEL_NOT_FOUND else None)
+        chosen = decision.candidate(decision.chosen)
+        metrics.record_decision(decision.reason, req.seq_len, chosen.hit_cache_len)
+        registry.record_choice(decision.chosen, req.block_cache_keys, req.seq_len, chosen.hit_cache_len, now)
+        state = registry.backends[decision.chosen]
+        e, st = state.endpoint, state.status
+        server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
+                  "grpc_port": e.grpc_port,
+                  "debug_info": debug_info(chosen, st.running if st else 0, st.step_latency_ms if st else 0.0)}
+        out: dict[str, Any] = {"server_status": [server], "cache_local": 0, "inter_request_id": next(request_ids)}
+        if req.debug:
+            out["reason"] = decision.reason
+            out["candidates"] = candidates_view(decision)
+        return out
+
+    @app.post("/rtp_llm/register")
+    async def register(req: RegisterRequest, request: Request) -> dict[str, Any]:
+        host = req.server_ip or (request.client.host if request.client else "")
+        if not host:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",
+                               "server_ip")
+        endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, req.role)
+        registry.add(endpoint, SOURCE_REGISTERED, clock())
+        return {"name": endpoint.name, "registered": True}
+
+    async def master_host() -> dict[str, str]:
+        return {"real_master_host": cfg.advertise_address}
+
+    app.add_api_route("/rtp_llm/master", master_host, methods=["GET", "POST"])
+
+    @app.get("/backends")
+    async def backends() -> dict[str, Any]:
+        return registry.view(clock())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        now = clock()
+        healthy: dict[str, int] = {m: 0 for m in registry.models()}
+        for state in registry.backends.values():
+            healthy[state.endpoint.model] += registry.healthy(state, now)
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "kvyard",
+                                            "healthy_backends": n} for m, n in healthy.items()]}
+
+    async def health() -> Any:
+        now = clock()
+        if any(registry.healthy(s, now) for s in registry.backends.values()):
+            return PlainTextResponse("ok")
+        return JSONResponse(error_body("no healthy backend", "service_unavailable"), 503,
+                            headers={"Retry-After": "1"})
+
+    for path in ("/health", "/status"):
+        app.add_api_route(path, health, methods=["GET", "POST"])
+    return app

@@ -1,0 +1,117 @@
+"""Master → backend gRPC edge: worker status and prefix-cache keys as plain dataclasses (no protobuf past here)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from proto import model_rpc_pb2 as pb
+from proto import model_rpc_pb2_grpc as pb_grpc
+
+_ROLES = ("PDFUSION", "PREFILL", "DECODE")
+_MAX_KEY = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A backend's load report, checked for sanity."""
+    role: str                    # "PDFUSION", "PREFILL" or "DECODE"
+    running: int                 # sequences holding KV blocks
+    waiting: int                 # sequences queued
+    queued_prefill_tokens: int   # prompt tokens still to compute
+    step_latency_ms: float       # recent engine step time
+    prefill_tokens_per_s: float  # recent prefill throughput (0 = not measured yet)
+    free_blocks: int             # free KV blocks
+    total_blocks: int            # KV blocks in the pool
+    block_size: int              # tokens per block
+    iterate_count: int           # engine steps since start (drops when the backend restarted)
+    alive: bool                  # its engine thread runs
+    cache_version: int           # compare with the keys we hold; fetch a diff when it moved
+
+
+@dataclass(frozen=True)
+class CacheUpdate:
+    """The backend's cached block keys: the full set, or a diff since the version we asked from."""
+    version: int
+    is_diff: bool
+    keys: frozenset[int]         # the full set (is_diff False)
+    added: frozenset[int]        # since the asked version (is_diff True)
+    removed: frozenset[int]
+    block_size: int
+
+
+class StatusError(Exception):
+    """A poll failed. `definitive`: the backend answered nonsense or refused the connection, so it is
+    out of routing at once; otherwise (a timeout) it stays in until it has been silent for the expiry."""
+
+    def __init__(self, message: str, definitive: bool) -> None:
+        super().__init__(message)
+        self.definitive = definitive
+
+
+class BackendPoller:
+    """The status RPCs of one backend over one channel."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def worker_status(self) -> WorkerLoad:
+        msg = await self._call(self._stub.GetWorkerStatus, pb.WorkerStatusRequestPB(latest_version=-1))
+        return worker_load_from_pb(msg)
+
+    async def cache_status(self, since_version: int) -> CacheUpdate:
+        msg = await self._call(self._stub.GetCacheStatus, pb.CacheStatusRequestPB(since_version=since_version))
+        return cache_update_from_pb(msg, since_version)
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return await method(request, timeout=self.timeout_s, wait_for_ready=False)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            definitive = code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+            raise StatusError(f"{code.name}: {exc.details()}", definitive) from None
+
+
+def worker_load_from_pb(m: pb.WorkerStatusPB) -> WorkerLoad:
+    """Raises StatusError(definitive) for a report no real backend would send."""
+    problems = []
+    if m.role not in _ROLES:
+        problems.append(f"role {m.role!r}")
+    for name in ("running", "waiting", "queued_prefill_tokens", "free_blocks", "iterate_count", "cache_version"):
+        if getattr(m, name) < 0:
+            problems.append(f"{name}={getattr(m, name)}")
+    for name in ("step_latency_ms", "prefill_tokens_per_s"):
+        value = getattr(m, name)
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"{name}={value}")
+    if m.block_size <= 0 or m.total_blocks <= 0 or m.free_blocks > m.total_blocks:
+        problems.append(f"blocks free={m.free_blocks} total={m.total_blocks} size={m.block_size}")
+    if problems:
+        raise StatusError("garbage worker status: " + ", ".join(problems), definitive=True)
+    return WorkerLoad(role=m.role, running=m.running, waiting=m.waiting,
+                      queued_prefill_tokens=m.queued_prefill_tokens, step_latency_ms=m.step_latency_ms,
+                      prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
+                      total_blocks=m.total_blocks, block_size=m.block_size, iterate_count=m.iterate_count,
+                      alive=m.alive, cache_version=m.cache_version)
+
+
+def cache_update_from_pb(m: pb.CacheStatusPB, since_version: int) -> CacheUpdate:
+    keys, added, removed = frozenset(m.cached_keys), frozenset(m.added_keys), frozenset(m.removed_keys)
+    bad_key = next((k for k in (*keys, *added, *removed) if not 0 <= k <= _MAX_KEY), None)
+    if m.block_size <= 0 or m.version < 0 or bad_key is not None:
+        raise StatusError(f"garbage cache status: version={m.version} block_size={m.block_size} "
+                          f"key={bad_key}", definitive=True)
+    if m.is_diff and since_version < 0:
+        raise StatusError("garbage cache status: a diff answered to a request for the full set", True)
+    return CacheUpdate(m.version, m.is_diff, keys, added, removed, m.block_size)

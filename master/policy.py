@@ -1,0 +1,180 @@
+"""Master routing policy: (request, backend loads) → the backend with the shortest estimated TTFT. Pure.
+
+For every healthy backend serving the model:
+
+    hit            = longest leading run of the request's block keys the backend holds × block_size,
+                     capped at seq_len − 1 (the last prompt token is always computed)
+    prefill        = seq_len − hit
+    rate           = the backend's measured prefill tokens/s; until it has measured one, the mean of
+                     the measured rates of the model's other backends (the configured default if none)
+    waiting_ms     = (queued_prefill_tokens + prefill tokens routed to it since its last poll) / rate
+    ttft_ms        = waiting_ms + prefill / rate
+
+(No term for the step in flight: the reported step latency averages prefill and decode steps, so it
+is noise next to the prefill terms, and a status up to one poll old may still show a finished request
+running. Decode-heavy load is the imbalance guard's job.)
+
+Backends whose free KV cannot hold the prefill, or whose queue is at the limit, are skipped. If the
+remaining pool is badly imbalanced (SGLang's guard: max_load − min_load > imbalance_abs and
+max_load > imbalance_ratio × min_load, load = running + waiting + routed since the poll), the least
+loaded backend wins whatever the cache says. Otherwise the lowest TTFT wins; candidates within
+tie_ratio of it count as tied and the least recently chosen of them wins (RTP-LLM), which spreads a
+burst of identical-looking requests instead of piling them on one backend.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
+
+from kvyard.errors import ErrorCode
+
+# Why a backend was not a candidate (Candidate.skipped).
+SKIP_UNHEALTHY = "unhealthy"
+SKIP_KV_FULL = "kv_full"          # not enough free KV blocks right now
+SKIP_TOO_LONG = "too_long"        # the prompt can never fit its KV pool
+SKIP_QUEUE_FULL = "queue_full"    # waiting queue at max_waiting
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    default_prefill_tokens_per_s: float = 2000.0  # assumed while no backend of the model has measured its rate
+    max_waiting: int = 64          # a backend with this many queued sequences takes no more
+    imbalance_abs: int = 8         # imbalance guard: max_load − min_load must exceed this ...
+    imbalance_ratio: float = 1.5   # ... and max_load must exceed ratio × min_load
+    tie_ratio: float = 0.05        # TTFTs within 5 % of the best count as tied
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the frontend tells the master about one request (POST /rtp_llm/schedule)."""
+    model: str
+    block_cache_keys: Sequence[int]  # chained keys of the prompt's full blocks (kvyard.block_keys)
+    seq_len: int                     # prompt tokens
+
+
+@dataclass(frozen=True)
+class BackendLoad:
+    """One backend as the policy sees it: its last polled status plus what was routed since."""
+    name: str                        # "host:grpc_port", unique
+    model: str                       # the model it serves
+    healthy: bool                    # answered a sane status within the expiry window
+    running: int = 0                 # sequences holding KV blocks
+    waiting: int = 0                 # sequences queued
+    queued_prefill_tokens: int = 0   # prompt tokens still to compute
+    step_latency_ms: float = 0.0     # recent engine step time
+    prefill_tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
+    free_blocks: int = 0             # free KV blocks (cached-but-unreferenced count as free)
+    total_blocks: int = 0            # KV blocks in its pool
+    block_size: int = 16             # tokens per block
+    cached_keys: Set[int] = field(default_factory=frozenset)   # block keys from its last cache poll
+    pending_keys: Set[int] = field(default_factory=frozenset)  # keys of prompts just routed to it
+    routed_requests: int = 0         # requests routed to it since its last poll
+    routed_prefill_tokens: int = 0   # their prefill tokens
+    routed_kv_tokens: int = 0        # KV tokens they will take
+    last_chosen: float = 0.0         # when the policy last picked it (monotonic seconds; 0 = never)
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting + self.routed_requests
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend's score for one request; the master returns them all when asked to debug."""
+    name: str
+    hit_cache_len: int               # prompt tokens its prefix cache would serve
+    prefill_tokens: int              # tokens left to compute there
+    waiting_time_ms: float           # queue ahead of the request
+    estimate_ttft_ms: float          # waiting + own prefill
+    available_kv_cache_len: int      # free KV tokens after what was routed since the poll
+    load: int                        # running + waiting + routed since the poll
+    skipped: str | None = None       # why it cannot take the request (SKIP_*), None = eligible
+
+
+@dataclass(frozen=True)
+class Decision:
+    chosen: str | None               # the backend's name, None when nothing can take the request
+    reason: str                      # "prefix_hit", "shortest_ttft", "imbalance" or why none
+    candidates: list[Candidate]      # every backend serving the model, in input order
+    error: ErrorCode | None = None   # set when chosen is None
+    message: str = ""                # for humans, with the error
+
+    def candidate(self, name: str) -> Candidate:
+        return next(c for c in self.candidates if c.name == name)
+
+
+def hit_tokens(keys: Sequence[int], backend: BackendLoad, seq_len: int) -> int:
+    """Prompt tokens served by the backend's cache: the leading run of keys it holds, never the last token."""
+    run = 0
+    for key in keys:
+        if key not in backend.cached_keys and key not in backend.pending_keys:
+            break
+        run += 1
+    return max(0, min(run * backend.block_size, seq_len - 1))
+
+
+def score(request: RouteRequest, b: BackendLoad, default_rate: float, max_waiting: int) -> Candidate:
+    hit = hit_tokens(request.block_cache_keys, b, request.seq_len)
+    prefill = request.seq_len - hit
+    rate = b.prefill_tokens_per_s if b.prefill_tokens_per_s > 0 else default_rate
+    waiting_ms = (b.queued_prefill_tokens + b.routed_prefill_tokens) / rate * 1000.0
+    ttft_ms = waiting_ms + prefill / rate * 1000.0
+    available = b.free_blocks * b.block_size - b.routed_kv_tokens
+    skipped = None
+    if not b.healthy:
+        skipped = SKIP_UNHEALTHY
+    elif request.seq_len > b.total_blocks * b.block_size:
+        skipped = SKIP_TOO_LONG
+    elif prefill > available:
+        skipped = SKIP_KV_FULL
+    elif b.waiting >= max_waiting:
+        skipped = SKIP_QUEUE_FULL
+    return Candidate(b.name, hit, prefill, waiting_ms, ttft_ms, available, b.load, skipped)
+
+
+def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
+                   cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    serving = [b for b in backends if b.model == request.model]
+    if not backends:
+        return Decision(None, "no_backends", [], ErrorCode.UNAVAILABLE, "no backend has registered yet")
+    if not serving:
+        models = sorted({b.model for b in backends})
+        return Decision(None, "unknown_model", [], ErrorCode.MODEL_NOT_FOUND,
+                        f"The model '{request.model}' does not exist; this cluster serves: {', '.join(models)}")
+    measured = [b.prefill_tokens_per_s for b in serving if b.prefill_tokens_per_s > 0]
+    default_rate = sum(measured) / len(measured) if measured else cfg.default_prefill_tokens_per_s
+    candidates = [score(request, b, default_rate, cfg.max_waiting) for b in serving]
+    by_name = {b.name: b for b in serving}
+    eligible = [c for c in candidates if c.skipped is None]
+    if not eligible:
+        return _none_eligible(request, candidates)
+
+    loads = [c.load for c in eligible]
+    if max(loads) - min(loads) > cfg.imbalance_abs and max(loads) > cfg.imbalance_ratio * min(loads):
+        least = min(loads)
+        tied = [c for c in eligible if c.load == least]
+        return Decision(_least_recent(tied, by_name), "imbalance", candidates)
+
+    best = min(c.estimate_ttft_ms for c in eligible)
+    tied = [c for c in eligible if c.estimate_ttft_ms <= best * (1 + cfg.tie_ratio)]
+    chosen = _least_recent(tied, by_name)
+    hit = next(c.hit_cache_len for c in tied if c.name == chosen)
+    return Decision(chosen, "prefix_hit" if hit > 0 else "shortest_ttft", candidates)
+
+
+def _least_recent(tied: list[Candidate], by_name: dict[str, BackendLoad]) -> str:
+    # Among equals, the longest-unused backend; then the longer cache hit; then the name, for determinism.
+    return min(tied, key=lambda c: (by_name[c.name].last_chosen, -c.hit_cache_len, c.name)).name
+
+
+def _none_eligible(request: RouteRequest, candidates: list[Candidate]) -> Decision:
+    reasons = {c.skipped for c in candidates}
+    if reasons == {SKIP_UNHEALTHY}:
+        return Decision(None, "all_unhealthy", candidates, ErrorCode.UNAVAILABLE,
+                        f"no healthy backend serves '{request.model}' right now")
+    if reasons <= {SKIP_UNHEALTHY, SKIP_TOO_LONG}:
+        return Decision(None, "too_long", candidates, ErrorCode.OUT_OF_KV_CACHE,
+                        f"{request.seq_len} prompt tokens can never fit the KV cache of any backend serving "
+                        f"'{request.model}'")
+    return Decision(None, "all_busy", candidates, ErrorCode.OVERLOADED,
+                    f"every backend serving '{request.model}' is out of KV room or queue space; retry shortly")

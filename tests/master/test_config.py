@@ -1,0 +1,60 @@
+"""Master and frontend-routing settings from the environment: parsed once, bad values named."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend.config import FrontendConfig
+from kvyard.launch import _check_configs, RoleType
+from master.config import BackendEndpoint, DnsTarget, MasterConfig
+
+
+def test_master_env() -> None:
+    cfg = MasterConfig.from_env({"START_PORT": "9000", "MASTER_BACKENDS": "10.0.0.1:8089, big@10.0.0.2:9001",
+                                 "MASTER_BACKEND_DNS": "kv-backend.ns.svc:8089", "MODEL_NAME": "small"})
+    assert cfg.port == 9000 and cfg.advertise_address == "127.0.0.1:9000"
+    assert cfg.static_backends == (BackendEndpoint("10.0.0.1", 8089, 8093, "small"),
+                                   BackendEndpoint("10.0.0.2", 9001, 9005, "big"))
+    assert cfg.dns_targets == (DnsTarget("kv-backend.ns.svc", 8089, "small"),)
+    assert cfg.expire_s == 3.0 and cfg.poll_interval_s == 0.15
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"MASTER_BACKENDS": "10.0.0.1"}, "MASTER_BACKENDS"),
+    ({"MASTER_BACKENDS": "10.0.0.1:http"}, "10.0.0.1:http"),
+    ({"MASTER_BACKEND_DNS": "svc:99999"}, "MASTER_BACKEND_DNS"),
+    ({"MASTER_POLL_INTERVAL_MS": "fast"}, "MASTER_POLL_INTERVAL_MS"),
+    ({"MASTER_IMBALANCE_PCT": "50"}, "MASTER_IMBALANCE_PCT"),
+])
+def test_master_env_errors_name_the_value(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        MasterConfig.from_env(env)
+
+
+def test_launcher_validates_the_master_role() -> None:
+    _check_configs(RoleType.MASTER, {"MASTER_BACKENDS": "127.0.0.1:8089"})
+    with pytest.raises(ValueError, match="MASTER_BACKENDS"):
+        _check_configs(RoleType.MASTER, {"MASTER_BACKENDS": "nonsense"})
+    with pytest.raises(ValueError, match="FRONTEND_SERVER_COUNT"):
+        _check_configs(RoleType.PDFUSION, {"FRONTEND_SERVER_COUNT": "3"})
+
+
+def test_frontend_master_settings() -> None:
+    plain = FrontendConfig.from_env({"START_PORT": "7000"})
+    assert plain.master_address == "" and plain.fallback_addresses == ("127.0.0.1:7001",)
+    rtp = {"service_id": "x", "master_endpoint": {"type": "VipServer", "address": "10.0.0.9:16000",
+                                                  "protocol": "http", "path": "/"}, "use_local": True,
+           "backend_addresses": ["10.0.0.1:8089", "10.0.0.2:8089"]}
+    cfg = FrontendConfig.from_env({"MODEL_SERVICE_CONFIG": json.dumps(rtp), "BLOCK_SIZE": "32"})
+    assert cfg.master_address == "10.0.0.9:16000" and cfg.block_size == 32
+    assert cfg.fallback_addresses == ("10.0.0.1:8089", "10.0.0.2:8089")
+    cfg = FrontendConfig.from_env({"MASTER_ADDRESS": "m:1", "BACKEND_ADDRESSES": "a:1,b:2"})
+    assert (cfg.master_address, cfg.fallback_addresses) == ("m:1", ("a:1", "b:2"))
+
+
+@pytest.mark.parametrize("raw", ["[1]", "{bad", '{"master_endpoint": {"address": 5}}',
+                                 '{"backend_addresses": "a:1"}'])
+def test_frontend_model_service_config_errors(raw: str) -> None:
+    with pytest.raises(ValueError, match="MODEL_SERVICE_CONFIG"):
+        FrontendConfig.from_env({"MODEL_SERVICE_CONFIG": raw})
