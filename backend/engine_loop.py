@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from backend.engine import Engine
 from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.metrics import BackendMetrics
 
 log = logging.getLogger("kvyard.engine")
 
@@ -31,8 +32,9 @@ class _Abort:
 class EngineLoop:
     """The engine thread owns the Engine; asyncio code talks to it only through commands."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: BackendMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics or BackendMetrics(self.worker_status)  # recorded here, served on /metrics
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -57,14 +59,42 @@ class EngineLoop:
         return self.engine.cache_status(since_version)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        async for outs in self.generate(request):
-            for out in outs:
-                if isinstance(out, ScoreResult):
-                    return out
-        raise RequestError(ErrorCode.INTERNAL, "scoring ended without a result")
+        result = None
+        async for outs in self.generate(request):  # to the end, so the request counts as finished
+            result = next((out for out in outs if isinstance(out, ScoreResult)), result)
+        if result is None:
+            raise RequestError(ErrorCode.INTERNAL, "scoring ended without a result")
+        return result
 
     async def generate(self, request: GenerationRequest | ScoreRequest
                        ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
+        """_stream with metrics: TTFT, inter-token and end-to-end latency, tokens, prefix-cache reuse."""
+        endpoint = "ScoreCall" if isinstance(request, ScoreRequest) else "GenerateStreamCall"
+        timer = self.metrics.timer(request.arrival_time)
+        status = ErrorCode.CANCELLED.value  # unless it runs to the end or fails: the caller left
+        stream = self._stream(request)
+        first = True
+        unfinished = request.n
+        try:
+            async for outs in stream:
+                if first and outs:
+                    first = False
+                    self.metrics.prompt(outs[0].aux.input_len, outs[0].aux.reuse_len)
+                timer.step(sum(1 for out in outs if isinstance(out, TokenOutput)))
+                unfinished -= sum(1 for out in outs if out.finish_reason is not None)
+                if unfinished <= 0:
+                    status = "ok"  # now: the caller may stop reading once it has every finish
+                    timer.finish()
+                yield outs
+        except RequestError as exc:
+            status = exc.code.value
+            raise
+        finally:
+            await stream.aclose()
+            self.metrics.count(endpoint, status)
+
+    async def _stream(self, request: GenerationRequest | ScoreRequest
+                      ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
         """Yields each step's tokens for this request until every sequence finished.
         Leaving early (cancelled, timed out, consumer gone) aborts it in the engine."""
         self.engine.validate(request)

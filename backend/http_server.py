@@ -1,4 +1,4 @@
-"""The backend's HTTP port (START_PORT+5): load reports for the master and debug switches."""
+"""The backend's HTTP port (START_PORT+5): load reports for the master, Prometheus /metrics, debug switches."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from backend.engine_loop import EngineLoop
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.metrics import add_metrics_route
 
 _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
@@ -16,6 +17,7 @@ _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 def create_backend_http_app(engine_loop: EngineLoop) -> FastAPI:
     app = FastAPI(title="kvyard backend")
     app.add_middleware(JsonBodyByDefault)
+    add_metrics_route(app, engine_loop.metrics.registry)
 
     async def worker_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
         return engine_loop.worker_status().__dict__

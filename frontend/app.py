@@ -1,4 +1,5 @@
-"""The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health."""
+"""The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health (LMTP,
+/generate and /metrics are included from frontend/lmtp.py, frontend/generate_stream.py, kvyard/metrics.py)."""
 from __future__ import annotations
 
 import json
@@ -7,24 +8,29 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, FastAPI, Request
+from fastapi import Body, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from frontend.backend_client import BackendClient, TokenLogprob
-from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
+from frontend.backend_client import TokenLogprob
+from frontend.chat import ChatService, PreparedRequest
 from frontend.config import FrontendConfig
 from frontend.errors import error_body, install_error_handlers, request_error_body
+from frontend.generate_stream import generate_stream_routes
+from frontend.lmtp import LmtpService, lmtp_routes
+from frontend.metered_router import MeteredRouter
 from frontend.protocol import ChatCompletionRequest
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
 from kvyard.tokenizer import TextTokenizer
 from renderers import get_renderer
 
 
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
-    client = BackendClient(cfg.backend_address)
+    metrics = FrontendMetrics()
+    client = MeteredRouter(cfg, metrics)
     chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer), client)
 
     @asynccontextmanager
@@ -34,7 +40,11 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
 
     app = FastAPI(title="kvyard frontend", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault)
+    add_metrics_route(app, metrics.registry)
+    app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client)))
+    app.include_router(generate_stream_routes(cfg, tokenizer, client))
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -42,16 +52,17 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
         prep = chat.prepare(req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(chat, prep, cfg.model_name, include_usage, tokenizer),
+            return StreamingResponse(_sse(chat, prep, prep.model or cfg.model_name, include_usage, tokenizer),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await _complete(chat, prep, cfg.model_name, tokenizer))
+        return JSONResponse(await _complete(chat, prep, prep.model or cfg.model_name, tokenizer))
 
     @app.get("/v1/models")
     @app.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
+                                           for name in await client.models()]}
 
     @app.post("/v1/chat/render")
     @app.post("/chat/render")
@@ -101,7 +112,9 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
     async def health() -> Any:
         if await client.healthy():
             return PlainTextResponse("ok")
-        return JSONResponse(error_body(f"backend {cfg.backend_address} is not serving", "service_unavailable"),
+        where = cfg.master_address and f"master {cfg.master_address} or "
+        return JSONResponse(error_body(f"{where}backend {', '.join(cfg.fallback_addresses)} is not serving",
+                                       "service_unavailable"),
                             503, headers={"Retry-After": "1"})
 
     for path in ("/health", "/status", "/GraphService/cm2_status", "/SearchService/cm2_status"):

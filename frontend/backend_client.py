@@ -75,6 +75,14 @@ class BackendOutput:
     reuse_len: int
 
 
+@dataclass
+class ScoreOutput:
+    """Log-probabilities of the scored tokens, one per token in order."""
+    logprobs: list[TokenLogprob]    # log P(scored_i | prompt, scored_<i), with alternatives when asked
+    input_len: int                  # prompt + scored tokens
+    reuse_len: int                  # of those, served from the prefix cache
+
+
 class BackendClient:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -111,14 +119,31 @@ class BackendClient:
         finally:
             call.cancel()  # no-op when the stream already ended
 
+    async def score(self, request_id: str, prompt_ids: list[int], scored_ids: list[int],
+                    top_logprobs: int = 0, timeout_s: float | None = None) -> ScoreOutput:
+        """The backend's ScoreCall: one prefill over prompt + scored. Raises RequestError."""
+        msg = pb.ScoreInputPB(request_id=request_id, prompt_ids=prompt_ids, scored_ids=scored_ids,
+                              top_logprobs=top_logprobs)
+        try:
+            out = await self._stub.ScoreCall(msg, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self.address) from exc
+        if out.HasField("error"):
+            raise error_from_pb(out.error)
+        return ScoreOutput([_logprob_from_pb(lp) for lp in out.logprobs], out.aux_info.input_len,
+                           out.aux_info.reuse_len)
+
 
 def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:
     return BackendOutput(
         index=o.index, token_ids=list(o.output_ids),
         finish_reason=_FINISH.get(o.finish_reason) if o.finished else None,
-        logprobs=[TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
-                  for lp in o.logprobs],
+        logprobs=[_logprob_from_pb(lp) for lp in o.logprobs],
         input_len=o.aux_info.input_len, output_len=o.aux_info.output_len, reuse_len=o.aux_info.reuse_len)
+
+
+def _logprob_from_pb(lp: pb.TokenLogprobPB) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
 
 
 def _rpc_error(exc: grpc.aio.AioRpcError, address: str) -> RequestError:
