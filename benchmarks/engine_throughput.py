@@ -156,18 +156,20 @@ def main() -> None:
     engine_loop, _, _ = build_engine_loop(cfg)
     engine = engine_loop.engine
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {cfg.device}, dtype {cfg.dtype}")
-    prompts = make_prompts(max(levels) + args.baseline_requests, engine.vocab_size)
-    print(f"prompts: {statistics.mean(len(p) for p in prompts):.0f} tokens on average, {args.out} out each")
-
-    base = baseline_loop(engine.runner, prompts[-args.baseline_requests:], args.out)
-    results = [run_offline(engine, prompts[:c], args.out) for c in levels]
+    # Every run gets prompts of its own: a prompt seen before would be a prefix-cache hit.
+    seeds = iter(range(1, 1000))
+    base_prompts = make_prompts(args.baseline_requests, engine.vocab_size, seed=0)
+    print(f"prompts: 100-500 tokens (mean {statistics.mean(len(p) for p in base_prompts):.0f} in the loop), "
+          f"{args.out} out each")
+    base = baseline_loop(engine.runner, base_prompts, args.out)
+    results = [run_offline(engine, make_prompts(c, engine.vocab_size, next(seeds)), args.out) for c in levels]
     if args.grpc:
-        results += asyncio.run(_grpc_levels(engine_loop, levels, prompts, args.out))
+        grpc_prompts = [make_prompts(c, engine.vocab_size, next(seeds)) for c in levels]
+        results += asyncio.run(_grpc_levels(engine_loop, grpc_prompts, args.out))
     report(results, base)
 
 
-async def _grpc_levels(engine_loop: EngineLoop, levels: list[int], prompts: list[list[int]],
-                       out: int) -> list[Result]:
+async def _grpc_levels(engine_loop: EngineLoop, prompt_sets: list[list[list[int]]], out: int) -> list[Result]:
     import socket
 
     from backend.server import ModelRpcServicer, start_grpc_server
@@ -178,7 +180,7 @@ async def _grpc_levels(engine_loop: EngineLoop, levels: list[int], prompts: list
     engine_loop.start()
     server, _ = await start_grpc_server(ModelRpcServicer(engine_loop, frozenset({2}), 8192), "127.0.0.1", port)
     try:
-        return [await run_grpc(f"127.0.0.1:{port}", prompts[:c], out) for c in levels]
+        return [await run_grpc(f"127.0.0.1:{port}", prompts, out) for prompts in prompt_sets]
     finally:
         await server.stop(0)
         engine_loop.stop()
