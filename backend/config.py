@@ -29,6 +29,8 @@ class BackendConfig:
     master_address: str = ""     # MASTER_ADDRESS: the master to register with (host:port); "" = none
     model_name: str = ""         # MODEL_NAME: what it registers as serving
     advertise_host: str = ""     # ADVERTISE_HOST: address the master should dial; "" = the one it sees
+    role: str = "PDFUSION"       # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
+    decode_address: str = ""     # DECODE_ADDRESS: PREFILL's decode backend when a request names none
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
@@ -55,6 +57,8 @@ class BackendConfig:
             master_address=env_str(env, "MASTER_ADDRESS", ""),
             model_name=env_str(env, "MODEL_NAME", default_model_name(checkpoint)),
             advertise_host=env_str(env, "ADVERTISE_HOST", ""),
+            role=env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper(),
+            decode_address=env_str(env, "DECODE_ADDRESS", ""),
         )
 
 

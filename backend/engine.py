@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult,
-                                  TokenOutput, WorkerStatus)
+from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
+                                  ScoreResult, TokenOutput, WorkerStatus)
 from backend.model_runner import ModelRunner
 from backend.sampler import (MAX_TOP_LOGPROBS, Sample, SampleRow, SamplingParams, make_generator,
                              sample)
@@ -97,20 +97,59 @@ class Engine:
             with self.lock:
                 self.scheduler.add(seq)
             return
-        device = self.runner.device
+        seqs = self._sequences(req)
+        with self.lock:
+            self.scheduler.add(seqs[0])
+            if len(seqs) > 1:
+                self._siblings[req.request_id] = seqs[1:]
+
+    def _sequences(self, req: GenerationRequest) -> list[Sequence]:
         seqs = []
         for index in range(req.n):
             sampling = req.sampling
             if sampling.seed is not None and index:
                 # n > 1 with a seed: distinct but reproducible streams.
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + index})
-            state = _SeqState(index, sampling, make_generator(sampling, device))
-            seqs.append(Sequence(req.request_id, req.prompt_ids, req.stop, payload=state,
-                                 arrival_time=req.arrival_time))
+            state = _SeqState(index, sampling, make_generator(sampling, self.runner.device))
+            seq = Sequence(req.request_id, req.prompt_ids, req.stop, payload=state, arrival_time=req.arrival_time)
+            seq.hold_blocks = req.hold_blocks
+            seqs.append(seq)
+        return seqs
+
+    # ---- prefill/decode hand-over (any thread; the lock guards the scheduler) -----------------
+
+    def held_sequence(self, request_id: str) -> Sequence | None:
         with self.lock:
-            self.scheduler.add(seqs[0])
-            if len(seqs) > 1:
-                self._siblings[req.request_id] = seqs[1:]
+            return next((s for s in self.scheduler.held.values() if s.request_id == request_id), None)
+
+    def release(self, request_id: str) -> None:
+        with self.lock:
+            for seq in [s for s in self.scheduler.held.values() if s.request_id == request_id]:
+                self.scheduler.release(seq)
+
+    def plan_import(self, req: GenerationRequest, prompt_len: int) -> ImportPlan | None:
+        """Allocate blocks for an imported sequence (prompt + first token); None: no room now."""
+        seq = self._sequences(req)[0]
+        bs = self.scheduler.config.block_size
+        with self.lock:
+            need = self.scheduler.allocate_for_import(seq)
+        if need is None:
+            return None
+        n_prompt_blocks = -(-prompt_len // bs)
+        hit = seq.num_computed_tokens // bs
+        return ImportPlan(req, seq, [i for i in need if i < n_prompt_blocks], hit, n_prompt_blocks)
+
+    def join_import(self, plan: ImportPlan, prompt_len: int) -> None:
+        """The plan's KV is loaded: the sequence continues with the next step (engine thread)."""
+        assert isinstance(plan.seq, Sequence)
+        with self.lock:
+            self.scheduler.add_imported(plan.seq, prompt_len)
+            plan.joined = True
+
+    def drop_import(self, plan: ImportPlan) -> None:
+        assert isinstance(plan.seq, Sequence)
+        with self.lock:
+            self.scheduler.drop_import(plan.seq)
 
     def abort(self, request_id: str) -> None:
         with self.lock:
@@ -118,7 +157,7 @@ class Engine:
             self.scheduler.abort(request_id)
 
     @property
-    def has_work(self) -> bool:
+    def has_work(self) -> bool:  # held hand-over sequences are not work: they wait for release()
         return self.scheduler.has_unfinished or bool(self._siblings)
 
     # ---- one step ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from backend.engine import Engine
-from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, ScoreRequest, ScoreResult, TokenOutput,
+                                  WorkerStatus)
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.metrics import BackendMetrics
 
@@ -22,6 +23,7 @@ class _Add:
     sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError]
     loop: asyncio.AbstractEventLoop
     unfinished: int = 0  # sequences of this request still generating (engine thread only)
+    imported: tuple[ImportPlan, int] | None = None  # decode side: (plan, prompt_len) to join, not add
 
 
 @dataclass
@@ -66,13 +68,14 @@ class EngineLoop:
             raise RequestError(ErrorCode.INTERNAL, "scoring ended without a result")
         return result
 
-    async def generate(self, request: GenerationRequest | ScoreRequest
+    async def generate(self, request: GenerationRequest | ScoreRequest,
+                       imported: tuple[ImportPlan, int] | None = None
                        ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
         """_stream with metrics: TTFT, inter-token and end-to-end latency, tokens, prefix-cache reuse."""
         endpoint = "ScoreCall" if isinstance(request, ScoreRequest) else "GenerateStreamCall"
         timer = self.metrics.timer(request.arrival_time)
         status = ErrorCode.CANCELLED.value  # unless it runs to the end or fails: the caller left
-        stream = self._stream(request)
+        stream = self._stream(request, imported)
         first = True
         unfinished = request.n
         try:
@@ -93,7 +96,8 @@ class EngineLoop:
             await stream.aclose()
             self.metrics.count(endpoint, status)
 
-    async def _stream(self, request: GenerationRequest | ScoreRequest
+    async def _stream(self, request: GenerationRequest | ScoreRequest,
+                      imported: tuple[ImportPlan, int] | None = None
                       ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
         """Yields each step's tokens for this request until every sequence finished.
         Leaving early (cancelled, timed out, consumer gone) aborts it in the engine."""
@@ -101,7 +105,7 @@ class EngineLoop:
         if not self.alive:
             raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
         sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError] = asyncio.Queue()
-        self._commands.put(_Add(request, sink, asyncio.get_running_loop()))
+        self._commands.put(_Add(request, sink, asyncio.get_running_loop(), imported=imported))
         remaining = request.n
         try:
             while remaining:
@@ -142,12 +146,17 @@ class EngineLoop:
                 return False
             if isinstance(cmd, _Add):
                 if cmd.request.request_id in self._sinks:
+                    if cmd.imported is not None:
+                        self.engine.drop_import(cmd.imported[0])
                     self._send(cmd, RequestError(ErrorCode.INVALID_ARGUMENT,
                                                  f"request_id {cmd.request.request_id!r} is already running"))
                     continue
                 cmd.unfinished = cmd.request.n
                 self._sinks[cmd.request.request_id] = cmd
-                self.engine.add(cmd.request)
+                if cmd.imported is not None:
+                    self.engine.join_import(*cmd.imported)
+                else:
+                    self.engine.add(cmd.request)
             else:
                 self.engine.abort(cmd.request_id)
                 self._sinks.pop(cmd.request_id, None)

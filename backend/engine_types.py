@@ -17,6 +17,18 @@ class GenerationRequest:
     stop: StopConditions
     n: int = 1                       # sequences sampled from this prompt
     arrival_time: float = field(default_factory=time.monotonic)
+    hold_blocks: bool = False        # prefill hand-over: keep the KV after finishing until released
+
+
+@dataclass
+class ImportPlan:
+    """Decode side of a hand-over: the sequence is allocated; `need` prompt blocks await their KV."""
+    request: GenerationRequest       # prompt_ids = the prompt + the prefill side's first token
+    seq: object                      # the allocated backend.sequence.Sequence
+    need: list[int]                  # prompt block indices to load, ascending
+    skipped: int                     # prompt blocks already held here by key
+    num_prompt_blocks: int           # ceil(len(prompt) / block_size)
+    joined: bool = False             # set by the engine thread once the sequence runs (then abort frees it)
 
 
 @dataclass

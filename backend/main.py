@@ -46,7 +46,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=cfg.block_size,
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
-    engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len)
+    engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
     eos = frozenset(t for t in (tokenizer.eos_token_id,) if t is not None)
     return EngineLoop(engine), eos, max_model_len
 
@@ -56,7 +56,7 @@ async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None
     turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
     engine_loop, eos, max_model_len = await asyncio.to_thread(build_engine_loop, cfg)
     engine_loop.start()
-    server, health_servicer = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len),
+    server, health_servicer = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address),
                                                       cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop), host=cfg.host,
                                          port=cfg.http_port, log_level="warning", access_log=False))

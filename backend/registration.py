@@ -16,7 +16,7 @@ REGISTER_INTERVAL_S = 2.0  # also how soon a restarted master relearns this back
 def registration_body(cfg: BackendConfig) -> dict[str, object]:
     # With a wildcard bind and no ADVERTISE_HOST the master uses the address the POST came from.
     host = cfg.advertise_host or ("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
-    return {"model": cfg.model_name, "role": "PDFUSION", "server_ip": host,
+    return {"model": cfg.model_name, "role": cfg.role, "server_ip": host,
             "grpc_port": cfg.grpc_port, "http_port": cfg.http_port}
 
 

@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []        # admission order: the last one is the first preempted
         self._clock: Callable[[], float] = clock  # injectable so tests control timestamps
         self._version: int = 0
+        self.held: dict[int, Sequence] = {}     # finished but holding blocks for a KV hand-over
 
     # ---- queue management ---------------------------------------------------------------------
 
@@ -242,13 +243,48 @@ class Scheduler:
             if reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
-                self.block_pool.free(seq)
+                if seq.hold_blocks:
+                    self.held[seq.seq_id] = seq  # a prefill hand-over still reads them: release() frees
+                else:
+                    self.block_pool.free(seq)
                 finished = True
             results.append((seq, token, reason))
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         self._version += 1
         return results
+
+    # ---- prefill/decode hand-over --------------------------------------------------------------
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a finished sequence that was held for a KV hand-over."""
+        if self.held.pop(seq.seq_id, None) is not None:
+            self.block_pool.free(seq)
+            self._version += 1
+
+    def allocate_for_import(self, seq: Sequence) -> list[int] | None:
+        """Decode side: blocks for seq's tokens now (prefix hits by key included). Returns the indices
+        of the prompt blocks whose KV must be loaded, or None when the pool has no room now."""
+        if not self.block_pool.can_allocate(seq):
+            return None
+        self.block_pool.allocate(seq)
+        hit_blocks = seq.num_computed_tokens // self.config.block_size
+        self._version += 1
+        return list(range(hit_blocks, len(seq.block_table)))
+
+    def add_imported(self, seq: Sequence, num_computed: int) -> None:
+        """Decode side: seq holds blocks whose KV for the first num_computed tokens is loaded; it joins
+        the running batch and continues from there."""
+        seq.num_computed_tokens = num_computed
+        self.block_pool.cache_computed_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._version += 1
+
+    def drop_import(self, seq: Sequence) -> None:
+        """Decode side: a hand-over failed before add_imported; give its blocks back."""
+        self.block_pool.free(seq)
+        self._version += 1
 
     # ---- observability ------------------------------------------------------------------------
 

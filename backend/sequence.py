@@ -80,6 +80,7 @@ class Sequence:
         self.stop: StopConditions = stop                # what ends generation
         self.payload: object = payload                  # opaque to the scheduler (sampling params, stream handle...)
         self.max_cached_tokens: int | None = None       # cap on prefix-cache hits (scoring needs logits from there on)
+        self.hold_blocks: bool = False                  # keep blocks after finishing (prefill hand-over) until released
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.name}, "

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from backend.engine_loop import EngineLoop
+from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, request_from_pb, score_request_from_pb,
                                 score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
@@ -21,10 +23,14 @@ SERVICE_NAME = "kvyard.ModelRpcService"
 
 
 class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
-    def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int,
+                 role: str = "PDFUSION", decode_address: str = "") -> None:
         self.engine_loop = engine_loop
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.role = role                      # PREFILL hands each request's KV over after the first token
+        self.decode_address = decode_address  # PREFILL's default decode backend
+        self.decode_channels = DecodeChannels()
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         request_id = request.request_id
@@ -32,8 +38,17 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
-                async for outs in self.engine_loop.generate(req):
-                    yield outputs_to_pb(request_id, outs)
+                if self.role == "PREFILL":
+                    address = request.decode_address or self.decode_address
+                    if not address:
+                        raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                           "this PREFILL backend needs a decode_address (or DECODE_ADDRESS)")
+                    async for out in prefill_then_hand_over(self.engine_loop, request, req,
+                                                            self.decode_channels.stub(address), address):
+                        yield out
+                else:
+                    async for outs in self.engine_loop.generate(req):
+                        yield outputs_to_pb(request_id, outs)
         except RequestError as exc:
             log.info("request %s failed: %s", request_id, exc.message)
             yield error_to_pb(request_id, exc)
@@ -43,6 +58,16 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", request_id)
             raise
+
+    async def RemoteDecode(self, request_iterator: AsyncIterator[pb.KVTransferPB],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
+        if self.role == "PREFILL":
+            yield pb.RemoteDecodeReplyPB(outputs=error_to_pb("", RequestError(
+                ErrorCode.INVALID_ARGUMENT, "a PREFILL backend does not decode hand-overs")))
+            return
+        async for reply in remote_decode(self.engine_loop, request_iterator, self.eos_token_ids,
+                                         self.max_model_len):
+            yield reply
 
     async def ScoreCall(self, request: pb.ScoreInputPB, context: grpc.aio.ServicerContext) -> pb.ScoreOutputPB:
         try:

@@ -22,6 +22,8 @@ class RoleType(Enum):
     DECODE = 2     # decode-only backend
     FRONTEND = 4   # HTTP API only: tokenizer and templates, no weights
     MASTER = 5     # the cluster scheduler: routes each request to a backend (master/)
+    MOCK_BACKEND = 6  # a gRPC backend with no model streaming scripted tokens (backend/mock_backend.py)
+    MOCK_MASTER = 7   # answers /rtp_llm/schedule with configured backends (master/mock_master.py)
 
 
 def parse_role(value: str | None) -> RoleType:
@@ -56,6 +58,20 @@ def run_master(env: Mapping[str, str]) -> None:
     asyncio.run(serve_master(MasterConfig.from_env(env)))
 
 
+def run_mock_backend(env: Mapping[str, str]) -> None:
+    from backend.mock_backend import MockBackendConfig, serve_mock_backend
+
+    setup_logging("mock_backend")
+    asyncio.run(serve_mock_backend(MockBackendConfig.from_env(env)))
+
+
+def run_mock_master(env: Mapping[str, str]) -> None:
+    from master.mock_master import MockMasterConfig, serve_mock_master
+
+    setup_logging("mock_master")
+    asyncio.run(serve_mock_master(MockMasterConfig.from_env(env)))
+
+
 def frontend_count(env: Mapping[str, str]) -> int:
     """FRONTEND_SERVER_COUNT: 1 (default) runs a frontend beside a PDFUSION backend; 0 the backend alone."""
     from kvyard.env import env_int
@@ -70,14 +86,18 @@ def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
     if role is RoleType.FRONTEND or (role is RoleType.PDFUSION and frontend_count(env)):
         from frontend.config import FrontendConfig
         FrontendConfig.from_env(env)
-    if role is RoleType.PDFUSION:
+    if role in (RoleType.PDFUSION, RoleType.PREFILL, RoleType.DECODE):
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
     if role is RoleType.MASTER:
         from master.config import MasterConfig
         MasterConfig.from_env(env)
-    if role in (RoleType.PREFILL, RoleType.DECODE):
-        raise ValueError(f"ROLE_TYPE={role.name} is not available in this version yet")
+    if role is RoleType.MOCK_BACKEND:
+        from backend.mock_backend import MockBackendConfig
+        MockBackendConfig.from_env(env)
+    if role is RoleType.MOCK_MASTER:
+        from master.mock_master import MockMasterConfig
+        MockMasterConfig.from_env(env)
 
 
 def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dict[str, str]) -> int:
@@ -125,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if role is RoleType.FRONTEND:
         run_frontend(env)
         return 0
-    if role is RoleType.MASTER:
-        run_master(env)
+    single = {RoleType.MASTER: run_master, RoleType.MOCK_BACKEND: run_mock_backend,
+              RoleType.MOCK_MASTER: run_mock_master}
+    if role in single:
+        single[role](env)
         return 0
-    if not frontend_count(env):
+    if role in (RoleType.PREFILL, RoleType.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)

@@ -11,6 +11,7 @@ _CODE_TO_PB = {
     ErrorCode.OVERLOADED: pb.OVERLOADED,
     ErrorCode.TIMEOUT: pb.TIMEOUT,
     ErrorCode.CANCELLED: pb.CANCELLED,
+    ErrorCode.UNAVAILABLE: pb.UNAVAILABLE,
 }
 _PB_TO_CODE = {v: k for k, v in _CODE_TO_PB.items()}
 

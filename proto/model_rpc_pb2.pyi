@@ -23,6 +23,7 @@ class ErrorCodePB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIMEOUT: _ClassVar[ErrorCodePB]
     CANCELLED: _ClassVar[ErrorCodePB]
     INTERNAL: _ClassVar[ErrorCodePB]
+    UNAVAILABLE: _ClassVar[ErrorCodePB]
 FINISH_REASON_UNSPECIFIED: FinishReasonPB
 FINISH_REASON_STOP: FinishReasonPB
 FINISH_REASON_LENGTH: FinishReasonPB
@@ -34,6 +35,7 @@ OVERLOADED: ErrorCodePB
 TIMEOUT: ErrorCodePB
 CANCELLED: ErrorCodePB
 INTERNAL: ErrorCodePB
+UNAVAILABLE: ErrorCodePB
 
 class TokenIdsPB(_message.Message):
     __slots__ = ("ids",)
@@ -89,14 +91,16 @@ class GenerateConfigPB(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ...) -> None: ...
 
 class GenerateInputPB(_message.Message):
-    __slots__ = ("request_id", "token_ids", "generate_config")
+    __slots__ = ("request_id", "token_ids", "generate_config", "decode_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     generate_config: GenerateConfigPB
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ...) -> None: ...
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
 class TopLogprobPB(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -117,7 +121,7 @@ class TokenLogprobPB(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobPB, _Mapping]]] = ...) -> None: ...
 
 class AuxInfoPB(_message.Message):
-    __slots__ = ("input_len", "output_len", "iter_count", "reuse_len", "cost_time_us", "first_token_cost_time_us", "wait_time_us")
+    __slots__ = ("input_len", "output_len", "iter_count", "reuse_len", "cost_time_us", "first_token_cost_time_us", "wait_time_us", "kv_transfer_bytes", "kv_blocks_sent", "kv_blocks_skipped", "kv_transfer_time_us")
     INPUT_LEN_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
     ITER_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +129,10 @@ class AuxInfoPB(_message.Message):
     COST_TIME_US_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_COST_TIME_US_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TIME_US_FIELD_NUMBER: _ClassVar[int]
     input_len: int
     output_len: int
     iter_count: int
@@ -132,7 +140,11 @@ class AuxInfoPB(_message.Message):
     cost_time_us: int
     first_token_cost_time_us: int
     wait_time_us: int
-    def __init__(self, input_len: _Optional[int] = ..., output_len: _Optional[int] = ..., iter_count: _Optional[int] = ..., reuse_len: _Optional[int] = ..., cost_time_us: _Optional[int] = ..., first_token_cost_time_us: _Optional[int] = ..., wait_time_us: _Optional[int] = ...) -> None: ...
+    kv_transfer_bytes: int
+    kv_blocks_sent: int
+    kv_blocks_skipped: int
+    kv_transfer_time_us: int
+    def __init__(self, input_len: _Optional[int] = ..., output_len: _Optional[int] = ..., iter_count: _Optional[int] = ..., reuse_len: _Optional[int] = ..., cost_time_us: _Optional[int] = ..., first_token_cost_time_us: _Optional[int] = ..., wait_time_us: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_skipped: _Optional[int] = ..., kv_transfer_time_us: _Optional[int] = ...) -> None: ...
 
 class GenerateOutputPB(_message.Message):
     __slots__ = ("index", "output_ids", "finished", "finish_reason", "logprobs", "aux_info")
@@ -247,3 +259,65 @@ class CacheStatusPB(_message.Message):
     removed_keys: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     def __init__(self, version: _Optional[int] = ..., is_diff: _Optional[bool] = ..., cached_keys: _Optional[_Iterable[int]] = ..., added_keys: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KVTransferHeaderPB(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "first_token", "first_logprob", "generate_config", "block_size", "num_blocks", "block_keys", "dtype", "block_shape", "first_token_output_len")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    first_logprob: TokenLogprobPB
+    generate_config: GenerateConfigPB
+    block_size: int
+    num_blocks: int
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    first_token_output_len: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprobPB, _Mapping]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_token_output_len: _Optional[int] = ...) -> None: ...
+
+class KVBlockPB(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KVTransferPB(_message.Message):
+    __slots__ = ("header", "block", "done")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    header: KVTransferHeaderPB
+    block: KVBlockPB
+    done: bool
+    def __init__(self, header: _Optional[_Union[KVTransferHeaderPB, _Mapping]] = ..., block: _Optional[_Union[KVBlockPB, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class RemoteDecodeReplyPB(_message.Message):
+    __slots__ = ("need", "loaded", "outputs")
+    NEED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    need: BlockRequestPB
+    loaded: bool
+    outputs: GenerateOutputsPB
+    def __init__(self, need: _Optional[_Union[BlockRequestPB, _Mapping]] = ..., loaded: _Optional[bool] = ..., outputs: _Optional[_Union[GenerateOutputsPB, _Mapping]] = ...) -> None: ...
+
+class BlockRequestPB(_message.Message):
+    __slots__ = ("indices", "skipped")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    skipped: int
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., skipped: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class ModelRpcServiceStub:
                 request_serializer=proto_dot_model__rpc__pb2.CacheStatusRequestPB.SerializeToString,
                 response_deserializer=proto_dot_model__rpc__pb2.CacheStatusPB.FromString,
                 _registered_method=True)
+        self.RemoteDecode = channel.stream_stream(
+                '/kvyard.ModelRpcService/RemoteDecode',
+                request_serializer=proto_dot_model__rpc__pb2.KVTransferPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.FromString,
+                _registered_method=True)
 
 
 class ModelRpcServiceServicer:
@@ -88,6 +93,15 @@ class ModelRpcServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoteDecode(self, request_iterator, context):
+        """Prefill → decode hand-over (ROLE_TYPE=DECODE serves it): the prefill backend opens the stream
+        with a header, the decode backend answers which blocks it lacks, the prefill backend sends them,
+        the decode backend acknowledges the load and then streams the generated tokens back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRpcServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_ModelRpcServiceServicer_to_server(servicer, server):
                     servicer.GetCacheStatus,
                     request_deserializer=proto_dot_model__rpc__pb2.CacheStatusRequestPB.FromString,
                     response_serializer=proto_dot_model__rpc__pb2.CacheStatusPB.SerializeToString,
+            ),
+            'RemoteDecode': grpc.stream_stream_rpc_method_handler(
+                    servicer.RemoteDecode,
+                    request_deserializer=proto_dot_model__rpc__pb2.KVTransferPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +239,33 @@ class ModelRpcService:
             '/kvyard.ModelRpcService/GetCacheStatus',
             proto_dot_model__rpc__pb2.CacheStatusRequestPB.SerializeToString,
             proto_dot_model__rpc__pb2.CacheStatusPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoteDecode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvyard.ModelRpcService/RemoteDecode',
+            proto_dot_model__rpc__pb2.KVTransferPB.SerializeToString,
+            proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,229 @@
+"""Prefill/decode split: the prefill backend hands a request's prompt KV to a decode backend over gRPC.
+
+Prefill side (`prefill_then_hand_over`): run the prompt, send the first token to the client, hold the
+prompt's blocks, open RemoteDecode on the decode backend, send the blocks it asks for, free ours on
+its "loaded" ack, then relay its tokens. Decode side (`remote_decode`): check the header against our
+own cache layout, allocate (prefix hits by block key need no transfer), load the blocks, continue.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from backend.attention import KVCache
+from backend.engine_loop import EngineLoop
+from backend.engine_types import GenerationRequest, ImportPlan, TokenOutput
+from backend.pb_convert import outputs_to_pb, request_from_pb
+from backend.sequence import FinishReason
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.pb_errors import error_from_pb, error_to_pb
+from proto import model_rpc_pb2 as pb
+from proto import model_rpc_pb2_grpc as pb_grpc
+
+HANDOVER_TIMEOUT_S = 30.0  # header → blocks → loaded ack; past it the prefill side frees its copy
+
+
+# ---- KV blocks as bytes ----------------------------------------------------------------------
+
+def block_shape(cache: KVCache) -> list[int]:
+    layers, two, _, hkv, d = cache.data.shape
+    return [layers, two, cache.block_size, hkv, d]
+
+
+def dtype_name(cache: KVCache) -> str:
+    return str(cache.data.dtype).removeprefix("torch.")
+
+
+def read_block(cache: KVCache, block_id: int) -> bytes:
+    bs = cache.block_size
+    t = cache.data[:, :, block_id * bs:(block_id + 1) * bs].contiguous().cpu()  # [L, 2, bs, Hkv, d]
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def write_block(cache: KVCache, block_id: int, data: bytes) -> None:
+    bs = cache.block_size
+    shape = block_shape(cache)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(cache.data.dtype).view(shape)
+    cache.data[:, :, block_id * bs:(block_id + 1) * bs] = t.to(cache.data.device)
+
+
+# ---- prefill side ----------------------------------------------------------------------------
+
+class DecodeChannels:
+    """One gRPC channel per decode backend address, owned by the prefill backend's servicer."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, pb_grpc.ModelRpcServiceStub] = {}
+
+    def stub(self, address: str) -> pb_grpc.ModelRpcServiceStub:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+            self._stubs[address] = pb_grpc.ModelRpcServiceStub(channel)
+        return self._stubs[address]
+
+
+async def prefill_then_hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationRequest,
+                                 decode: pb_grpc.ModelRpcServiceStub, decode_address: str
+                                 ) -> AsyncIterator[pb.GenerateOutputsPB]:
+    if req.n > 1:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "n > 1 is not supported with the prefill/decode split", "n")
+    prefill = dataclasses.replace(req, stop=dataclasses.replace(req.stop, max_new_tokens=1), hold_blocks=True)
+    first: TokenOutput | None = None
+    try:
+        async for outs in loop.generate(prefill):
+            first = outs[0]
+        assert first is not None
+        prompt_len = len(req.prompt_ids)
+        ended = (first.finish_reason is FinishReason.STOP or req.stop.max_new_tokens <= 1
+                 or (req.stop.max_total_len is not None and prompt_len + 1 >= req.stop.max_total_len))
+        if ended:
+            yield outputs_to_pb(req.request_id, [first])
+            return
+        yield outputs_to_pb(req.request_id, [dataclasses.replace(first, finish_reason=None)])
+        async for out in _hand_over(loop, msg, req, first, decode, decode_address):
+            yield out
+    finally:
+        loop.engine.release(req.request_id)
+
+
+async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationRequest, first: TokenOutput,
+                     decode: pb_grpc.ModelRpcServiceStub, address: str) -> AsyncIterator[pb.GenerateOutputsPB]:
+    seq = loop.engine.held_sequence(req.request_id)
+    if seq is None:
+        raise RequestError(ErrorCode.INTERNAL, "the prefill KV was not held for the hand-over")
+    cache = loop.engine.runner.cache
+    bs = cache.block_size
+    n_blocks = -(-len(req.prompt_ids) // bs)
+    header = pb.KVTransferHeaderPB(
+        request_id=req.request_id, prompt_ids=req.prompt_ids, first_token=first.token_id,
+        generate_config=msg.generate_config, block_size=bs, num_blocks=n_blocks,
+        block_keys=seq.block_keys[:len(req.prompt_ids) // bs], dtype=dtype_name(cache),
+        block_shape=block_shape(cache), first_token_output_len=1)
+    start = time.monotonic()
+    call = decode.RemoteDecode()
+    sent_bytes = sent = skipped = 0
+    try:
+        async with asyncio.timeout(HANDOVER_TIMEOUT_S):
+            await call.write(pb.KVTransferPB(header=header))
+            need = await _expect(call, "need")
+            skipped = need.need.skipped
+            for index in need.need.indices:
+                if not 0 <= index < n_blocks:
+                    raise RequestError(ErrorCode.INTERNAL, f"decode backend asked for block {index} of {n_blocks}")
+                data = read_block(cache, seq.block_table[index])
+                sent_bytes += len(data)
+                sent += 1
+                await call.write(pb.KVTransferPB(block=pb.KVBlockPB(index=index, data=data)))
+            await call.write(pb.KVTransferPB(done=True))
+            await call.done_writing()
+            await _expect(call, "loaded")
+        loop.engine.release(req.request_id)  # the decode side has its own copy now
+        transfer_us = int((time.monotonic() - start) * 1e6)
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            out = reply.outputs
+            if out.HasField("error"):
+                raise error_from_pb(out.error)
+            for item in out.generate_outputs:
+                a = item.aux_info
+                a.output_len += 1  # the first token was ours
+                a.kv_transfer_bytes, a.kv_blocks_sent, a.kv_blocks_skipped = sent_bytes, sent, skipped
+                a.kv_transfer_time_us = transfer_us
+            yield out
+    except grpc.aio.AioRpcError as exc:
+        raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} failed: {exc.code().name}") from exc
+    except TimeoutError as exc:
+        raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} did not take the KV in time") from exc
+    finally:
+        call.cancel()
+
+
+async def _expect(call: grpc.aio.StreamStreamCall, field: str) -> pb.RemoteDecodeReplyPB:
+    reply = await call.read()
+    if reply is grpc.aio.EOF:
+        raise RequestError(ErrorCode.UNAVAILABLE, "decode backend closed the hand-over")
+    if reply.WhichOneof("msg") == "outputs" and reply.outputs.HasField("error"):
+        raise error_from_pb(reply.outputs.error)
+    if reply.WhichOneof("msg") != field:
+        raise RequestError(ErrorCode.INTERNAL, f"decode backend sent {reply.WhichOneof('msg')}, expected {field}")
+    return reply
+
+
+# ---- decode side -----------------------------------------------------------------------------
+
+async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferPB], eos: frozenset[int],
+                        max_model_len: int) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
+    request_id = ""
+    plan: ImportPlan | None = None
+    submitted = False
+    try:
+        first = await anext(messages, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "RemoteDecode must start with a header")
+        h = first.header
+        request_id = h.request_id
+        req, prompt_len = _decode_request(loop, h, eos, max_model_len)
+        plan = loop.engine.plan_import(req, prompt_len)
+        if plan is None:
+            raise RequestError(ErrorCode.OVERLOADED, "no free KV blocks for the hand-over right now")
+        yield pb.RemoteDecodeReplyPB(need=pb.BlockRequestPB(indices=plan.need, skipped=plan.skipped))
+        await _receive_blocks(loop.engine.runner.cache, messages, plan)
+        yield pb.RemoteDecodeReplyPB(loaded=True)
+        submitted = True
+        async for outs in loop.generate(req, imported=(plan, prompt_len)):
+            yield pb.RemoteDecodeReplyPB(outputs=outputs_to_pb(request_id, outs))
+    except RequestError as exc:
+        yield pb.RemoteDecodeReplyPB(outputs=error_to_pb(request_id, exc))
+    finally:
+        if plan is not None and not submitted:
+            loop.engine.drop_import(plan)
+
+
+def _decode_request(loop: EngineLoop, h: pb.KVTransferHeaderPB, eos: frozenset[int],
+                    max_model_len: int) -> tuple[GenerationRequest, int]:
+    cache = loop.engine.runner.cache
+    bs = cache.block_size
+    prompt_len = len(h.prompt_ids)
+    problems = []
+    if h.block_size != bs:
+        problems.append(f"block_size {h.block_size} != {bs}")
+    if h.dtype != dtype_name(cache) or list(h.block_shape) != block_shape(cache):
+        problems.append(f"KV layout {h.dtype}{list(h.block_shape)} != {dtype_name(cache)}{block_shape(cache)}")
+    if prompt_len == 0 or h.num_blocks != -(-prompt_len // bs):
+        problems.append(f"num_blocks {h.num_blocks} does not cover {prompt_len} prompt tokens")
+    if problems:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "incompatible hand-over: " + "; ".join(problems))
+    cfg = pb.GenerateConfigPB()
+    cfg.CopyFrom(h.generate_config)
+    if cfg.max_new_tokens:
+        cfg.max_new_tokens = max(1, cfg.max_new_tokens - h.first_token_output_len)
+    cfg.min_new_tokens = max(0, cfg.min_new_tokens - h.first_token_output_len)
+    msg = pb.GenerateInputPB(request_id=h.request_id, token_ids=[*h.prompt_ids, h.first_token], generate_config=cfg)
+    req = request_from_pb(msg, eos, max_model_len)
+    loop.engine.validate(req)
+    return req, prompt_len
+
+
+async def _receive_blocks(cache: KVCache, messages: AsyncIterator[pb.KVTransferPB], plan: ImportPlan) -> None:
+    """Load every asked block; anything else (unasked, repeated, wrong size, missing) rejects the hand-over."""
+    expected = cache.data.dtype.itemsize * int(torch.tensor(block_shape(cache)).prod())
+    missing = set(plan.need)
+    async for m in messages:
+        kind = m.WhichOneof("msg")
+        if kind == "done":
+            break
+        if kind != "block":
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unexpected {kind} in the block stream")
+        if m.block.index not in missing or len(m.block.data) != expected:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"bad block {m.block.index} ({len(m.block.data)} bytes, expected {expected})")
+        write_block(cache, plan.seq.block_table[m.block.index], m.block.data)  # type: ignore[attr-defined]
+        missing.discard(m.block.index)
+    if missing:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"partial block stream: blocks {sorted(missing)} never came")

@@ -1,0 +1,92 @@
+"""ROLE_TYPE=MOCK_MASTER: answers `POST /rtp_llm/schedule` with configured backends, round-robin, with no
+polling and no policy, for debugging a frontend's routing path (RTP-LLM's mock master).
+
+MOCK_MASTER_BACKENDS: `host:grpc_port,...` (required). MOCK_MASTER_MODELS: the model names it knows
+(default: any; others are a 404 `model_not_found`). MOCK_MASTER_ERROR: answer every schedule call with
+this error kind instead (`overloaded` → 429, `unavailable` → 503, `model_not_found` → 404, ...).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import Body, FastAPI
+from fastapi.responses import PlainTextResponse
+
+from frontend.errors import install_error_handlers
+from kvyard.env import env_int, env_str
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_json import JsonBodyByDefault
+
+log = logging.getLogger("kvyard.mock_master")
+
+
+@dataclass(frozen=True)
+class MockMasterConfig:
+    host: str                      # bind address
+    port: int                      # START_PORT: HTTP
+    backends: tuple[str, ...]      # host:grpc_port of each backend, answered round-robin
+    models: tuple[str, ...] = ()   # known model names; () = any
+    error: ErrorCode | None = None  # answer every schedule call with this error
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> MockMasterConfig:
+        backends = tuple(b.strip() for b in env.get("MOCK_MASTER_BACKENDS", "").split(",") if b.strip())
+        bad = [b for b in backends if not b.rpartition(":")[2].isdigit()]
+        if not backends or bad:
+            raise ValueError(f"MOCK_MASTER_BACKENDS must list host:grpc_port,..., got "
+                             f"{env.get('MOCK_MASTER_BACKENDS', '')!r}")
+        error = None
+        if env.get("MOCK_MASTER_ERROR"):
+            try:
+                error = ErrorCode(env["MOCK_MASTER_ERROR"].lower())
+            except ValueError:
+                raise ValueError(f"MOCK_MASTER_ERROR must be one of {', '.join(c.value for c in ErrorCode)}, "
+                                 f"got {env['MOCK_MASTER_ERROR']!r}") from None
+        models = tuple(m.strip() for m in env.get("MOCK_MASTER_MODELS", "").split(",") if m.strip())
+        return cls(env_str(env, "HOST", "0.0.0.0"), env_int(env, "START_PORT", 8088, minimum=1), backends,
+                   models, error)
+
+
+def create_mock_master_app(cfg: MockMasterConfig) -> FastAPI:
+    app = FastAPI(title="kvyard mock master")
+    install_error_handlers(app)
+    app.add_middleware(JsonBodyByDefault)
+    turn = itertools.count()
+    app.state.schedule_requests = []   # every schedule body, for tests and for looking at
+
+    @app.post("/rtp_llm/schedule")
+    async def schedule(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        app.state.schedule_requests.append(body)
+        model = body.get("model")
+        if cfg.error is not None:
+            raise RequestError(cfg.error, f"mock master: scripted {cfg.error.value}")
+        if cfg.models and model not in cfg.models:
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist", "model")
+        host, _, port = cfg.backends[next(turn) % len(cfg.backends)].rpartition(":")
+        return {"server_status": [{"role": 0, "server_ip": host, "http_port": int(port) + 4,
+                                   "grpc_port": int(port), "debug_info": None}],
+                "cache_local": 0, "inter_request_id": len(app.state.schedule_requests)}
+
+    @app.post("/rtp_llm/master")
+    async def master() -> dict[str, str]:
+        return {"real_master_host": f"{cfg.host}:{cfg.port}"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvyard"} for m in cfg.models]}
+
+    for path in ("/health", "/status"):
+        app.add_api_route(path, lambda: PlainTextResponse("ok"), methods=["GET", "POST"])
+    return app
+
+
+async def serve_mock_master(cfg: MockMasterConfig) -> None:
+    server = uvicorn.Server(uvicorn.Config(create_mock_master_app(cfg), host=cfg.host, port=cfg.port,
+                                           log_level="warning", access_log=False))
+    log.info("mock master on http://%s:%d routing to %s", cfg.host, cfg.port, ", ".join(cfg.backends))
+    await server.serve()
