@@ -73,6 +73,10 @@ class BackendOutput:
     input_len: int
     output_len: int
     reuse_len: int
+    iter_count: int = 0                # engine steps this request took part in so far
+    cost_time_us: int = 0              # since the backend received the request
+    first_token_cost_time_us: int = 0  # from receipt to the first generated token
+    wait_time_us: int = 0              # from receipt to its first scheduled step
 
 
 @dataclass
@@ -102,12 +106,13 @@ class BackendClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def generate(self, request_id: str, input_ids: list[int],
-                       params: GenerateParams) -> AsyncIterator[list[BackendOutput]]:
+    async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
+                       decode_address: str = "") -> AsyncIterator[list[BackendOutput]]:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
-        cancels the gRPC call, which aborts the request in the backend and frees its KV."""
+        cancels the gRPC call, which aborts the request in the backend and frees its KV.
+        decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend."""
         msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
-                                 generate_config=params.to_pb())
+                                 generate_config=params.to_pb(), decode_address=decode_address)
         call = self._stub.GenerateStreamCall(msg)
         try:
             async for out in call:
@@ -139,7 +144,9 @@ def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:
         index=o.index, token_ids=list(o.output_ids),
         finish_reason=_FINISH.get(o.finish_reason) if o.finished else None,
         logprobs=[_logprob_from_pb(lp) for lp in o.logprobs],
-        input_len=o.aux_info.input_len, output_len=o.aux_info.output_len, reuse_len=o.aux_info.reuse_len)
+        input_len=o.aux_info.input_len, output_len=o.aux_info.output_len, reuse_len=o.aux_info.reuse_len,
+        iter_count=o.aux_info.iter_count, cost_time_us=o.aux_info.cost_time_us,
+        first_token_cost_time_us=o.aux_info.first_token_cost_time_us, wait_time_us=o.aux_info.wait_time_us)
 
 
 def _logprob_from_pb(lp: pb.TokenLogprobPB) -> TokenLogprob:

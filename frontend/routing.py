@@ -27,6 +27,7 @@ log = logging.getLogger("kvyard.frontend")
 
 MASTER_RETRY_S = 1.0  # after a failed master call, go direct for this long before asking it again
 ATTEMPTS = 2          # backends tried per request (only before its first output)
+DECODE_ROLE = 2       # RTP-LLM's RoleType.DECODE in the master's server_status
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Route:
     address: str         # host:grpc_port of the backend
     via_master: bool     # False: the direct fallback list
     hit_cache_len: int   # the master's estimate of its prefix-cache hit (0 when direct)
+    decode_address: str = ""  # prefill/decode split: the DECODE backend the PREFILL one hands over to
 
 
 class Router:
@@ -70,7 +72,8 @@ class Router:
             route = await self.route(model or self.cfg.model_name, input_ids, exclude=failed)
             started = False
             try:
-                async for outs in self.client(route.address).generate(request_id, input_ids, params):
+                async for outs in self.client(route.address).generate(request_id, input_ids, params,
+                                                                      route.decode_address):
                     started = True
                     yield outs
                 return
@@ -108,10 +111,12 @@ class Router:
             return self._master_failed(f"{type(exc).__name__}: {exc}")
         if resp.status_code == 200:
             try:
-                server = data["server_status"][0]
+                servers = data["server_status"]
+                server = next(s for s in servers if s["role"] != DECODE_ROLE)
+                decode = next((f"{s['server_ip']}:{int(s['grpc_port'])}" for s in servers if s["role"] == DECODE_ROLE), "")
                 return Route(f"{server['server_ip']}:{int(server['grpc_port'])}", True,
-                             int((server.get("debug_info") or {}).get("hit_cache_len", 0)))
-            except (KeyError, IndexError, TypeError, ValueError):
+                             int((server.get("debug_info") or {}).get("hit_cache_len", 0)), decode)
+            except (KeyError, IndexError, TypeError, ValueError, StopIteration):
                 return self._master_failed(f"malformed schedule answer: {str(data)[:200]}")
         error = _master_error(data)
         if error is None or error.code in (ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.INVALID_ARGUMENT):

@@ -69,7 +69,13 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
                   "grpc_port": e.grpc_port,
                   "debug_info": debug_info(chosen, st.running if st else 0, st.step_latency_ms if st else 0.0)}
-        out: dict[str, Any] = {"server_status": [server], "cache_local": 0, "inter_request_id": next(request_ids)}
+        servers = [server]
+        if decision.decode is not None:
+            registry.record_choice(decision.decode, [], req.seq_len, 0, now)  # its KV fills at hand-over
+            d = registry.backends[decision.decode].endpoint
+            servers.append({"role": ROLE_VALUES[d.role], "server_ip": d.host, "http_port": d.http_port,
+                            "grpc_port": d.grpc_port, "debug_info": None})
+        out: dict[str, Any] = {"server_status": servers, "cache_local": 0, "inter_request_id": next(request_ids)}
         if req.debug:
             out["reason"] = decision.reason
             out["candidates"] = candidates_view(decision)

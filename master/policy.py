@@ -20,11 +20,15 @@ max_load > imbalance_ratio × min_load, load = running + waiting + routed since 
 loaded backend wins whatever the cache says. Otherwise the lowest TTFT wins; candidates within
 tie_ratio of it count as tied and the least recently chosen of them wins (RTP-LLM), which spreads a
 burst of identical-looking requests instead of piling them on one backend.
+
+Prefill/decode split: when the model has PREFILL backends, the above picks among them, and a DECODE
+backend is paired by KV room and load (`choose_decode`): skip the unhealthy and those without free KV
+for the whole prompt, then the lowest load, then the lowest KV usage.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvyard.errors import ErrorCode
 
@@ -58,6 +62,7 @@ class BackendLoad:
     name: str                        # "host:grpc_port", unique
     model: str                       # the model it serves
     healthy: bool                    # answered a sane status within the expiry window
+    role: str = "PDFUSION"           # PDFUSION, PREFILL or DECODE
     running: int = 0                 # sequences holding KV blocks
     waiting: int = 0                 # sequences queued
     queued_prefill_tokens: int = 0   # prompt tokens still to compute
@@ -98,6 +103,7 @@ class Decision:
     candidates: list[Candidate]      # every backend serving the model, in input order
     error: ErrorCode | None = None   # set when chosen is None
     message: str = ""                # for humans, with the error
+    decode: str | None = None        # prefill/decode split: the DECODE backend paired with `chosen`
 
     def candidate(self, name: str) -> Candidate:
         return next(c for c in self.candidates if c.name == name)
@@ -141,6 +147,33 @@ def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
         models = sorted({b.model for b in backends})
         return Decision(None, "unknown_model", [], ErrorCode.MODEL_NOT_FOUND,
                         f"The model '{request.model}' does not exist; this cluster serves: {', '.join(models)}")
+    prefill = [b for b in serving if b.role == "PREFILL"]
+    if not prefill:
+        return _choose_first_stage(request, [b for b in serving if b.role != "DECODE"] or serving, cfg)
+    decision = _choose_first_stage(request, prefill, cfg)
+    if decision.chosen is None:
+        return decision
+    decode = choose_decode(request, [b for b in serving if b.role == "DECODE"])
+    if decode is None:
+        return Decision(None, "no_decode", decision.candidates, ErrorCode.OVERLOADED,
+                        f"no DECODE backend of '{request.model}' is healthy with KV room for "
+                        f"{request.seq_len} tokens; retry shortly")
+    return replace(decision, decode=decode)
+
+
+def choose_decode(request: RouteRequest, decoders: Sequence[BackendLoad]) -> str | None:
+    """The DECODE backend for a hand-over: KV room for the whole prompt, then least loaded, then
+    least KV used (RTP-LLM's decode choice, made deterministic)."""
+    def room(b: BackendLoad) -> int:
+        return b.free_blocks * b.block_size - b.routed_kv_tokens
+
+    eligible = [b for b in decoders if b.healthy and room(b) > request.seq_len]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda b: (b.load, 1 - b.free_blocks / max(1, b.total_blocks), b.name)).name
+
+
+def _choose_first_stage(request: RouteRequest, serving: Sequence[BackendLoad], cfg: PolicyConfig) -> Decision:
     measured = [b.prefill_tokens_per_s for b in serving if b.prefill_tokens_per_s > 0]
     default_rate = sum(measured) / len(measured) if measured else cfg.default_prefill_tokens_per_s
     candidates = [score(request, b, default_rate, cfg.max_waiting) for b in serving]

@@ -148,7 +148,7 @@ class Registry:
                 step_latency_ms=st.step_latency_ms, prefill_tokens_per_s=st.prefill_tokens_per_s,
                 free_blocks=st.free_blocks, total_blocks=st.total_blocks, block_size=st.block_size)
             out.append(BackendLoad(
-                name=name, model=s.endpoint.model, healthy=self.healthy(s, now), **base,
+                name=name, model=s.endpoint.model, healthy=self.healthy(s, now), role=s.endpoint.role, **base,
                 cached_keys=s.cache_keys, pending_keys=s.pending.keys(),
                 routed_requests=len(s.routed), routed_prefill_tokens=sum(r.prefill_tokens for r in s.routed),
                 routed_kv_tokens=sum(r.kv_tokens for r in s.routed), last_chosen=s.last_chosen))

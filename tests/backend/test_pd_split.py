@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -21,22 +22,43 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 12
 
 
+@dataclass
+class PD:
+    decode: int      # START_PORT of the DECODE backend
+    prefill: int     # START_PORT of the PREFILL backend (registered with the master, no DECODE_ADDRESS)
+    frontend: str    # base URL of a FRONTEND that asks the master for (prefill, decode) pairs
+
+    @property
+    def decode_grpc(self) -> str:
+        return f"127.0.0.1:{self.decode + 1}"
+
+
 @pytest.fixture(scope="module")
-def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
-    """(decode START_PORT, prefill START_PORT), both serving, always stopped."""
-    dport, pport = free_port_block(), free_port_block()
-    common = {"KV_CACHE_MB": "128", "TORCH_NUM_THREADS": "1"}
-    log_dir = tmp_path_factory.mktemp("pd")
-    decode = RoleProcess({**common, "ROLE_TYPE": "DECODE", "START_PORT": str(dport)}, log_dir / "decode.log")
-    prefill = RoleProcess({**common, "ROLE_TYPE": "PREFILL", "START_PORT": str(pport),
-                           "DECODE_ADDRESS": f"127.0.0.1:{dport + 1}"}, log_dir / "prefill.log")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    mport, dport, pport, fport = (free_port_block() for _ in range(4))
+    master = f"127.0.0.1:{mport}"
+    common = {"KV_CACHE_MB": "128", "TORCH_NUM_THREADS": "1", "MASTER_ADDRESS": master}
+    logs = tmp_path_factory.mktemp("pd")
+    procs = [RoleProcess({"ROLE_TYPE": "MASTER", "START_PORT": str(mport)}, logs / "master.log"),
+             RoleProcess({**common, "ROLE_TYPE": "DECODE", "START_PORT": str(dport)}, logs / "decode.log"),
+             RoleProcess({**common, "ROLE_TYPE": "PREFILL", "START_PORT": str(pport)}, logs / "prefill.log"),
+             RoleProcess({"ROLE_TYPE": "FRONTEND", "START_PORT": str(fport), "MASTER_ADDRESS": master,
+                          "BACKEND_ADDRESS": f"127.0.0.1:{pport + 1}"}, logs / "frontend.log")]
     try:
-        decode.wait_healthy(f"http://127.0.0.1:{dport + 5}/health")
-        prefill.wait_healthy(f"http://127.0.0.1:{pport + 5}/health")
-        yield dport, pport
+        procs[1].wait_healthy(f"http://127.0.0.1:{dport + 5}/health", timeout_s=180)
+        procs[2].wait_healthy(f"http://127.0.0.1:{pport + 5}/health", timeout_s=180)
+        procs[0].wait_healthy(f"http://{master}/health")  # 200 once a backend has registered
+        procs[3].wait_healthy(f"http://127.0.0.1:{fport}/health")
+        for _ in range(100):  # both roles registered and polled healthy
+            backends = httpx.get(f"http://{master}/backends").json()
+            roles = {b["role"] for b in backends["backends"] if b.get("healthy")}
+            if {"PREFILL", "DECODE"} <= roles:
+                break
+            time.sleep(0.1)
+        yield PD(dport, pport, f"http://127.0.0.1:{fport}")
     finally:
-        prefill.stop()
-        decode.stop()
+        for proc in reversed(procs):
+            proc.stop()
 
 
 def prompts(tokenizer: TextTokenizer) -> list[list[int]]:
@@ -63,6 +85,23 @@ def status(port: int) -> dict:
     return httpx.get(f"http://127.0.0.1:{port + 5}/worker_status").json()
 
 
+def test_chat_through_master_pairs_prefill_with_decode(pd: PD, pdfusion: Cluster) -> None:
+    """The whole path: frontend → master (pair) → PREFILL → hand-over → DECODE → tokens back."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "max_tokens": 20}
+    before = status(pd.decode)["iterate_count"]
+    split = httpx.post(f"{pd.frontend}/v1/chat/completions", json=body, timeout=60).json()
+    fused = httpx.post(f"{pdfusion.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert split["choices"][0]["message"]["content"] == fused["choices"][0]["message"]["content"]
+    assert "Paris" in split["choices"][0]["message"]["content"]
+    assert split["usage"] == fused["usage"]
+    assert status(pd.decode)["iterate_count"] > before  # the decode backend generated the rest
+    with httpx.stream("POST", f"{pd.frontend}/v1/chat/completions", json={**body, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and sum('"finish_reason": "stop"' in ln for ln in lines) == 1
+    assert_no_leaks(pd.decode, pd.prefill)
+
+
 def assert_no_leaks(*ports: int) -> None:
     for port in ports:
         for _ in range(40):
@@ -73,14 +112,13 @@ def assert_no_leaks(*ports: int) -> None:
         assert (st["running"], st["free_blocks"]) == (0, st["total_blocks"]), st
 
 
-def test_pd_matches_pdfusion_and_skips_held_blocks(pd_pair: tuple[int, int], pdfusion: Cluster,
-                                                   tokenizer: TextTokenizer) -> None:
-    dport, pport = pd_pair
+def test_pd_matches_pdfusion_and_skips_held_blocks(pd: PD, pdfusion: Cluster, tokenizer: TextTokenizer) -> None:
+    dport, pport = pd.decode, pd.prefill
     ps = prompts(tokenizer)
     reference = [tokens(generate(pdfusion.grpc_address, ids, f"ref{i}")) for i, ids in enumerate(ps)]
     for round_ in ("cold", "warm"):  # warm: the decode side already holds every full prompt block
         for i, ids in enumerate(ps):
-            outs = generate(f"127.0.0.1:{pport + 1}", ids, f"{round_}{i}")
+            outs = generate(f"127.0.0.1:{pport + 1}", ids, f"{round_}{i}", pd.decode_grpc)
             assert tokens(outs) == reference[i], (round_, i)
             aux = outs[-1].generate_outputs[-1].aux_info
             n_blocks, full = -(-len(ids) // 16), len(ids) // 16
@@ -93,9 +131,8 @@ def test_pd_matches_pdfusion_and_skips_held_blocks(pd_pair: tuple[int, int], pdf
     assert_no_leaks(dport, pport)
 
 
-def test_unreachable_decode_fails_the_request_and_frees_prefill(pd_pair: tuple[int, int],
-                                                                tokenizer: TextTokenizer) -> None:
-    _, pport = pd_pair
+def test_unreachable_decode_fails_the_request_and_frees_prefill(pd: PD, tokenizer: TextTokenizer) -> None:
+    pport = pd.prefill
     dead = f"127.0.0.1:{free_port_block(1)}"
     outs = generate(f"127.0.0.1:{pport + 1}", prompts(tokenizer)[0], "dead-decode", decode_address=dead)
     assert len(tokens(outs[:-1])) == 1  # the first token still came first
@@ -120,9 +157,8 @@ class _DyingDecode(pb_grpc.ModelRpcServiceServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "decode process died")
 
 
-def test_decode_dying_mid_stream_reaches_the_client_as_an_error(pd_pair: tuple[int, int],
-                                                                tokenizer: TextTokenizer) -> None:
-    _, pport = pd_pair
+def test_decode_dying_mid_stream_reaches_the_client_as_an_error(pd: PD, tokenizer: TextTokenizer) -> None:
+    pport = pd.prefill
     port = free_port_block(1)
     loop = asyncio.new_event_loop()
 
@@ -160,8 +196,8 @@ def _header(ids: list[int], **overrides: object) -> pb.KVTransferHeaderPB:
 
 
 @pytest.mark.parametrize("case", ["wrong_size", "missing_block", "unasked_block", "bad_layout", "no_header"])
-def test_bad_block_streams_are_rejected(case: str, pd_pair: tuple[int, int]) -> None:
-    dport, _ = pd_pair
+def test_bad_block_streams_are_rejected(case: str, pd: PD) -> None:
+    dport = pd.decode
     ids = list(range(1000, 1040))  # 3 blocks, none cached on the decode side
     block = 30 * 2 * 16 * 3 * 64 * 4
     msgs = [pb.KVTransferPB(header=_header(ids))]
