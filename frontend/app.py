@@ -1,26 +1,29 @@
-"""The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health (LMTP,
-/generate and /metrics are included from frontend/lmtp.py, frontend/generate_stream.py, kvyard/metrics.py)."""
+"""The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health (the
+responses are built in frontend/chat_response.py; /v1/completions, `POST /`, LMTP, /generate and /metrics are
+included from frontend/completions.py, raw_generate.py, lmtp.py, generate_stream.py, kvyard/metrics.py)."""
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, FastAPI
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from frontend.backend_client import TokenLogprob
-from frontend.chat import ChatService, PreparedRequest
+from frontend.admission import Admission, AdmissionMiddleware
+from frontend.chat import ChatService
+from frontend.chat_response import complete, render_info, sse
+from frontend.completions import SSE_HEADERS, completion_routes
 from frontend.config import FrontendConfig
-from frontend.errors import error_body, install_error_handlers, request_error_body
+from frontend.disconnect import cancel_on_disconnect
+from frontend.errors import error_body, install_error_handlers
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
 from frontend.protocol import ChatCompletionRequest
+from frontend.raw_generate import raw_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -28,10 +31,11 @@ from kvyard.tokenizer import TextTokenizer
 from renderers import get_renderer
 
 
-def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
+def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admission | None = None) -> FastAPI:
     metrics = FrontendMetrics()
     client = MeteredRouter(cfg, metrics)
-    chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer), client)
+    chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser), client)
+    admission = admission or Admission(cfg)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -39,23 +43,26 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
         await client.close()
 
     app = FastAPI(title="kvyard frontend", lifespan=lifespan)
+    app.state.admission = admission
     install_error_handlers(app)
+    app.add_middleware(AdmissionMiddleware, admission=admission)  # innermost: 401/413/429/503 before routes
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, metrics.registry)
     app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client)))
     app.include_router(generate_stream_routes(cfg, tokenizer, client))
+    app.include_router(completion_routes(chat))
+    app.include_router(raw_routes(chat))
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         prep = chat.prepare(req)
+        model = prep.model or cfg.model_name
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(chat, prep, prep.model or cfg.model_name, include_usage, tokenizer),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await _complete(chat, prep, prep.model or cfg.model_name, tokenizer))
+            return StreamingResponse(sse(chat, req, prep, model), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return JSONResponse(await cancel_on_disconnect(request, complete(chat, req, prep, model)))
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -67,21 +74,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
     @app.post("/v1/chat/render")
     @app.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        prep = chat.prepare(req)
-        p = prep.params
-        return {
-            "input_prompt": prep.rendered.prompt,
-            "input_ids": prep.rendered.input_ids,
-            "input_urls": [],
-            "tokenizer_info": f"{type(tokenizer).__name__}({cfg.tokenizer_path.name}, vocab={tokenizer.vocab_size})",
-            "max_seq_len": cfg.max_seq_len,
-            "eos_token_id": tokenizer.eos_token_id,
-            "stop_words_list": prep.stop_strings,
-            "stop_word_ids_list": p.stop_sequences,
-            "renderer_info": {"class_name": prep.rendered.renderer, "template_source": prep.rendered.template_source,
-                              "model_type": cfg.model_type},
-            "generate_config": {k: v for k, v in p.__dict__.items()},
-        }
+        return render_info(chat, chat.prepare(req))
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
@@ -110,6 +103,9 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
         return {"token_ids": tokenizer.encode(prompt, parse_special=bool(body.get("parse_special", True)))}
 
     async def health() -> Any:
+        if admission.draining:
+            return JSONResponse(error_body("this server is draining (shutting down)", "service_unavailable"),
+                                503, headers={"Retry-After": "1"})
         if await client.healthy():
             return PlainTextResponse("ok")
         where = cfg.master_address and f"master {cfg.master_address} or "
@@ -122,71 +118,3 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer) -> FastAPI:
     app.add_api_route("/health_check", health, methods=["POST"])
     app.add_api_route("/", health, methods=["GET"])
     return app
-
-
-async def _complete(chat: ChatService, prep: PreparedRequest, model: str,
-                    tokenizer: TextTokenizer) -> dict[str, Any]:
-    texts: dict[int, list[str]] = {i: [] for i in range(prep.params.n)}
-    finish: dict[int, str] = {}
-    tokens: dict[int, int] = {}
-    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(prep.params.n)}
-    async for ev in chat.generate(prep):
-        texts[ev.index].append(ev.text)
-        tokens[ev.index] = ev.completion_tokens
-        logprobs[ev.index].extend(_logprob_entries(ev.logprobs, tokenizer))
-        if ev.finish_reason is not None:
-            finish[ev.index] = ev.finish_reason
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": {"content": logprobs[i]} if prep.params.return_logprobs else None,
-                "finish_reason": finish.get(i, "stop")} for i in range(prep.params.n)]
-    return {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": _usage(prep, sum(tokens.values()))}
-
-
-async def _sse(chat: ChatService, prep: PreparedRequest, model: str, include_usage: bool,
-               tokenizer: TextTokenizer) -> AsyncIterator[str]:
-    created = int(time.time())
-    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = {**base, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(prep.params.n)])
-    tokens: dict[int, int] = {}
-    try:
-        async for ev in chat.generate(prep):
-            tokens[ev.index] = ev.completion_tokens
-            if not ev.text and ev.finish_reason is None and not ev.logprobs:
-                continue  # e.g. half a UTF-8 character held back: nothing to say yet
-            choice: dict[str, Any] = {"index": ev.index, "delta": {"content": ev.text} if ev.text else {},
-                                      "logprobs": None, "finish_reason": ev.finish_reason}
-            if prep.params.return_logprobs:
-                choice["logprobs"] = {"content": _logprob_entries(ev.logprobs, tokenizer)}
-            yield chunk([choice])
-    except RequestError as exc:
-        # Headers are gone: the error travels as a data chunk, then [DONE].
-        _, body = request_error_body(exc)
-        yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-        return
-    if include_usage:
-        yield chunk([], _usage(prep, sum(tokens.values())))
-    yield "data: [DONE]\n\n"
-
-
-def _usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
-    n_prompt = len(prep.rendered.input_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
-            "total_tokens": n_prompt + completion_tokens}
-
-
-def _logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in items]

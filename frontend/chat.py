@@ -1,19 +1,24 @@
-"""Chat request → rendered prompt → backend generation → per-choice text events (stop strings applied)."""
+"""Chat request → rendered prompt → backend generation → per-choice text events (stop strings applied).
+
+The sampling and budget helpers are shared with /v1/completions and `POST /` (frontend/completions.py)."""
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from frontend.backend_client import GenerateParams, TokenLogprob
+from pydantic import BaseModel
+
+from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
 from frontend.config import FrontendConfig
-from frontend.protocol import ChatCompletionRequest
+from frontend.protocol import ChatCompletionRequest, GenerateConfig, SamplingRequest
 from frontend.routing import Router
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.tokenizer import TextTokenizer
-from renderers import ChatRenderer, RenderedPrompt, RenderRequest
+from renderers import ChatRenderer, RenderedPrompt, RenderRequest, ToolParser
 
 
 @dataclass
@@ -24,6 +29,7 @@ class PreparedRequest:
     params: GenerateParams
     stop_strings: list[str]
     model: str | None = None   # as the client asked (None: this frontend's own); the master routes by it
+    tool_parser: type[ToolParser] | None = None  # parse the output for tool calls (the request has tools)
 
 
 @dataclass
@@ -34,6 +40,8 @@ class ChoiceEvent:
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     completion_tokens: int = 0     # this choice's total so far
+    token_ids: list[int] = field(default_factory=list)  # the ids behind this event (before stop strings)
+    backend: BackendOutput | None = None  # the backend's output, for its aux facts (timings, reuse)
 
 
 class ChatService:
@@ -53,51 +61,70 @@ class ChatService:
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         return self.renderer.render(RenderRequest(
             messages=messages, add_generation_prompt=req.add_generation_prompt,
+            tools=req.tools_in_use(), tool_choice=choice,
             template_key=req.template_key, user_template=req.user_template,
-            chat_template_kwargs=req.chat_template_kwargs or {}))
+            chat_template_kwargs=req.template_kwargs()))
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
         rendered = self.render(req)
-        n_prompt = len(rendered.input_ids)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_new = self.budget(len(rendered.input_ids), req.requested_max_tokens(), param, "messages")
+        params = self.params(req, max_new, req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0)
+        return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, self.stop_strings(req),
+                               req.model or None, self.renderer.tool_parser if req.tools_in_use() else None)
+
+    def budget(self, n_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
+        """Tokens the completion may have: as requested, else the room left in the context."""
         limit = self.cfg.max_seq_len
         if n_prompt >= limit:
             raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                f"This model's maximum context length is {limit} tokens. However, your "
-                               f"messages resulted in {n_prompt} tokens, leaving no room for a completion.",
-                               "messages")
-        max_new = req.requested_max_tokens()
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if max_new is None:
-            max_new = limit - n_prompt
-        elif max_new <= 0:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} must be at least 1, got {max_new}", param)
-        elif n_prompt + max_new > limit:
+                               f"{prompt_param} resulted in {n_prompt} tokens, leaving no room for a completion.",
+                               prompt_param)
+        if requested is None:
+            return limit - n_prompt
+        if requested <= 0:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} must be at least 1, got {requested}", param)
+        if n_prompt + requested > limit:
             raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                f"This model's maximum context length is {limit} tokens. However, you "
-                               f"requested {n_prompt + max_new} tokens ({n_prompt} in the messages, "
-                               f"{max_new} in the completion).", param)
-        params = GenerateParams(
+                               f"requested {n_prompt + requested} tokens ({n_prompt} in the {prompt_param}, "
+                               f"{requested} in the completion).", param)
+        return requested
+
+    def params(self, req: SamplingRequest, max_new: int, logprobs: bool, top_logprobs: int) -> GenerateParams:
+        """The request's sampling fields; `extra_configs` (RTP-LLM) fills what the request leaves unset."""
+        extra = req.extra_configs or GenerateConfig()
+
+        def pick(own: Any, rtp: Any, default: Any) -> Any:
+            return own if own is not None else rtp if rtp is not None else default
+
+        return GenerateParams(
             max_new_tokens=max_new,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            stop_sequences=[list(ids) for ids in self.cfg.stop_word_ids],
-            return_logprobs=req.logprobs,
-            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-            n=req.n,
-            repetition_penalty=req.repetition_penalty or 1.0,
+            temperature=pick(req.temperature, extra.temperature, 1.0),
+            top_p=pick(req.top_p, extra.top_p, 1.0),
+            top_k=pick(req.top_k, extra.top_k, 0),
+            min_p=pick(req.min_p, extra.min_p, 0.0),
+            seed=pick(req.seed, extra.random_seed, None),
+            stop_sequences=[list(ids) for ids in (*self.cfg.stop_word_ids, *(extra.stop_words_list or []))],
+            return_logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=req.n if req.n != 1 else max(1, extra.num_return_sequences or 1),
+            repetition_penalty=pick(req.repetition_penalty, extra.repetition_penalty, 1.0),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=self._logit_bias(req.logit_bias),
-            timeout_ms=int(self.cfg.request_timeout_s * 1000),
+            min_new_tokens=extra.min_new_tokens or 0,
+            ignore_eos=bool(extra.ignore_eos),
+            timeout_ms=pick(extra.timeout_ms, None, int(self.cfg.request_timeout_s * 1000)),
         )
-        stops = [*req.stop_list(), *self.cfg.stop_words]
-        return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, stops, req.model or None)
+
+    def stop_strings(self, req: SamplingRequest) -> list[str]:
+        return [*req.stop_list(), *self.cfg.stop_words]
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -116,8 +143,9 @@ class ChatService:
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[ChoiceEvent]:
         """One event per choice per backend step; exactly one event per choice has finish_reason."""
-        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(prep.stop_strings))
-                   for i in range(prep.params.n)}
+        context = prep.rendered.input_ids
+        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids=context),
+                              StopStringMatcher(prep.stop_strings)) for i in range(prep.params.n)}
         unfinished = len(choices)
         gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
         try:
@@ -136,7 +164,7 @@ class ChatService:
                     if finish is not None:
                         choice.done = True
                         unfinished -= 1
-                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens)
+                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens, out.token_ids, out)
                 if unfinished == 0:
                     break  # a stop string ended every choice: closing the stream aborts the backend side
         finally:

@@ -30,6 +30,11 @@ class FrontendConfig:
     fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
     block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
     master_timeout_s: float = 0.5     # one schedule call's limit before falling back
+    api_key: str = ""                 # API_KEY: required as `Authorization: Bearer <key>` ("" = open)
+    max_body_bytes: int = 8 << 20     # MAX_BODY_BYTES: larger request bodies are a 413
+    concurrency_limit: int = 1024     # CONCURRENCY_LIMIT: generation requests in flight; more are a 429
+    drain_grace_s: float = 30.0       # DRAIN_GRACE_S: after SIGTERM, how long requests in flight may run
+    tool_call_parser: str | None = None  # TOOL_CALL_PARSER: overrides the renderer's tool-call format
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
@@ -53,7 +58,19 @@ class FrontendConfig:
             fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             master_timeout_s=env_int(env, "MASTER_TIMEOUT_MS", 500, minimum=1) / 1000,
+            api_key=env.get("API_KEY", ""),
+            max_body_bytes=env_int(env, "MAX_BODY_BYTES", 8 << 20, minimum=1024),
+            concurrency_limit=env_int(env, "CONCURRENCY_LIMIT", 1024, minimum=1),
+            drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
+            tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
         )
+
+
+def _tool_parser(name: str | None) -> str | None:
+    from renderers import get_tool_parser
+    if name is not None:
+        get_tool_parser(name)  # ValueError naming the known ones
+    return name
 
 
 def _model_context(path: Path) -> int:

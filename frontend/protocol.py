@@ -1,9 +1,10 @@
-"""OpenAI-shaped request and response bodies (pydantic), as the HTTP layer parses and returns them."""
+"""OpenAI-shaped request bodies (pydantic), as the HTTP layer parses them: chat, completions, RTP-LLM's raw
+`POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Lenient(BaseModel):
@@ -11,16 +12,100 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class GenerateConfig(BaseModel):
+    """RTP-LLM's GenerateConfig, the subset kvyard honours: `extra_configs` of a chat or completion
+    request, `generate_config` of `POST /`. Unknown keys are a 400 rather than silently ignored."""
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    min_new_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    random_seed: int | None = None
+    stop_words_str: list[str] | None = None        # extra stop strings
+    stop_words_list: list[list[int]] | None = None  # extra stop token-id sequences
+    num_return_sequences: int | None = Field(default=None, ge=0, le=16)  # 0 or 1: one
+    ignore_eos: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only; wins over the request's own
+    timeout_ms: int | None = Field(default=None, ge=0)
+    # POST / only
+    is_streaming: bool | None = None
+    return_output_ids: bool | None = None
+    return_input_ids: bool | None = None
+
+    @field_validator("stop_words_str")
+    @classmethod
+    def _no_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Lenient):
+    """The sampling fields chat and completions share."""
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)                # extension
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)    # extension
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    extra_configs: GenerateConfig | None = None                  # RTP-LLM extension
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and any(s == "" for s in v) or v == "":
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        own = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        extra = (self.extra_configs and self.extra_configs.stop_words_str) or []
+        return [*own, *extra]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
 class TextPart(_Lenient):
     type: Literal["text"]
     text: str
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"   # OpenAI sends JSON text; some clients send the object
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
@@ -31,48 +116,122 @@ class ChatMessage(_Lenient):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Lenient):
-    include_usage: bool = False
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_Lenient):
-    model: str | None = None
+class ToolDefinition(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, str]   # {"name": ...}
+
+
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = None   # the deprecated form of tools
     # RTP-LLM extensions
     template_key: str | None = None
     user_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    debug_info: bool = False   # the rendered prompt, ids and generate config in the response
+    aux_info: bool = False     # the backend's timings and cache facts in the response
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and any(s == "" for s in v) or v == "":
-            raise ValueError("stop strings must not be empty")
-        return v
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.tools is None and self.functions:
+            self.tools = [ToolDefinition(function=f) for f in self.functions]
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        elif self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return self.extra_configs.max_new_tokens if self.extra_configs else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        extra = (self.extra_configs and self.extra_configs.chat_template_kwargs) or {}
+        return {**(self.chat_template_kwargs or {}), **extra}
+
+    def tools_in_use(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the model should see (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (kvyard does not rank candidates)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class RawRequest(BaseModel):
+    """RTP-LLM's `POST /`: a prompt (or a batch of prompts) and a generate_config."""
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[str]
+    generate_config: GenerateConfig = Field(default_factory=GenerateConfig)
+    stream: bool = False        # as generate_config.is_streaming
+    incremental: bool = False   # streamed events carry only the new text (default: the text so far)
+    urls: list[str] | None = None
+    model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_config(cls, data: Any) -> Any:
+        # RTP-LLM also takes generate_config's keys at the top level: {"prompt": ..., "max_new_tokens": 8}.
+        if isinstance(data, dict) and isinstance(data.get("generate_config", {}), dict):
+            moved = {k: v for k, v in data.items() if k in GenerateConfig.model_fields and k not in cls.model_fields}
+            if moved:
+                data = {k: v for k, v in data.items() if k not in moved}
+                data["generate_config"] = {**moved, **data.get("generate_config", {})}
+        return data
+
+    @model_validator(mode="after")
+    def _checks(self) -> RawRequest:
+        if self.urls:
+            raise ValueError("urls (multimodal input) are not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream or bool(self.generate_config.is_streaming)
+

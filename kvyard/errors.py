@@ -12,7 +12,9 @@ class ErrorCode(Enum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     MODEL_NOT_FOUND = "model_not_found"
-    UNAVAILABLE = "unavailable"  # no backend can be reached
+    UNAVAILABLE = "unavailable"  # no backend can be reached, or this server is draining
+    UNAUTHENTICATED = "invalid_api_key"  # an API key is configured and the request lacks it
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # the request body is over the configured limit
     INTERNAL = "internal"
 
 

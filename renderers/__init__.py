@@ -1,6 +1,8 @@
 """Chat renderers: messages → prompt string, by MODEL_TYPE (see renderers/registry.py)."""
 from renderers.base import ChatRenderer, RenderedPrompt, RenderRequest
 from renderers.registry import get_renderer, register_renderer
+from renderers.tool_parsers import ParsedToolCall, ToolEvent, ToolParser, get_tool_parser, register_tool_parser
 import renderers.basic  # noqa: F401  (registers "default")
 
-__all__ = ["ChatRenderer", "RenderedPrompt", "RenderRequest", "get_renderer", "register_renderer"]
+__all__ = ["ChatRenderer", "ParsedToolCall", "RenderedPrompt", "RenderRequest", "ToolEvent", "ToolParser",
+           "get_renderer", "get_tool_parser", "register_renderer", "register_tool_parser"]

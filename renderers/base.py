@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.tokenizer import TextTokenizer
+from renderers.tool_parsers import ToolParser, get_tool_parser
 
 
 @dataclass
@@ -13,7 +14,8 @@ class RenderRequest:
     """What a renderer needs from a chat request, independent of the HTTP schema."""
     messages: list[dict[str, Any]]            # OpenAI messages, content flattened to text
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions the model may call
+    tool_choice: Any = None                     # "auto" / "required" / {"type": "function", ...}
     template_key: str | None = None           # pick a named template the model ships
     user_template: str | None = None          # a caller-supplied jinja2 template (sandboxed)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -25,14 +27,17 @@ class RenderedPrompt:
     input_ids: list[int]        # the prompt tokenized with special tokens parsed
     stop_words: list[str]       # strings that end generation for this model/template
     renderer: str               # which renderer produced it (for /chat/render)
-    template_source: str        # "model", "user_template" or "template_key:<name>"
+    template_source: str        # "model", "user_template", "template_key:<name>" or "fallback"
+    tools_in_prompt: bool = False  # tool definitions were written into the system prompt by us
 
 
 class ChatRenderer(ABC):
     name = "abstract"
+    default_tool_parser = "hermes"   # the tool-call format this model family writes
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, tool_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_parser: type[ToolParser] = get_tool_parser(tool_parser or self.default_tool_parser)
 
     @abstractmethod
     def render(self, request: RenderRequest) -> RenderedPrompt:

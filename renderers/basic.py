@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from types import SimpleNamespace
@@ -72,22 +73,42 @@ def compile_template(source: str) -> jinja2.Template:
                            "user_template") from exc
 
 
+TOOL_USE_TEMPLATE_KEY = "tool_use"   # the named template HF models ship for requests with tools
+_MENTIONS_TOOLS = re.compile(r"\btools\b")
+
+
 @register_renderer("default", "llama", "smollm2", "qwen_2", "mistral")
 class BasicRenderer(ChatRenderer):
+    """The model's jinja2 template, chosen in this order (the first that applies):
+    1. the request's `user_template` (sandboxed; with `template_key` as well it is a 400),
+    2. the request's `template_key`: a named template the model ships (unknown name: 400),
+    3. with tools, the model's "tool_use" named template when it ships one,
+    4. the model's default template,
+    5. ChatML (FALLBACK_TEMPLATE) when the model ships none.
+    Tools: a template that mentions `tools` gets them as the variable `tools`; for one that does not,
+    the tool parser's text describing them goes into the system prompt, earlier calls are written the way
+    the model writes them, and tool results become user turns (ToolParser.format_result)."""
     name = "basic"
 
     def render(self, request: RenderRequest) -> RenderedPrompt:
-        template, source = self._template(request)
+        template, source, template_text = self._template(request)
         tok = self.tokenizer
+        messages = request.messages
+        in_prompt = False
         args: dict[str, Any] = {
-            "messages": request.messages,
             "add_generation_prompt": request.add_generation_prompt,
             "bos_token": tok.bos_token or "",
             "eos_token": tok.eos_token or "",
             "json": _TEMPLATE_JSON,
         }
-        if request.tools:
-            args["tools"] = request.tools
+        if _MENTIONS_TOOLS.search(template_text):
+            messages = [_arguments_as_objects(m) for m in messages]
+            if request.tools:
+                args["tools"] = request.tools
+        elif request.tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = self._tools_as_text(messages, request.tools, request.tool_choice)
+            in_prompt = bool(request.tools)
+        args["messages"] = messages
         args.update(request.chat_template_kwargs)
         try:
             prompt = template.render(**args)
@@ -98,20 +119,76 @@ class BasicRenderer(ChatRenderer):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         stop_words = [tok.eos_token] if tok.eos_token else []
         return RenderedPrompt(prompt=prompt, input_ids=tok.encode(prompt, parse_special=True),
-                              stop_words=stop_words, renderer=self.name, template_source=source)
+                              stop_words=stop_words, renderer=self.name, template_source=source,
+                              tools_in_prompt=in_prompt)
 
-    def _template(self, request: RenderRequest) -> tuple[jinja2.Template, str]:
+    def _template(self, request: RenderRequest) -> tuple[jinja2.Template, str, str]:
+        named = self.tokenizer.chat_templates
         if request.user_template is not None:
             if request.template_key is not None:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    "template_key and user_template can not be used together", "template_key")
-            return compile_template(request.user_template), "user_template"
+            return compile_template(request.user_template), "user_template", request.user_template
         if request.template_key is not None:
-            named = self.tokenizer.chat_templates.get(request.template_key)
-            if named is None:
-                known = ", ".join(sorted(self.tokenizer.chat_templates)) or "none"
+            if request.template_key not in named:
+                known = ", ".join(sorted(named)) or "none"
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"unknown template_key {request.template_key!r} (model has: {known})",
                                    "template_key")
-            return compile_template(named), f"template_key:{request.template_key}"
-        return compile_template(self.tokenizer.chat_template or FALLBACK_TEMPLATE), "model"
+            text = named[request.template_key]
+            return compile_template(text), f"template_key:{request.template_key}", text
+        if request.tools and TOOL_USE_TEMPLATE_KEY in named:
+            text = named[TOOL_USE_TEMPLATE_KEY]
+            return compile_template(text), f"template_key:{TOOL_USE_TEMPLATE_KEY}", text
+        if self.tokenizer.chat_template:
+            return compile_template(self.tokenizer.chat_template), "model", self.tokenizer.chat_template
+        return compile_template(FALLBACK_TEMPLATE), "fallback", FALLBACK_TEMPLATE
+
+    def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       tool_choice: Any) -> list[dict[str, Any]]:
+        parser = self.tool_parser
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            if m.get("role") == "tool":
+                text = parser.format_result(m.get("content") or "")
+                if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):
+                    out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+                else:
+                    out.append({"role": "user", "content": text, "_tool_results": True})
+            elif m.get("tool_calls"):
+                calls = [_call_object(c) for c in m["tool_calls"]]
+                content = "\n".join(p for p in (m.get("content") or "", parser.format_calls(calls)) if p)
+                out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": content})
+            else:
+                out.append(m)
+        out = [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+        if tools:
+            prompt = parser.tools_prompt(tools, tool_choice)
+            if out and out[0].get("role") == "system":
+                out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+
+def _call_object(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call → {"name", "arguments": object} (arguments parsed when they are JSON text)."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return {"name": fn.get("name", ""), "arguments": args}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """HF templates index tool_call.function.arguments as a mapping; OpenAI sends it as JSON text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for c in message["tool_calls"]:
+        obj = _call_object(c)
+        calls.append({**c, "function": {"name": obj["name"], "arguments": obj["arguments"]}})
+    return {**message, "tool_calls": calls}

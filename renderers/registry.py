@@ -19,8 +19,9 @@ def register_renderer(*model_types: str) -> Callable[[type[ChatRenderer]], type[
     return wrap
 
 
-def get_renderer(model_type: str | None, tokenizer: TextTokenizer) -> ChatRenderer:
-    """Selection: the renderer registered for MODEL_TYPE, else "default" (the model's own template)."""
+def get_renderer(model_type: str | None, tokenizer: TextTokenizer, tool_parser: str | None = None) -> ChatRenderer:
+    """Selection: the renderer registered for MODEL_TYPE, else "default" (the model's own template).
+    tool_parser (TOOL_CALL_PARSER) overrides the renderer's own tool-call format."""
     if model_type and model_type not in _RENDERERS:
         raise ValueError(f"no renderer for MODEL_TYPE {model_type!r}; known: {', '.join(sorted(_RENDERERS))}")
-    return _RENDERERS[model_type or "default"](tokenizer)
+    return _RENDERERS[model_type or "default"](tokenizer, tool_parser)

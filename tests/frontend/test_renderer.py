@@ -1,6 +1,8 @@
 """BasicRenderer on the embedded tokenizer: faithful rendering, user templates, a sandbox that refuses."""
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 import jinja2
@@ -174,3 +176,100 @@ def test_memory_bombs_are_refused(payload: str, tokenizer) -> None:
     with pytest.raises(RequestError) as err:
         renderer.render(RenderRequest(messages=[{"role": "user", "content": "hi"}], user_template=payload))
     assert err.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+# ---- template selection order and tools ----------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+def with_templates(tokenizer: TextTokenizer, templates: dict[str, str]) -> TextTokenizer:
+    tok = copy.copy(tokenizer)
+    tok.chat_templates = dict(templates)
+    tok.chat_template = templates.get("default")
+    return tok
+
+
+SELECTION = {"default": "DEFAULT{{ messages[0]['content'] }}", "tool_use": "TOOL_USE{{ tools | length }}",
+             "other": "OTHER"}
+
+
+@pytest.mark.parametrize(("request_fields", "prompt", "source"), [
+    ({}, "DEFAULThi", "model"),                                                        # 4. model default
+    ({"tools": [WEATHER_TOOL]}, "TOOL_USE1", "template_key:tool_use"),                 # 3. tool_use for tools
+    ({"template_key": "other", "tools": [WEATHER_TOOL]}, "OTHER", "template_key:other"),  # 2. template_key
+    ({"user_template": "USER", "tools": [WEATHER_TOOL]}, "USER", "user_template"),     # 1. user_template
+])
+def test_template_selection_order(tokenizer: TextTokenizer, request_fields: dict[str, Any], prompt: str,
+                                  source: str) -> None:
+    renderer = BasicRenderer(with_templates(tokenizer, SELECTION))
+    out = renderer.render(RenderRequest(messages=[{"role": "user", "content": "hi"}], **request_fields))
+    assert (out.prompt, out.template_source) == (prompt, source)
+
+
+def test_no_template_falls_back_to_chatml(tokenizer: TextTokenizer) -> None:
+    renderer = BasicRenderer(with_templates(tokenizer, {}))
+    out = renderer.render(RenderRequest(messages=[{"role": "user", "content": "hi"}]))
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert out.template_source == "fallback"
+
+
+def test_tools_go_into_the_system_prompt_when_the_template_has_none(renderer: ChatRenderer) -> None:
+    out = renderer.render(RenderRequest(messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                        tools=[WEATHER_TOOL]))
+    assert out.tools_in_prompt
+    system = out.prompt.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools")
+    assert json.dumps(WEATHER_TOOL) in system and "<tool_call>" in system
+    assert out.prompt.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    # An existing system message keeps its text, the tools follow it.
+    out = renderer.render(RenderRequest(messages=[{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Hi"}], tools=[WEATHER_TOOL]))
+    assert out.prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert out.prompt.count("<|im_start|>system") == 1
+
+
+def test_earlier_calls_and_tool_results_are_written_as_the_model_writes_them(renderer: ChatRenderer) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "25 C"},
+    ]
+    out = renderer.render(RenderRequest(messages=messages, tools=[WEATHER_TOOL]))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+            '<|im_end|>') in out.prompt
+    assert ("<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\n25 C\n"
+            "</tool_response><|im_end|>") in out.prompt
+    assert messages[2]["role"] == "tool"  # the request's own messages are not changed
+
+
+def test_a_template_with_tool_support_gets_tools_and_argument_objects(tokenizer: TextTokenizer) -> None:
+    source = ("{% if tools %}[{% for t in tools %}{{ t.function.name }}{% endfor %}]{% endif %}"
+              "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+              "{% for c in m.tool_calls or [] %}<{{ c.function.name }} city={{ c.function.arguments.city }}>"
+              "{% endfor %}|{% endfor %}")
+    renderer = BasicRenderer(with_templates(tokenizer, {"default": source}))
+    messages = [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "18 C"}]
+    out = renderer.render(RenderRequest(messages=messages, tools=[WEATHER_TOOL]))
+    assert out.prompt == "[get_weather]user:Paris?|assistant:<get_weather city=Paris>|tool:18 C|"
+    assert not out.tools_in_prompt
+
+
+def test_the_json_tool_format(tokenizer: TextTokenizer) -> None:
+    renderer = get_renderer(None, tokenizer, "json")
+    out = renderer.render(RenderRequest(messages=[{"role": "user", "content": "Paris?"}], tools=[WEATHER_TOOL],
+                                        tool_choice="required"))
+    assert "answer with only a JSON list" in out.prompt and "You must call at least one function." in out.prompt
+    assert renderer.tool_parser.name == "json"
+    with pytest.raises(ValueError, match="hermes"):
+        get_renderer(None, tokenizer, "no_such_parser")

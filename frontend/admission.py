@@ -1,0 +1,123 @@
+"""The frontend's door, before any route runs: the API key (401), the body size (413), draining (503) and the
+concurrency limit (429). Each refusal is a RequestError answered through the one error table."""
+from __future__ import annotations
+
+import hmac
+from typing import Any
+from urllib.parse import parse_qs
+
+from frontend.config import FrontendConfig
+from frontend.errors import request_error_response
+from kvyard.errors import ErrorCode, RequestError
+
+# Always answered, key or not: probes and scrapers carry no key.
+OPEN_PATHS = frozenset({"/health", "/status", "/health_check", "/GraphService/cm2_status",
+                        "/SearchService/cm2_status", "/metrics"})
+# Requests that hold a backend: counted against the limit, refused while draining. Plus POST / and the
+# LMTP WebSocket at / (see _is_generation).
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
+                              "/generate", "/lmtp"})
+
+
+class Admission:
+    """Owns the count of generation requests in flight and the draining flag (set once, by SIGTERM)."""
+
+    def __init__(self, cfg: FrontendConfig) -> None:
+        self.api_key = cfg.api_key
+        self.limit = cfg.concurrency_limit
+        self.max_body_bytes = cfg.max_body_bytes
+        self.in_flight = 0
+        self.draining = False
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def authorized(self, scope: dict[str, Any]) -> bool:
+        if not self.api_key:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        key = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        if not key and scope["type"] == "websocket":  # WebSocket clients often cannot set headers
+            key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0]
+        return hmac.compare_digest(key.encode(), self.api_key.encode())
+
+
+def _is_generation(scope: dict[str, Any]) -> bool:
+    path = scope["path"]
+    return path in GENERATION_PATHS or (path == "/" and (scope["type"] == "websocket" or scope["method"] == "POST"))
+
+
+def _is_open(scope: dict[str, Any]) -> bool:
+    return scope["path"] in OPEN_PATHS or (scope["path"] == "/" and scope.get("method") == "GET")
+
+
+class AdmissionMiddleware:
+    """ASGI middleware over Admission. It passes the scope on unchanged (HttpMetricsMiddleware reads the
+    matched route from it), so add it before the metrics middleware."""
+
+    def __init__(self, app: Any, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        adm = self.admission
+        refusal: RequestError | None = None
+        generation = _is_generation(scope)
+        if not _is_open(scope) and not adm.authorized(scope):
+            refusal = RequestError(ErrorCode.UNAUTHENTICATED, "Incorrect or missing API key: send it as "
+                                   "'Authorization: Bearer <key>'")
+        elif generation and adm.draining:
+            refusal = RequestError(ErrorCode.UNAVAILABLE, "this server is draining (shutting down); retry")
+        elif generation and adm.in_flight >= adm.limit:
+            refusal = RequestError(ErrorCode.OVERLOADED, f"{adm.in_flight} requests are in flight, the limit "
+                                   f"of this server (CONCURRENCY_LIMIT); retry later")
+        elif scope["type"] == "http":
+            receive, refusal = await self._bounded_body(scope, receive)
+        if refusal is not None:
+            await self._refuse(scope, receive, send, refusal)
+            return
+        if generation:
+            adm.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if generation:
+                adm.in_flight -= 1
+
+    async def _bounded_body(self, scope: dict[str, Any], receive: Any) -> tuple[Any, RequestError | None]:
+        limit = self.admission.max_body_bytes
+        too_large = RequestError(ErrorCode.PAYLOAD_TOO_LARGE, f"the request body is over {limit} bytes "
+                                 "(MAX_BODY_BYTES)")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            return receive, too_large if length.isdigit() and int(length) > limit else None
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive, None
+        # Chunked: read it here, up to the limit, and hand the route the same bytes.
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive, None   # the client left; the route will see that
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return receive, too_large
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()   # from here on: http.disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return replay, None
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any, error: RequestError) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
+            return
+        await request_error_response(error)(scope, receive, send)

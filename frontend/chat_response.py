@@ -1,0 +1,181 @@
+"""Chat choice events → the OpenAI response: one JSON body, or SSE chunks (the last stage before the client).
+
+Streaming: a first chunk with each choice's role, then one chunk per piece of content or tool-call delta,
+finish_reason exactly once per choice, `usage: null` on every chunk and a last `choices: []` chunk with
+the usage when `stream_options.include_usage`; an error after the headers went out is a
+`data: {"error": ...}` chunk, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from typing import Any
+
+from frontend.backend_client import BackendOutput, TokenLogprob
+from frontend.chat import ChatService, PreparedRequest
+from frontend.errors import request_error_body
+from frontend.protocol import ChatCompletionRequest
+from frontend.tool_calls import ToolCallStream, message_parts
+from kvyard.errors import RequestError
+from kvyard.tokenizer import TextTokenizer
+
+
+async def complete(chat: ChatService, req: ChatCompletionRequest, prep: PreparedRequest,
+                   model: str) -> dict[str, Any]:
+    n = prep.params.n
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    ids: dict[int, list[int]] = {i: [] for i in range(n)}
+    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
+    finish: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    last: dict[int, BackendOutput] = {}
+    async for ev in chat.generate(prep):
+        texts[ev.index].append(ev.text)
+        ids[ev.index].extend(ev.token_ids)
+        tokens[ev.index] = ev.completion_tokens
+        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.tokenizer))
+        if ev.backend is not None:
+            last[ev.index] = ev.backend
+        if ev.finish_reason is not None:
+            finish[ev.index] = ev.finish_reason
+    choices = []
+    for i in range(n):
+        text, reason = "".join(texts[i]), finish.get(i, "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if prep.tool_parser is not None:
+            content, calls = message_parts(prep.tool_parser().parse(text))
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": logprobs[i]} if prep.params.return_logprobs else None,
+                        "finish_reason": reason})
+    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    if req.debug_info:
+        body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
+                              "raw_output": ["".join(texts[i]) for i in range(n)]}
+    if req.aux_info:
+        body["aux_info"] = aux_info(list(last.values()))
+    return body
+
+
+async def sse(chat: ChatService, req: ChatCompletionRequest, prep: PreparedRequest,
+              model: str) -> AsyncIterator[str]:
+    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    include_usage = req.include_usage
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
+        body = {**base, "choices": choices, **extra}
+        if include_usage:
+            body["usage"] = usage_
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    n = prep.params.n
+    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(n)], **first_extra)
+    streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
+    tokens: dict[int, int] = {}
+    try:
+        async for ev in chat.generate(prep):
+            tokens[ev.index] = ev.completion_tokens
+            calls = streams.get(ev.index)
+            if calls is not None:
+                deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
+            else:
+                deltas = [{"content": ev.text}] if ev.text else []
+            if not deltas and ev.finish_reason is None and not ev.logprobs:
+                continue  # e.g. half a UTF-8 character or a possible stop string held back
+            reason = ev.finish_reason
+            if reason == "stop" and calls is not None and calls.calls:
+                reason = "tool_calls"
+            deltas = deltas or [{}]
+            for k, delta in enumerate(deltas):
+                is_last = k == len(deltas) - 1
+                lp = None
+                if prep.params.return_logprobs:
+                    lp = {"content": logprob_entries(ev.logprobs, chat.tokenizer) if k == 0 else []}
+                extra = {}
+                if is_last and reason is not None and req.aux_info and ev.backend is not None:
+                    extra["aux_info"] = aux_info([ev.backend])
+                yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
+                              "finish_reason": reason if is_last else None}], **extra)
+    except RequestError as exc:
+        # Headers are gone: the error travels as a data chunk, then [DONE].
+        _, body = request_error_body(exc)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield chunk([], usage(prep, sum(tokens.values())))
+    yield "data: [DONE]\n\n"
+
+
+def render_info(chat: ChatService, prep: PreparedRequest) -> dict[str, Any]:
+    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it."""
+    cfg, tok, p = chat.cfg, chat.tokenizer, prep.params
+    return {
+        "input_prompt": prep.rendered.prompt,
+        "input_ids": prep.rendered.input_ids,
+        "input_urls": [],
+        "tokenizer_info": f"{type(tok).__name__}({cfg.tokenizer_path.name}, vocab={tok.vocab_size})",
+        "max_seq_len": cfg.max_seq_len,
+        "eos_token_id": tok.eos_token_id,
+        "stop_words_list": prep.stop_strings,
+        "stop_word_ids_list": p.stop_sequences,
+        "renderer_info": {"class_name": prep.rendered.renderer, "template_source": prep.rendered.template_source,
+                          "model_type": cfg.model_type, "tool_parser": chat.renderer.tool_parser.name,
+                          "tools_in_prompt": prep.rendered.tools_in_prompt},
+        "generate_config": dict(p.__dict__),
+    }
+
+
+def usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
+    n_prompt = len(prep.rendered.input_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
+            "total_tokens": n_prompt + completion_tokens}
+
+
+def aux_info(outputs: list[BackendOutput]) -> dict[str, Any]:
+    """RTP-LLM's aux_info from each sequence's latest backend output (several: summed / the longest)."""
+    if not outputs:
+        return {}
+    return {"input_len": outputs[0].input_len, "reuse_len": outputs[0].reuse_len,
+            "output_len": sum(o.output_len for o in outputs),
+            "iter_count": max(o.iter_count for o in outputs),
+            "cost_time_ms": max(o.cost_time_us for o in outputs) / 1000,
+            "first_token_cost_time_ms": max(o.first_token_cost_time_us for o in outputs) / 1000,
+            "wait_time_ms": max(o.wait_time_us for o in outputs) / 1000}
+
+
+def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in items]
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = dict.fromkeys(printable), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c if c is not None else b): b for b, c in chars.items()}
+
+
+def token_bytes(tokenizer: TextTokenizer, token_id: int) -> list[int]:
+    """The token's own bytes: one of several tokens of a character is not valid UTF-8 by itself, and
+    that is what OpenAI's `bytes` field is for (its `token` text shows U+FFFD then)."""
+    alphabet = _byte_level_alphabet()
+    piece = tokenizer.id_to_piece(token_id)
+    if token_id in tokenizer.special_token_ids or any(c not in alphabet for c in piece):
+        return list(tokenizer.decode([token_id]).encode("utf-8"))
+    return [alphabet[c] for c in piece]

@@ -1,0 +1,287 @@
+"""Every row of the error table through real HTTP (and the official client): 400 not 422, 401 with an API
+key (health open), 404, 413, 429 with Retry-After, 503 draining or no backend, errors after a stream
+started; and a client that goes away cancels the backend call, streaming or not."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from backend.mock_backend import MockScript
+from kvyard.tokenizer import TextTokenizer
+from master.mock_master import MockMasterConfig, create_mock_master_app
+from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
+from tests.support.procs import free_port_block
+from tests.support.scoring_stub import AppThread
+
+HI = [{"role": "user", "content": "Hi"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+TEXT = "Hello there, friend!"
+
+
+@pytest.fixture(scope="module")
+def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
+    with MockBackendThread(MockScript((*tokenizer.encode(TEXT), 2))) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def front(tokenizer: TextTokenizer, mock: MockBackendThread) -> Iterator[MockFrontend]:
+    with mock_frontend(tokenizer, mock.address) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def http(front: MockFrontend) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=front.url, timeout=10) as c:
+        yield c
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    assert body["error"]["message"] and body["error"]["type"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    if status in (429, 503):
+        assert resp.headers.get("retry-after") == "1"
+    return body["error"]
+
+
+def sse_data(text: str) -> list[str]:
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("data:")]
+
+
+def slow(tokenizer: TextTokenizer, n: int = 60, delay_s: float = 0.05) -> MockScript:
+    return MockScript(tuple((tokenizer.encode(" word") * n)[:n]), delay_s=delay_s)
+
+
+# ---- 400 ----------------------------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD = [
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": HI, "tools": [TOOL], "tool_choice": {"type": "function",
+                                                                                "function": {"name": "g"}}}),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": ""}}]}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"no_such_knob": 1}}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"stop_words_str": [""]}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": HI, "n": 17}),
+    ("/v1/chat/completions", {"messages": HI, "stream": "yes please"}),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": [1, 99999999]}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}),
+    ("/v1/completions", {}),
+    ("/", {"prompt": "x", "urls": ["http://example.com/cat.png"]}),
+    ("/", {"prompt": "x", "generate_config": {"max_new_tokens": 0}}),
+    ("/", {"prompt": "x", "generate_config": {"oops": 1}}),
+    ("/", {"prompt": 3}),
+    ("/", {"prompt": "x", "generate_config": {"max_new_tokens": 100000}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
+def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    assert_error(http.post(path, json=body), 400)
+
+
+def test_openai_client_gets_bad_request(front: MockFrontend) -> None:
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="mock-model", prompt="x", suffix="y")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="mock-model", messages=HI, top_logprobs=3)
+
+
+# ---- 401 ----------------------------------------------------------------------------------------
+
+def test_api_key(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
+    with mock_frontend(tokenizer, mock.address, API_KEY="s3cret") as f, httpx.Client(base_url=f.url) as c:
+        for path, body in [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"}),
+                           ("/", {"prompt": "x"}), ("/v1/chat/render", {"messages": HI})]:
+            assert_error(c.post(path, json=body), 401, "invalid_api_key")
+            assert_error(c.post(path, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(c.get("/v1/models"), 401)
+        ok = c.post("/v1/chat/completions", json={"messages": HI}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == TEXT
+        for path in ("/health", "/status", "/", "/metrics"):   # probes and scrapers carry no key
+            assert c.get(path).status_code == 200, path
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{f.url}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{f.url}/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="mock-model", messages=HI).choices[0].message.content == TEXT
+
+
+# ---- 404 ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": HI}),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": HI, "stream": True}),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}),
+    ("/", {"model": "gpt-9", "prompt": "x"}),
+])
+def test_unknown_model_is_404(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    assert_error(http.post(path, json=body), 404, "model_not_found")
+
+
+# ---- 413 ----------------------------------------------------------------------------------------
+
+def test_body_too_large(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
+    with mock_frontend(tokenizer, mock.address, MAX_BODY_BYTES="2048") as f, httpx.Client(base_url=f.url) as c:
+        big = {"messages": [{"role": "user", "content": "x" * 3000}]}
+        assert_error(c.post("/v1/chat/completions", json=big), 413, "payload_too_large")
+
+        def chunked() -> Iterator[bytes]:   # no Content-Length: counted as it arrives
+            yield json.dumps(big).encode()
+        assert_error(c.post("/v1/chat/completions", content=chunked(),
+                            headers={"content-type": "application/json"}), 413)
+        small = c.post("/v1/chat/completions", content=iter([json.dumps({"messages": HI}).encode()]),
+                       headers={"content-type": "application/json"})
+        assert small.status_code == 200, small.text
+        with pytest.raises(openai.APIStatusError) as exc:
+            openai.OpenAI(base_url=f"{f.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+                model="mock-model", messages=big["messages"])
+        assert exc.value.status_code == 413
+
+
+# ---- 429 ----------------------------------------------------------------------------------------
+
+def test_concurrency_limit(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
+    with mock.scripted(slow(tokenizer, 40)), \
+            mock_frontend(tokenizer, mock.address, CONCURRENCY_LIMIT="1") as f, httpx.Client(base_url=f.url) as c:
+        result: dict[str, Any] = {}
+        started = threading.Event()
+
+        def first() -> None:
+            with httpx.stream("POST", f"{f.url}/v1/chat/completions", json={"messages": HI, "stream": True}) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    result.setdefault("lines", []).append(line)
+        t = threading.Thread(target=first)
+        t.start()
+        assert started.wait(10)
+        err = assert_error(c.post("/v1/chat/completions", json={"messages": HI}), 429, "overloaded")
+        assert "CONCURRENCY_LIMIT" in err["message"]
+        assert_error(c.post("/v1/completions", json={"prompt": "x"}), 429)
+        assert c.post("/v1/chat/render", json={"messages": HI}).status_code == 200   # not a generation
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{f.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+                model="mock-model", messages=HI)
+        t.join(15)
+        assert [line for line in result["lines"] if line][-1] == "data: [DONE]"
+        assert c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_backend_overloaded_is_429(http: httpx.Client, mock: MockBackendThread, tokenizer: TextTokenizer) -> None:
+    with mock.scripted(MockScript(tuple(tokenizer.encode(TEXT)), error="OVERLOADED")):
+        assert_error(http.post("/v1/chat/completions", json={"messages": HI}), 429, "overloaded")
+        assert_error(http.post("/v1/completions", json={"prompt": "x"}), 429, "overloaded")
+
+
+@pytest.mark.parametrize(("kind", "status"), [("overloaded", 429), ("model_not_found", 404)])
+def test_master_refusals_reach_the_client(tokenizer: TextTokenizer, mock: MockBackendThread, kind: str,
+                                          status: int) -> None:
+    port = free_port_block(1)
+    cfg = MockMasterConfig.from_env({"START_PORT": str(port), "MOCK_MASTER_BACKENDS": mock.address,
+                                     "MOCK_MASTER_ERROR": kind})
+    with AppThread(create_mock_master_app(cfg)) as master, \
+            mock_frontend(tokenizer, mock.address, MASTER_ADDRESS=f"127.0.0.1:{master.port}") as f, \
+            httpx.Client(base_url=f.url) as c:
+        assert_error(c.post("/v1/chat/completions", json={"messages": HI}), status, kind)
+
+
+# ---- 503 ----------------------------------------------------------------------------------------
+
+def test_draining(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
+    with mock_frontend(tokenizer, mock.address) as f, httpx.Client(base_url=f.url) as c:
+        assert c.get("/health").status_code == 200
+        f.app.state.admission.start_draining()
+        for path, body in [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"}),
+                           ("/", {"prompt": "x"})]:
+            assert "draining" in assert_error(c.post(path, json=body), 503, "unavailable")["message"]
+        assert_error(c.get("/health"), 503)
+        assert c.post("/v1/chat/render", json={"messages": HI}).status_code == 200
+
+
+def test_no_backend(tokenizer: TextTokenizer) -> None:
+    dead = f"127.0.0.1:{free_port_block(1)}"
+    with mock_frontend(tokenizer, dead) as f, httpx.Client(base_url=f.url, timeout=10) as c:
+        for path, body in [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"}),
+                           ("/", {"prompt": "x"})]:
+            assert_error(c.post(path, json=body), 503, "unavailable")
+        assert_error(c.get("/health"), 503)
+
+
+# ---- errors after the stream started -------------------------------------------------------------
+
+@pytest.mark.parametrize(("kind", "code"), [("INTERNAL", "internal"), ("UNAVAILABLE", "unavailable"),
+                                            ("TIMEOUT", "timeout")])
+def test_error_after_the_stream_started(http: httpx.Client, front: MockFrontend, mock: MockBackendThread,
+                                        tokenizer: TextTokenizer, kind: str, code: str) -> None:
+    with mock.scripted(MockScript(tuple(tokenizer.encode(TEXT)), error=kind, error_after=3)):
+        for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
+                           ("/v1/completions", {"prompt": "x", "stream": True})]:
+            resp = http.post(path, json=body)
+            assert resp.status_code == 200
+            data = sse_data(resp.text)
+            assert data[-1] == "[DONE]"
+            error = json.loads(data[-2])
+            assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
+            assert error["error"]["code"] == code
+            chunks = [json.loads(d) for d in data[:-2]]
+            texts = [c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or ""
+                     for c in chunks]
+            assert "".join(texts) == "Hello there,"   # the three tokens before the failure
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+        raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
+        assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == code
+        with pytest.raises(openai.APIError):
+            client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+            list(client.chat.completions.create(model="mock-model", messages=HI, stream=True))
+
+
+# ---- the client goes away -----------------------------------------------------------------------
+
+def wait_cancelled(mock: MockBackendThread, before: int) -> None:
+    deadline = time.monotonic() + 5
+    while (mock.servicer.cancelled == before or mock.servicer.running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mock.servicer.cancelled == before + 1, "backend call not cancelled"
+    assert mock.servicer.running == 0
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", {"messages": HI}),
+                                            ("/v1/completions", {"prompt": "x", "max_tokens": 100}),
+                                            ("/", {"prompt": "x"})])
+def test_disconnect_cancels_a_non_streaming_request(front: MockFrontend, mock: MockBackendThread,
+                                                    tokenizer: TextTokenizer, path: str, body: dict[str, Any]) -> None:
+    with mock.scripted(slow(tokenizer)):
+        before = mock.servicer.cancelled
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{front.url}{path}", json=body, timeout=0.5)
+        wait_cancelled(mock, before)
+
+
+def test_disconnect_cancels_a_stream(front: MockFrontend, mock: MockBackendThread, tokenizer: TextTokenizer) -> None:
+    with mock.scripted(slow(tokenizer)):
+        before = mock.servicer.cancelled
+        with httpx.stream("POST", f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 100,
+                                                                       "stream": True}) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i == 3:
+                    break
+        wait_cancelled(mock, before)

@@ -1,0 +1,69 @@
+"""The product mock backend (backend/mock_backend.py) on a thread, and in-process frontends in front of it:
+the OpenAI surface end to end over loopback with no model and no subprocess."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from backend.mock_backend import MockScript, MockServicer, start_mock_server
+from kvyard.tokenizer import TextTokenizer
+from tests.support.procs import free_port_block
+from tests.support.scoring_stub import AppThread
+
+
+class MockBackendThread:
+    """backend.mock_backend's server on its own thread and event loop."""
+
+    def __init__(self, script: MockScript) -> None:
+        self.servicer = MockServicer(script)
+        self.port = free_port_block(1)
+        self.address = f"127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: grpc.aio.Server | None = None
+
+    def __enter__(self) -> MockBackendThread:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            start_mock_server(self.servicer, "127.0.0.1", self.port), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    @contextmanager
+    def scripted(self, script: MockScript) -> Iterator[MockServicer]:
+        """Swap the script for one test."""
+        old, self.servicer.script = self.servicer.script, script
+        try:
+            yield self.servicer
+        finally:
+            self.servicer.script = old
+
+
+@dataclass
+class MockFrontend:
+    url: str      # http://127.0.0.1:PORT
+    app: Any      # the FastAPI app (app.state.admission, ...)
+
+
+@contextmanager
+def mock_frontend(tokenizer: TextTokenizer, backend_address: str, **env: str) -> Iterator[MockFrontend]:
+    """create_app() on a thread, configured from `env` as the FRONTEND role would be."""
+    from frontend.app import create_app
+    from frontend.config import FrontendConfig
+
+    cfg = FrontendConfig.from_env({"BACKEND_ADDRESS": backend_address, "MAX_SEQ_LEN": "512",
+                                   "MODEL_NAME": "mock-model", **env})
+    app = create_app(cfg, tokenizer)
+    with AppThread(app) as server:
+        yield MockFrontend(server.url, app)
