@@ -35,6 +35,18 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, S, Hkv, d]
+        # Gathered K/V for one layer's attention, reused by every layer and step: a fresh buffer of
+        # tens of MB per gather costs page faults that dwarf the copy itself (measured ~7x on CPU).
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def scratch(self, name: str, numel: int) -> torch.Tensor:
+        """A flat buffer of at least numel elements, kept and grown across steps."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=self.data.dtype,
+                              device=self.data.device)
+            self._scratch[name] = buf
+        return buf[:numel]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -42,11 +54,12 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache: [S, Hkv, d] slots; blocks: [...] block ids → [..., len * block_size, Hkv, d].
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """cache: [S, Hkv, d] slots; blocks: [...] block ids → [..., len * block_size, Hkv, d] in `out`.
     Whole blocks are contiguous rows, so one index_select moves them at memcpy speed."""
     hkv, d = cache.shape[1], cache.shape[2]
-    rows = cache.view(-1, block_size * hkv * d).index_select(0, blocks.reshape(-1))
+    row = block_size * hkv * d
+    rows = torch.index_select(cache.view(-1, row), 0, blocks.reshape(-1), out=out.view(-1, row))
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
 
 
@@ -61,16 +74,18 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if meta.decode_rows is not None:
         assert meta.decode_blocks is not None and meta.decode_key_mask is not None
         bs = cache.block_size
+        n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
         qd = q[meta.decode_rows].unsqueeze(2)                                   # [B, H, 1, d]
-        kd = _gather_blocks(k_cache, meta.decode_blocks, bs).transpose(1, 2)     # [B, Hkv, Kmax, d]
-        vd = _gather_blocks(v_cache, meta.decode_blocks, bs).transpose(1, 2)
+        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
+        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
 
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
-        kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size)[:span.num_keys]
-        vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size)[:span.num_keys]
+        n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
+        kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size, cache.scratch("pk", n))[:span.num_keys]
+        vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size, cache.scratch("pv", n))[:span.num_keys]
         kp = kp.transpose(0, 1).unsqueeze(0)                                # [1, Hkv, K, d]
         vp = vp.transpose(0, 1).unsqueeze(0)
         n_q, n_k = qp.shape[2], kp.shape[2]
