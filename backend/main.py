@@ -17,7 +17,8 @@ from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
 from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
-from backend.server import ModelRpcServicer, set_serving, start_grpc_server, watch_engine
+from backend.grpc_server import set_serving, start_grpc_server
+from backend.server import ModelRpcServicer, watch_engine
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.tokenizer import TextTokenizer

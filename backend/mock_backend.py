@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from backend.grpc_server import start_grpc_server
 
 from kvyard.env import env_int, env_str
 from proto import model_rpc_pb2 as pb
@@ -165,14 +166,7 @@ class MockServicer(pb_grpc.ModelRpcServiceServicer):
 
 
 async def start_mock_server(servicer: MockServicer, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    pb_grpc.add_ModelRpcServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server, _ = await start_grpc_server(servicer, host, port)  # the real backend's server set-up and health
     return server
 
 

@@ -6,9 +6,10 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from backend.engine_loop import EngineLoop
+from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, request_from_pb, score_request_from_pb,
                                 score_result_to_pb, worker_status_to_pb)
@@ -18,9 +19,6 @@ from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvyard.backend")
-
-SERVICE_NAME = "kvyard.ModelRpcService"
-
 
 class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
     def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int,
@@ -82,30 +80,6 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
     async def GetCacheStatus(self, request: pb.CacheStatusRequestPB,
                              context: grpc.aio.ServicerContext) -> pb.CacheStatusPB:
         return cache_status_to_pb(self.engine_loop.cache_status(request.since_version))
-
-
-async def start_grpc_server(servicer: ModelRpcServicer, host: str, port: int
-                            ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", 256 * 1024 * 1024),
-        ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-        ("grpc.so_reuseport", 0),
-    ])
-    pb_grpc.add_ModelRpcServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot bind the backend gRPC port {host}:{port}")
-    await server.start()
-    await set_serving(health_servicer, True)
-    log.info("backend gRPC serving on %s:%d", host, port)
-    return server, health_servicer
-
-
-async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
 
 
 async def watch_engine(engine_loop: EngineLoop, health_servicer: health.aio.HealthServicer) -> None:

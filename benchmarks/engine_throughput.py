@@ -172,7 +172,8 @@ def main() -> None:
 async def _grpc_levels(engine_loop: EngineLoop, prompt_sets: list[list[list[int]]], out: int) -> list[Result]:
     import socket
 
-    from backend.server import ModelRpcServicer, start_grpc_server
+    from backend.grpc_server import start_grpc_server
+    from backend.server import ModelRpcServicer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

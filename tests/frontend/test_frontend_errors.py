@@ -31,18 +31,6 @@ def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
         yield backend
 
 
-@pytest.fixture(scope="module")
-def front(tokenizer: TextTokenizer, mock: MockBackendThread) -> Iterator[MockFrontend]:
-    with mock_frontend(tokenizer, mock.address) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def http(front: MockFrontend) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=front.url, timeout=10) as c:
-        yield c
-
-
 def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     body = resp.json()

@@ -15,7 +15,7 @@ import pytest
 
 from backend.mock_backend import MockScript, mock_logprob
 from kvyard.tokenizer import TextTokenizer
-from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
+from tests.support.mock_stack import MockBackendThread, MockFrontend
 
 TEXT = "Hello there, friend!"
 EOS = 2
@@ -40,20 +40,8 @@ def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
 
 
 @pytest.fixture(scope="module")
-def front(tokenizer: TextTokenizer, mock: MockBackendThread) -> Iterator[MockFrontend]:
-    with mock_frontend(tokenizer, mock.address) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
 def client(front: MockFrontend) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0, timeout=10)
-
-
-@pytest.fixture(scope="module")
-def http(front: MockFrontend) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=front.url, timeout=10) as c:
-        yield c
 
 
 def sse_data(text: str) -> list[str]:

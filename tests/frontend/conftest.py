@@ -1,0 +1,23 @@
+"""Fixtures shared by the frontend tests that run an in-process frontend against the mock backend.
+Each module defines its own `mock` fixture (the scripted backend); these build on it."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvyard.tokenizer import TextTokenizer
+from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
+
+
+@pytest.fixture(scope="module")
+def front(tokenizer: TextTokenizer, mock: MockBackendThread) -> Iterator[MockFrontend]:
+    with mock_frontend(tokenizer, mock.address) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def http(front: MockFrontend) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=front.url, timeout=10) as c:
+        yield c
