@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from kvyard.tokenizer import TextTokenizer
@@ -21,3 +22,8 @@ def front(tokenizer: TextTokenizer, mock: MockBackendThread) -> Iterator[MockFro
 def http(front: MockFrontend) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=front.url, timeout=10) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def client(front: MockFrontend) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0, timeout=10)

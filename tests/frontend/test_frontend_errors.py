@@ -16,6 +16,7 @@ import pytest
 from backend.mock_backend import MockScript
 from kvyard.tokenizer import TextTokenizer
 from master.mock_master import MockMasterConfig, create_mock_master_app
+from tests.support.sse import sse_data
 from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
 from tests.support.procs import free_port_block
 from tests.support.scoring_stub import AppThread
@@ -41,10 +42,6 @@ def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> 
     if status in (429, 503):
         assert resp.headers.get("retry-after") == "1"
     return body["error"]
-
-
-def sse_data(text: str) -> list[str]:
-    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("data:")]
 
 
 def slow(tokenizer: TextTokenizer, n: int = 60, delay_s: float = 0.05) -> MockScript:

@@ -17,6 +17,15 @@ from tests.support.procs import free_port_block
 from tests.support.scoring_stub import AppThread
 
 
+EOS = 2  # the embedded model's <|im_end|>
+
+
+def script(tok: TextTokenizer, text: str, per_char: bool = False, eos: bool = True, **kw: Any) -> MockScript:
+    """A mock backend script that answers `text` (one token per character with per_char), then eos."""
+    ids = [i for c in text for i in tok.encode(c)] if per_char else tok.encode(text)
+    return MockScript(tuple([*ids, EOS] if eos else ids), **kw)
+
+
 class MockBackendThread:
     """backend.mock_backend's server on its own thread and event loop."""
 

@@ -42,14 +42,18 @@ class ScoringStubServicer(StubServicer):
             yield pb.GenerateOutputsPB(request_id=request.request_id, error=error)
             return
         cfg = request.generate_config
-        async for msg in super().GenerateStreamCall(request, context):
-            if cfg.return_logprobs:
-                for out in msg.generate_outputs:
-                    for token in out.output_ids:
-                        lp = out.logprobs.add(token_id=token, logprob=fake_logprob(token))
-                        for alt in range(cfg.top_logprobs):
-                            lp.top_logprobs.add(token_id=alt, logprob=fake_logprob(alt))
-            yield msg
+        inner = super().GenerateStreamCall(request, context)
+        try:
+            async for msg in inner:
+                if cfg.return_logprobs:
+                    for out in msg.generate_outputs:
+                        for token in out.output_ids:
+                            lp = out.logprobs.add(token_id=token, logprob=fake_logprob(token))
+                            for alt in range(cfg.top_logprobs):
+                                lp.top_logprobs.add(token_id=alt, logprob=fake_logprob(alt))
+                yield msg
+        finally:
+            await inner.aclose()  # at once, so a cancelled call is counted now, not at garbage collection
 
     async def ScoreCall(self, request: pb.ScoreInputPB, context: grpc.aio.ServicerContext) -> pb.ScoreOutputPB:
         error = self._bad_ids([*request.prompt_ids, *request.scored_ids])

@@ -56,6 +56,7 @@ class StubServicer(pb_grpc.ModelRpcServiceServicer):
         reuse = min(reuse, max(0, len(request.token_ids) - 1))
         if self.cache_prompts:
             self.cache(keys)
+        finished = False
         try:
             for i, ids in enumerate(steps):
                 if self.delay_s:
@@ -67,9 +68,12 @@ class StubServicer(pb_grpc.ModelRpcServiceServicer):
                     finish_reason=pb.FINISH_REASON_STOP if last else pb.FINISH_REASON_UNSPECIFIED,
                     aux_info=pb.AuxInfoPB(input_len=len(request.token_ids), output_len=i + 1, reuse_len=reuse))
                 yield out
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
+            finished = True
+        finally:
+            # A cancelled call ends here by CancelledError (parked at an await) or by GeneratorExit
+            # (parked at a yield): either way the stream stopped early.
+            if not finished:
+                self.cancelled += 1
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
                               context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
