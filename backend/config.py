@@ -20,6 +20,7 @@ class BackendConfig:
     http_port: int               # START_PORT + 5 (worker status, debug)
     device: str                  # "cpu" or "cuda"
     dtype: str                   # "float32" or "bfloat16"
+    weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once
@@ -48,6 +49,7 @@ class BackendConfig:
             http_port=start_port + 5,
             device=device,
             dtype=dtype,
+            weight_format=_weight_format(env, device, dtype),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
             max_num_seqs=env_int(env, "MAX_NUM_SEQS", 64, minimum=1),
@@ -60,6 +62,19 @@ class BackendConfig:
             role=env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper(),
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
         )
+
+
+def _weight_format(env: Mapping[str, str], device: str, dtype: str) -> str:
+    """auto: GGUF blocks where the C++ kernels run (float32 on an AVX2 CPU), dense elsewhere."""
+    fmt = env_choice(env, "WEIGHT_FORMAT", "auto", ("auto", "gguf", "dense"))
+    if fmt == "gguf" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(f"WEIGHT_FORMAT=gguf needs DEVICE=cpu and DTYPE=float32 (got {device}, {dtype})")
+    if fmt != "auto":
+        return fmt
+    if device != "cpu" or dtype != "float32":
+        return "dense"
+    from backend import kernels
+    return "gguf" if kernels.cpu_supports_avx2() and env.get("KVYARD_KERNELS", "1") != "0" else "dense"
 
 
 def _default_device() -> str:

@@ -34,7 +34,10 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     dtype = getattr(torch, cfg.dtype)
     model_cfg = load_model_config(cfg.checkpoint_path)
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
-    model = LlamaModel(model_cfg, load_weights(cfg.checkpoint_path, model_cfg, dtype, device))
+    weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf")
+    model = LlamaModel(model_cfg, weights)
+    log.info("weights: %.0f MB as %s, %s", model.weight_bytes() / 2**20, cfg.weight_format,
+             type(model.ops).__name__)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
                                         model_cfg.head_dim, dtype)
     num_blocks = max(1, cfg.kv_cache_mb * 1024 * 1024 // per_block)

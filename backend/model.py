@@ -2,72 +2,63 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from backend.attention import AttentionMetadata, KVCache, paged_attention
+from backend.attention import AttentionMetadata, KVCache
+from backend.ops import KernelOps, TorchOps, Weight
+from backend.quant import QuantWeight
 from kvyard.model_config import ModelConfig
 
 
-class LlamaModel:
-    """Plain functions over a dict of weights (gpt-fast style): no nn.Module bookkeeping per step."""
+def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The C++ kernels for float32 on a CPU that has them; plain PyTorch everywhere else (CUDA, bf16)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        from backend import kernels
+        module = kernels.load()
+        if module is not None:
+            return KernelOps(module)
+    return TorchOps()
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], compile: bool = False) -> None:
-        """compile=True runs each layer's dense halves through torch.compile (measured in
-        benchmarks/compile_check.py); attention over the paged cache stays eager."""
+
+class LlamaModel:
+    """Plain functions over a dict of weights (gpt-fast style): no nn.Module bookkeeping per step.
+    A weight is a dense tensor or a QuantWeight (GGUF blocks, computed on by the C++ kernels)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], ops: TorchOps | None = None) -> None:
         self.config = config
         self.w = weights
         self.lm_head = weights.get("lm_head", weights["embed"])  # tied when the checkpoint has none
-        self.device = weights["embed"].device
-        self.dtype = weights["embed"].dtype
+        embed = weights["embed"]
+        self.device = embed.qs.device if isinstance(embed, QuantWeight) else embed.device
+        self.dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
+        self.ops = ops or default_ops(self.device, self.dtype)
+        if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
+            raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
         self.cos, self.sin = _rope_tables(config, self.device)  # [P, d/2] each, float32
-        self._attn_in, self._attn_out = _attn_in, _attn_out
-        if compile:
-            self._attn_in = torch.compile(_attn_in, dynamic=True)
-            self._attn_out = torch.compile(_attn_out, dynamic=True)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in their serving format."""
+        return sum(w.nbytes() if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+                   for w in self.w.values())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32)."""
-        c = self.config
-        cos = self.cos[positions].to(self.dtype)  # [T, d/2]; shared by every layer
-        sin = self.sin[positions].to(self.dtype)
-        x = self.w["embed"][input_ids]            # [T, D]
+        c, ops, w = self.config, self.ops, self.w
+        cos = self.cos[positions]  # [T, d/2]; shared by every layer
+        sin = self.sin[positions]
+        x = ops.embed(w["embed"], input_ids).to(self.dtype)  # [T, D]
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            q, k, v = self._attn_in(x, self.w[p + "attn_norm"], self.w[p + "qkv"], self.w.get(p + "qkv_bias"),
-                                    cos, sin, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
-            attn = paged_attention(i, q, k, v, cache, meta)                   # [T, H, d]
-            x = self._attn_out(x, attn, self.w[p + "o"], self.w[p + "ffn_norm"], self.w[p + "gate_up"],
-                               self.w[p + "down"], c.rms_norm_eps)
-        x = _rms_norm(x[logits_rows], self.w["norm"], c.rms_norm_eps)         # only rows that sample
-        return F.linear(x, self.lm_head).float()                               # [S, V]
-
-
-def _attn_in(x: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
-             cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [T, D] → q [T, H, d], k and v [T, Hkv, d] (RoPE applied to q and k)."""
-    h = _rms_norm(x, norm, eps)
-    qkv = F.linear(h, qkv_w, qkv_b)                                    # [T, (H+2Hkv)d]
-    d = qkv.shape[-1] // (n_heads + 2 * n_kv)
-    q, k, v = qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1)
-    return (_rope(q.view(-1, n_heads, d), cos, sin), _rope(k.view(-1, n_kv, d), cos, sin),
-            v.view(-1, n_kv, d))
-
-
-def _attn_out(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor,
-              gate_up_w: torch.Tensor, down_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Residual adds around the output projection and the SwiGLU MLP: x [T, D] → [T, D]."""
-    x = x + F.linear(attn.reshape(attn.shape[0], -1), o_w)
-    gate, up = F.linear(_rms_norm(x, norm, eps), gate_up_w).chunk(2, dim=-1)  # [T, F] each
-    return x + F.linear(F.silu(gate) * up, down_w)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+            h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
+            qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))                    # [T, (H+2Hkv)d]
+            q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
+            attn = ops.attention(q, cache, i, meta)                                       # [T, H, d]
+            x = ops.linear(attn.reshape(attn.shape[0], -1), w[p + "o"], residual=x)
+            h = ops.rms_norm(x, w[p + "ffn_norm"], c.rms_norm_eps)
+            x = ops.linear(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual=x)
+        x = ops.rms_norm(x[logits_rows], w["norm"], c.rms_norm_eps)  # only rows that sample
+        return ops.linear(x, self.lm_head).float()                     # [S, V]
 
 
 def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +67,3 @@ def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tenso
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)  # [P, d/2]
     return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; rotates pairs (i, i + d/2) as the Hugging Face layout does."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backend.quant import QuantWeight, from_gguf_blocks
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError, is_gguf
 
@@ -15,17 +16,23 @@ log = logging.getLogger("kvyard.weights")
 
 # Our tensor names: embed, norm, lm_head (absent when tied), and per layer i:
 # layers.{i}.attn_norm, .qkv (+ .qkv_bias), .o, .ffn_norm, .gate_up, .down — all [out, in].
+# With keep_blocks, GGUF matrices stored as Q4_1 or Q8_0 stay in those blocks (QuantWeight): the
+# C++ kernels compute on them directly, and no float32 copy of the model is ever made.
+KEPT_BLOCK_TYPES = ("q4_1", "q8_0")
+Tensor = torch.Tensor | QuantWeight
 
 
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 keep_blocks: bool = False) -> dict[str, Tensor]:
     start = time.monotonic()
-    raw = _read_gguf(path, config) if is_gguf(path) else _read_safetensors(path)
+    raw = _read_gguf(path, config, keep_blocks) if is_gguf(path) else _read_safetensors(path)
     weights = _fuse(raw, config)
-    out = {name: t.to(device=device, dtype=dtype).contiguous() for name, t in weights.items()}
-    n_params = sum(t.numel() for t in out.values())
-    log.info("loaded %d tensors (%.1fM parameters) from %s in %.1f s as %s on %s",
-             len(out), n_params / 1e6, path, time.monotonic() - start, dtype, device)
+    out: dict[str, Tensor] = {name: t if isinstance(t, QuantWeight) else t.to(device=device, dtype=dtype).contiguous()
+                              for name, t in weights.items()}
+    n_bytes = sum(t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in out.values())
+    kept = sum(isinstance(t, QuantWeight) for t in out.values())
+    log.info("loaded %d tensors (%.0f MB; %d kept in GGUF blocks) from %s in %.1f s as %s on %s",
+             len(out), n_bytes / 2**20, kept, path, time.monotonic() - start, dtype, device)
     return out
 
 
@@ -44,29 +51,38 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _read_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _read_gguf(path: Path, config: ModelConfig, keep_blocks: bool) -> dict[str, Tensor]:
     import gguf
 
     reader = gguf.GGUFReader(str(path), "r")
-    raw: dict[str, torch.Tensor] = {}
+    raw: dict[str, Tensor] = {}
     tensors = reader.tensors
     for i, tensor in enumerate(tensors):
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         parts = tensor.name.split(".")  # e.g. blk.3.attn_q.weight / token_embd.weight
+        heads = 0  # q and k rows are interleaved per head by llama.cpp's converter
         if parts[0] == "blk":
             kind = _GGUF_LAYER_NAMES.get(parts[2])
             if kind is None:
                 raise ModelFileError(f"{path}: unexpected tensor {tensor.name}")
-            if kind == "q":
-                data = _unpermute_rope(data, config.num_heads)
-            elif kind == "k":
-                data = _unpermute_rope(data, config.num_kv_heads)
+            heads = {"q": config.num_heads, "k": config.num_kv_heads}.get(kind, 0)
             name = f"layers.{parts[1]}.{kind}" + ("_bias" if parts[-1] == "bias" else "")
         else:
             name = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}.get(parts[0], "")
             if not name:
                 continue  # e.g. rope_freqs: not used by the architectures we accept
-        raw[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # owned copy, not the mmap
+        block_type = tensor.tensor_type.name.lower()
+        if keep_blocks and block_type in KEPT_BLOCK_TYPES and len(tensor.shape) == 2:
+            k, n = int(tensor.shape[0]), int(tensor.shape[1])  # GGUF lists the fastest axis first
+            weight = from_gguf_blocks(block_type, tensor.data, n, k)
+            if heads:
+                order = _unpermute_rope(np.arange(n)[:, None], heads)[:, 0]
+                weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+            raw[name] = weight
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            if heads:
+                data = _unpermute_rope(data, heads)
+            raw[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # owned copy, not the mmap
         if (i + 1) % 50 == 0 or i + 1 == len(tensors):
             log.info("dequantizing GGUF tensors: %d/%d", i + 1, len(tensors))
     return raw
@@ -102,7 +118,14 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return raw
 
 
-def _fuse(raw: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Stack along the output rows; blocks stay blocks when every part has the same block type."""
+    if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
+        return QuantWeight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts], dim=0)
+
+
+def _fuse(raw: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """Fuse q/k/v and gate/up so each layer does two big matmuls instead of five small ones."""
     out = {"embed": raw["embed"], "norm": raw["norm"]}
     if "lm_head" in raw and not config.tie_word_embeddings:
@@ -112,12 +135,12 @@ def _fuse(raw: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.
         try:
             out[p + "attn_norm"] = raw[p + "attn_norm"]
             out[p + "ffn_norm"] = raw[p + "ffn_norm"]
-            out[p + "qkv"] = torch.cat([raw[p + "q"], raw[p + "k"], raw[p + "v"]], dim=0)
+            out[p + "qkv"] = _cat([raw[p + "q"], raw[p + "k"], raw[p + "v"]])
             out[p + "o"] = raw[p + "o"]
-            out[p + "gate_up"] = torch.cat([raw[p + "gate"], raw[p + "up"]], dim=0)
+            out[p + "gate_up"] = _cat([raw[p + "gate"], raw[p + "up"]])
             out[p + "down"] = raw[p + "down"]
         except KeyError as exc:
             raise ModelFileError(f"checkpoint lacks tensor for {exc.args[0]}") from exc
         if config.attention_bias:
-            out[p + "qkv_bias"] = torch.cat([raw[p + "q_bias"], raw[p + "k_bias"], raw[p + "v_bias"]])
+            out[p + "qkv_bias"] = torch.cat([raw[p + "q_bias"], raw[p + "k_bias"], raw[p + "v_bias"]])  # type: ignore[list-item]
     return out

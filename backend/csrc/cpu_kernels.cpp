@@ -1,0 +1,593 @@
+// kvyard's CPU kernels (AVX2 + FMA, at::parallel_for): the decode-time hot path of backend/model.py.
+//
+// Weights stay in the GGUF's own block formats, repacked once at load (backend/quant.py):
+//   Q4_1: per 32 weights along K a float scale d, a float minimum m and 16 bytes of 4-bit codes;
+//         byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble); w = d*q + m.
+//   Q8_0: per 32 weights a float scale d and 32 signed bytes; w = d*q.
+// Activations stay float32, so a linear here computes the same numbers as F.linear over the
+// float32 dequantization (the reference), up to the order of the float additions, while reading
+// 5-8x fewer bytes of weights per token.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;       // weights per quant block
+constexpr int MT = 8;        // token rows per micro-tile (accumulators kept in registers)
+constexpr int64_t NT = 8;    // output rows per parallel work item
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 16 bytes of Q4_1 codes → 4 vectors of 8 floats in weight order 0-7, 8-15, 16-23, 24-31.
+inline void unpack_q4(const uint8_t* q, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline void unpack_q8(const int8_t* q, __m256 w[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
+    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+// y[m, n] for R token rows (R ≤ MT, a compile-time count so the accumulators live in registers) and one
+// output row n: Σ_b d_b (q_b · x_b) [+ m_b Σ x_b]. Each block is unpacked once for all R rows.
+template <bool Q4, int R>
+inline void dot_rows(const float* x, int64_t ldx, const uint8_t* qs, const float* d, const float* mins,
+                     const float* xsum, int64_t nb, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (Q4) unpack_q4(qs + b * 16, w);
+    else unpack_q8(reinterpret_cast<const int8_t*>(qs) + b * 32, w);
+    const __m256 scale = _mm256_set1_ps(d[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * QK;
+      // Two short chains instead of one long one: the FMA latency, not the ports, bounds one row.
+      __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+      t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), t0);
+      t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), t1);
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), scale, acc[r]);
+      // The minimum's share, m_b Σ x_b, from the block's 8-lane partial sums of x.
+      if constexpr (Q4) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + (r * nb + b) * 8), _mm256_set1_ps(mins[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]);
+}
+
+template <bool Q4>
+inline void dot_row(const float* x, int64_t ldx, int rows, const uint8_t* qs, const float* d,
+                    const float* mins, const float* xsum, int64_t nb, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return dot_rows<Q4, 1>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 2: return dot_rows<Q4, 2>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 3: return dot_rows<Q4, 3>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 4: return dot_rows<Q4, 4>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 5: return dot_rows<Q4, 5>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 6: return dot_rows<Q4, 6>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 7: return dot_rows<Q4, 7>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    default: return dot_rows<Q4, 8>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+  }
+}
+
+void check_cpu_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+// x: [M, K] float32; qs: [N, K/2] uint8 (Q4_1) or [N, K] int8 (Q8_0); d, mins: [N, K/32] float32.
+// bias: [N] or empty; residual: [M, N] or empty (added to the result). → [M, N] float32.
+template <bool Q4>
+at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  const at::Tensor x = x_in.contiguous();
+  check_cpu_f32(x, "x");
+  check_cpu_f32(d, "d");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = d.size(0), nb = d.size(1);
+  TORCH_CHECK(K == nb * QK, "x has ", K, " columns, the weight ", nb * QK);
+  TORCH_CHECK(qs.is_contiguous() && qs.size(0) == N && qs.size(1) == (Q4 ? K / 2 : K), "bad codes shape");
+  if (Q4) check_cpu_f32(mins, "mins");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = Q4 ? mins.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+
+  // Per-block 8-lane partial sums of x: the minimum's share of every Q4_1 dot product.
+  std::vector<float> xsum;
+  if (Q4) {
+    xsum.resize(M * nb * 8);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* xb = xp + m * K + b * QK;
+          __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+          _mm256_storeu_ps(xsum.data() + (m * nb + b) * 8, s);
+        }
+    });
+  }
+  const float* xs = Q4 ? xsum.data() : nullptr;
+  // Work items: (token block of ≤ 64 rows, NT output rows); a token block's x stays in L2 while the
+  // weights stream past it.
+  constexpr int64_t MB = 64;
+  const int64_t n_tiles = (N + NT - 1) / NT, m_blocks = (M + MB - 1) / MB;
+  at::parallel_for(0, n_tiles * m_blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t mb = item / n_tiles, nt = item % n_tiles;
+      const int64_t m_end = std::min(M, (mb + 1) * MB), n_end = std::min(N, (nt + 1) * NT);
+      for (int64_t n = nt * NT; n < n_end; ++n) {
+        for (int64_t m = mb * MB; m < m_end; m += MT) {
+          const int rows = static_cast<int>(std::min<int64_t>(MT, m_end - m));
+          dot_row<Q4>(xp + m * K, K, rows, qp + n * row_bytes, dp + n * nb, Q4 ? mp + n * nb : nullptr,
+                      Q4 ? xs + m * nb * 8 : nullptr, nb, yp + m * N + n, N);
+        }
+      }
+    }
+  });
+  if (bias && bias->defined()) y.add_(*bias);
+  if (residual && residual->defined()) y.add_(*residual);
+  return y;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  return qlinear<true>(x, qs, d, mins, bias, residual);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  return qlinear<false>(x, qs, d, at::Tensor(), bias, residual);
+}
+
+// ---- int8 activations (llama.cpp's scheme): x quantized per 32-block, integer dot products ----------
+
+// Per row and block of x: int8 codes, the scale (max|x| / 127) and the exact float sum (Q4_1's minimum).
+struct QuantizedX {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, nb]
+  std::vector<float> sum;  // [M, nb]
+};
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xb = x + i * QK;  // row-major [M, K]: block i is row i / nb, block i % nb
+      __m256 v[4], amax = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
+        s = _mm256_add_ps(s, v[j]);
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float mx = _mm_cvtss_f32(m4);
+      const float d = mx / 127.0f;
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.0f / d : 0.f);
+      out.d[i] = d;
+      out.sum[i] = hsum(s);
+      int8_t* q = out.q.data() + i * QK;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        alignas(32) int32_t tmp[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), r);
+        for (int k = 0; k < 8; ++k) q[8 * j + k] = static_cast<int8_t>(tmp[k]);
+      }
+    }
+  });
+  return out;
+}
+
+// 16 bytes of Q4_1 codes → 32 unsigned bytes in weight order.
+inline __m256i unpack_q4_u8(const uint8_t* q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// Σ over 32 pairs of (unsigned or sign-folded) bytes → 8 int32 lanes → float.
+inline __m256 dot_u8_i8(__m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |products| ≤ 2 * 255 * 127 fits int16
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <bool Q4, int R>
+inline void dot_rows_i8(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* qs, const float* d,
+                        const float* mins, int64_t nb, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w;
+    if constexpr (Q4) w = unpack_q4_u8(qs + b * 16);
+    else w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 32));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + m * K + b * QK));
+      __m256 dot;
+      if constexpr (Q4) dot = dot_u8_i8(w, xv);
+      else dot = dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));  // |w| · (x with w's sign)
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xq.d[m * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(acc[r]);
+    if constexpr (Q4) {  // the minimum's share, m_b Σ x_b, with x's exact block sums
+      const float* xs = xq.sum.data() + (m0 + r) * nb;
+      __m256 ms = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 8 <= nb; b += 8) ms = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(xs + b), ms);
+      s += hsum(ms);
+      for (; b < nb; ++b) s += mins[b] * xs[b];
+    }
+    out[r * ldo] = s;
+  }
+}
+
+template <bool Q4>
+inline void dot_row_i8(const QuantizedX& xq, int64_t m0, int rows, int64_t K, const uint8_t* qs, const float* d,
+                       const float* mins, int64_t nb, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return dot_rows_i8<Q4, 1>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 2: return dot_rows_i8<Q4, 2>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 3: return dot_rows_i8<Q4, 3>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 4: return dot_rows_i8<Q4, 4>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 5: return dot_rows_i8<Q4, 5>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 6: return dot_rows_i8<Q4, 6>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    case 7: return dot_rows_i8<Q4, 7>(xq, m0, K, qs, d, mins, nb, out, ldo);
+    default: return dot_rows_i8<Q4, 8>(xq, m0, K, qs, d, mins, nb, out, ldo);
+  }
+}
+
+// As qlinear, with x quantized to int8 per 32-block first (not the float32 reference's numbers).
+template <bool Q4>
+at::Tensor qlinear_i8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  const at::Tensor x = x_in.contiguous();
+  check_cpu_f32(x, "x");
+  check_cpu_f32(d, "d");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = d.size(0), nb = d.size(1);
+  TORCH_CHECK(K == nb * QK, "x has ", K, " columns, the weight ", nb * QK);
+  TORCH_CHECK(qs.is_contiguous() && qs.size(0) == N && qs.size(1) == (Q4 ? K / 2 : K), "bad codes shape");
+  if (Q4) check_cpu_f32(mins, "mins");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K);
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = Q4 ? mins.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  constexpr int64_t MB = 64;
+  const int64_t n_tiles = (N + NT - 1) / NT, m_blocks = (M + MB - 1) / MB;
+  at::parallel_for(0, n_tiles * m_blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t mb = item / n_tiles, nt = item % n_tiles;
+      const int64_t m_end = std::min(M, (mb + 1) * MB), n_end = std::min(N, (nt + 1) * NT);
+      for (int64_t n = nt * NT; n < n_end; ++n)
+        for (int64_t m = mb * MB; m < m_end; m += MT) {
+          const int rows = static_cast<int>(std::min<int64_t>(MT, m_end - m));
+          dot_row_i8<Q4>(xq, m, rows, K, qp + n * row_bytes, dp + n * nb, Q4 ? mp + n * nb : nullptr, nb,
+                         yp + m * N + n, N);
+        }
+    }
+  });
+  if (bias && bias->defined()) y.add_(*bias);
+  if (residual && residual->defined()) y.add_(*residual);
+  return y;
+}
+
+at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  return qlinear_i8<true>(x, qs, d, mins, bias, residual);
+}
+
+at::Tensor q8_0_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  return qlinear_i8<false>(x, qs, d, at::Tensor(), bias, residual);
+}
+
+// Rows `ids` of a quantized matrix, dequantized: the embedding lookup. → [T, K] float32.
+at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                        const at::Tensor& ids_in, bool q4) {
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = ids.size(0), N = d.size(0), nb = d.size(1), K = nb * QK;
+  const int64_t row_bytes = q4 ? K / 2 : K;
+  at::Tensor out = at::empty({T, K}, d.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row id out of range");
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    __m256 w[4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = ip[t];
+      for (int64_t b = 0; b < nb; ++b) {
+        if (q4) unpack_q4(qp + n * row_bytes + b * 16, w);
+        else unpack_q8(reinterpret_cast<const int8_t*>(qp) + n * row_bytes + b * 32, w);
+        const __m256 scale = _mm256_set1_ps(dp[n * nb + b]);
+        const __m256 shift = _mm256_set1_ps(q4 ? mp[n * nb + b] : 0.f);
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(op + t * K + b * QK + 8 * i, _mm256_fmadd_ps(w[i], scale, shift));
+      }
+    }
+  });
+  return out;
+}
+
+// The whole matrix, dequantized into out: [N, K] float32 (prefill-sized batches use the BLAS GEMM on it).
+void dequantize_into(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, at::Tensor out, bool q4) {
+  const int64_t N = d.size(0), nb = d.size(1), K = nb * QK;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N && out.size(1) == K,
+              "out must be a contiguous float32 [N, K]");
+  const int64_t row_bytes = q4 ? K / 2 : K;
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    __m256 w[4];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        if (q4) unpack_q4(qp + n * row_bytes + b * 16, w);
+        else unpack_q8(reinterpret_cast<const int8_t*>(qp) + n * row_bytes + b * 32, w);
+        const __m256 scale = _mm256_set1_ps(dp[n * nb + b]);
+        const __m256 shift = _mm256_set1_ps(q4 ? mp[n * nb + b] : 0.f);
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(op + n * K + b * QK + 8 * i, _mm256_fmadd_ps(w[i], scale, shift));
+      }
+  });
+}
+
+// x: [T, D] → x * rsqrt(mean(x²) + eps) * w, float32 throughout (as the reference does for float32).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  check_cpu_f32(x, "x");
+  check_cpu_f32(w, "w");
+  const int64_t T = x.size(0), D = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* r = xp + t * D;
+      double ss = 0.0;
+      for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(r[i]) * r[i];
+      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / D) + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) yp[t * D + i] = wp[i] * (r[i] * inv);
+    }
+  });
+  return y;
+}
+
+// gate_up: [T, 2F] → silu(gate) * up: [T, F].
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.contiguous();
+  check_cpu_f32(gu, "gate_up");
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  at::Tensor y = at::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < F; ++i) {
+        const float g = gp[t * 2 * F + i];
+        yp[t * F + i] = g / (1.0f + std::exp(-g)) * gp[t * 2 * F + F + i];
+      }
+  });
+  return y;
+}
+
+// qkv: [T, (H + 2 Hkv) d]. Rotates q and k (pairs (i, i + d/2), the Hugging Face layout), writes
+// k and v into the layer's cache at `slots`, and returns q: [T, H, d].
+at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots_in,
+                      int64_t n_heads, int64_t n_kv) {
+  const at::Tensor qkv = qkv_in.contiguous();
+  check_cpu_f32(qkv, "qkv");
+  check_cpu_f32(cos, "cos");
+  check_cpu_f32(sin, "sin");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat,
+              "caches must be contiguous float32");
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  const int64_t T = qkv.size(0), d = k_cache.size(2), half = d / 2, W = qkv.size(1);
+  TORCH_CHECK(W == (n_heads + 2 * n_kv) * d, "qkv width does not match the heads");
+  at::Tensor q = at::empty({T, n_heads, d}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t S = k_cache.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "slot out of range");
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = in + t * W;
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      auto rotate = [&](const float* src, float* dst) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = src[i], b = src[i + half];
+          dst[i] = a * c[i] - b * s[i];
+          dst[i + half] = b * c[i] + a * s[i];
+        }
+      };
+      for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * d, qp + (t * n_heads + h) * d);
+      float* kd = kc + slot[t] * n_kv * d;
+      for (int64_t h = 0; h < n_kv; ++h) rotate(row + (n_heads + h) * d, kd + h * d);
+      std::copy(row + (n_heads + n_kv) * d, row + W, vc + slot[t] * n_kv * d);
+    }
+  });
+  return q;
+}
+
+// e^x for 8 floats (x ≤ 0 here: scores minus their max): 2^n · p(r) with x = n ln2 + r, |r| ≤ ln2/2,
+// p a degree-6 Taylor polynomial (relative error < 2e-7 on that range).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  const __m256 rr = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The 8 lane-sums of a[0..7], as one vector (a transposed horizontal add).
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // h0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of each sum), same for h1.
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// Decode attention straight from the paged cache (no gather): q: [B, H, d]; caches: [S, Hkv, d];
+// block_table: [B, nblk] int64; lens: [B] keys each row sees. → [B, H, d].
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& table_in, const at::Tensor& lens_in, int64_t block_size,
+                            double scale) {
+  const at::Tensor q = q_in.contiguous();
+  check_cpu_f32(q, "q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat,
+              "caches must be contiguous float32");
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  const at::Tensor lens = lens_in.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2), Hkv = k_cache.size(1);
+  const int64_t group = H / Hkv, nblk = table.size(1), S = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == d && H % Hkv == 0, "q and the cache disagree on heads");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nblk * block_size, "bad key count");
+    for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tp[b * nblk + j] >= 0 && (tp[b * nblk + j] + 1) * block_size <= S, "block out of range");
+  }
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto nv_const) {
+  constexpr int64_t nv = decltype(nv_const)::value;  // d / 8, a constant so the sums stay in registers
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<int64_t> slots;
+    for (int64_t item = i0; item < i1; ++item) {  // one query head of one row
+      const int64_t b = item / H, h = item % H, kvh = h / group, n = lp[b];
+      scores.resize((n + 7) / 8 * 8);
+      const float* qh = qp + (b * H + h) * d;
+      slots.resize(n);  // cache row of each key, walked block by block (no division per key)
+      for (int64_t p = 0, j = 0; p < n; ++j)
+        for (int64_t o = 0, base = tp[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
+          slots[p] = base + o;
+      auto key = [&](int64_t p) { return slots[p]; };
+      for (int64_t p = 0; p < n; p += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) {
+          __m256 a = _mm256_setzero_ps();
+          if (p + j < n) {
+            const float* k = kc + (key(p + j) * Hkv + kvh) * d;
+            for (int64_t i = 0; i < nv; ++i)
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_loadu_ps(k + 8 * i), a);
+          }
+          acc[j] = a;
+        }
+        _mm256_storeu_ps(scores.data() + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(sc)));
+      }
+      float mx = scores[0];
+      for (int64_t p = 1; p < n; ++p) mx = std::max(mx, scores[p]);
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int64_t p = 0; p < n; p += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + p), vmx));
+        if (p + 8 > n) {  // zero the lanes past the last key
+          alignas(32) float lane[8];
+          _mm256_store_ps(lane, e);
+          for (int64_t j = n - p; j < 8; ++j) lane[j] = 0.f;
+          e = _mm256_load_ps(lane);
+        }
+        _mm256_storeu_ps(scores.data() + p, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      const float inv = 1.0f / hsum(vsum);
+      __m256 acc[nv];
+      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < n; ++p) {
+        const float* v = vc + (key(p) * Hkv + kvh) * d;
+        const __m256 wgt = _mm256_set1_ps(scores[p]);
+        for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(wgt, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      }
+      float* o = op + (b * H + h) * d;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], vinv));
+    }
+  });
+  };
+  switch (d) {
+    case 64: run(std::integral_constant<int64_t, 8>{}); break;
+    case 128: run(std::integral_constant<int64_t, 16>{}); break;
+    case 32: run(std::integral_constant<int64_t, 4>{}); break;
+    case 96: run(std::integral_constant<int64_t, 12>{}); break;
+    default: TORCH_CHECK(false, "decode_attention supports head_dim 32, 64, 96 or 128, not ", d);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1)^T (+ bias) (+ residual)");
+  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0)^T (+ bias) (+ residual)");
+  m.def("q4_1_linear_i8", &q4_1_linear_i8, "as q4_1_linear with x quantized to int8 per 32-block");
+  m.def("q8_0_linear_i8", &q8_0_linear_i8, "as q8_0_linear with x quantized to int8 per 32-block");
+  m.def("dequant_rows", &dequant_rows, "rows of a Q4_1/Q8_0 matrix as float32");
+  m.def("dequantize_into", &dequantize_into, "a whole Q4_1/Q8_0 matrix into a float32 buffer");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q");
+  m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks");
+}

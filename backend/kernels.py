@@ -1,0 +1,49 @@
+"""kvyard's C++ CPU kernels (backend/csrc/cpu_kernels.cpp), built once with torch's cpp_extension.
+
+`load()` returns the module, or None where it cannot run (no AVX2/FMA, no compiler, KVYARD_KERNELS=0):
+the model then uses the pure-PyTorch path, which is also the reference in tests."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("kvyard.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+_cached: list[ModuleType | None] = []
+
+
+def cpu_supports_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled kernels, built on first use into torch's extension cache (seconds when cached)."""
+    if _cached:
+        return _cached[0]
+    module = None
+    if os.environ.get("KVYARD_KERNELS", "1") == "0":
+        log.info("C++ kernels off (KVYARD_KERNELS=0): pure-PyTorch path")
+    elif not cpu_supports_avx2():
+        log.warning("this CPU lacks AVX2/FMA: pure-PyTorch path")
+    else:
+        try:
+            from torch.utils.cpp_extension import load as build
+            module = build(name="kvyard_cpu_kernels", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], verbose=verbose)
+        except Exception as exc:  # a missing compiler must not take the backend down
+            log.warning("C++ kernels unavailable (%s): pure-PyTorch path", exc)
+    _cached.append(module)
+    return module
+
+
+if __name__ == "__main__":  # `make setup` builds them once
+    logging.basicConfig(level=logging.INFO)
+    print("kvyard C++ kernels:", "ready" if load(verbose=True) is not None else "unavailable")

@@ -1,0 +1,131 @@
+"""The per-layer operations of backend/model.py, in two interchangeable sets.
+
+TorchOps is plain PyTorch (any device and dtype; dense weights): the reference. KernelOps runs the
+C++ CPU kernels of backend/csrc over weights kept in the GGUF's block formats (float32 activations),
+and must compute what TorchOps computes over the dequantized weights (tests/backend/test_kernels.py)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered, attend_prefills
+from backend.quant import QuantWeight
+
+Weight = torch.Tensor | QuantWeight
+
+# Above this many rows a linear dequantizes the weight into a scratch matrix and calls the BLAS
+# GEMM (prefill, big decode batches): the block kernel re-decodes every block per 8 rows, the GEMM
+# amortises one decode over all of them. Measured crossover on a 2-core AVX2 machine: 16-32 rows.
+# Not for matrices above DENSE_MAX_NUMEL (the tied lm_head): decoding 28M weights per step costs
+# more than the kernel's slower arithmetic at any batch the engine runs.
+DENSE_ROWS = 24
+DENSE_MAX_NUMEL = 8 << 20
+
+
+class TorchOps:
+    """Reference implementations; dense weights only."""
+
+    def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
+        assert isinstance(w, torch.Tensor)
+        return w[ids]
+
+    def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        assert isinstance(w, torch.Tensor)
+        y = F.linear(x, w, bias)
+        return y if residual is None else residual + y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                   layer: int, slots: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+        """qkv: [T, (H+2Hkv)d] → q [T, H, d]; k (rotated) and v written into the cache at slots."""
+        d = qkv.shape[-1] // (n_heads + 2 * n_kv)
+        q, k, v = qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1)
+        c, s = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        cache.data[layer, 0].index_copy_(0, slots, _rope(k.view(-1, n_kv, d), c, s))
+        cache.data[layer, 1].index_copy_(0, slots, v.view(-1, n_kv, d))
+        return _rope(q.reshape(-1, n_heads, d), c, s)
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta)
+        attend_prefills(q, cache, layer, meta, out)
+        return out
+
+
+class KernelOps(TorchOps):
+    """The C++ kernels (float32 on the CPU); QuantWeight or dense float32 weights."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.k = kernels
+        # One dense weight at a time, reused by every layer: a fresh 10+ MB buffer per matmul costs
+        # more in page faults than the decode itself.
+        self._dense = torch.empty(0)
+
+    def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, torch.Tensor):
+            return w[ids]
+        return self.k.dequant_rows(w.qs, w.d, _mins(w), ids, w.kind == "q4_1")
+
+    def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, torch.Tensor):
+            return super().linear(x, w, bias, residual)
+        n, k = w.shape
+        if x.shape[0] > DENSE_ROWS and n * k <= DENSE_MAX_NUMEL:
+            if self._dense.numel() < n * k:
+                self._dense = torch.empty(n * k)
+            dense = self._dense[:n * k].view(n, k)
+            self.k.dequantize_into(w.qs, w.d, _mins(w), dense, w.kind == "q4_1")
+            return super().linear(x, dense, bias, residual)
+        if w.kind == "q4_1":
+            return self.k.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
+        return self.k.q8_0_linear(x, w.qs, w.d, bias, residual)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k.rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(gate_up)
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                   layer: int, slots: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+        return self.k.rope_store(qkv, cos, sin, cache.data[layer, 0], cache.data[layer, 1], slots,
+                                 n_heads, n_kv)
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_rows is None:
+            out = torch.empty_like(q)
+        elif not meta.prefills and meta.decode_rows.shape[0] == q.shape[0]:
+            # Every row decodes (the steady state): straight from the paged blocks, no gather.
+            return self.k.decode_attention(q, cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
+                                           meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5)
+        else:
+            out = torch.empty_like(q)
+            out[meta.decode_rows] = self.k.decode_attention(
+                q[meta.decode_rows], cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
+                meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5)
+        attend_prefills(q, cache, layer, meta, out)
+        return out
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; rotates pairs (i, i + d/2) as the Hugging Face layout does."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _mins(w: QuantWeight) -> torch.Tensor:
+    return w.m if w.m is not None else w.d  # Q8_0 has none; the kernel does not read it then

@@ -1,0 +1,69 @@
+"""Weights kept in the GGUF's own block formats (Q4_1, Q8_0), repacked once at load for the C++ kernels.
+
+A QuantWeight stands in for a dense [out, in] matrix: `dequantize()` gives the exact float32 matrix the
+reference computes with; backend/ops.py multiplies by it without ever materialising it per token."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QK = 32  # weights per block, both formats
+
+# GGUF block layouts (bytes): Q4_1 = f16 d, f16 m, 16 bytes of nibbles; Q8_0 = f16 d, 32 int8.
+Q4_1_BYTES, Q8_0_BYTES = 20, 34
+
+
+@dataclass
+class QuantWeight:
+    """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1)."""
+    kind: str               # "q4_1" or "q8_0"
+    qs: torch.Tensor        # [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K] int8
+    d: torch.Tensor         # [N, K/32] float32 scales
+    m: torch.Tensor | None  # [N, K/32] float32 minimums (Q4_1 only)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix [N, K] these blocks encode (what the reference path multiplies by)."""
+        n, k = self.shape
+        if self.kind == "q4_1":
+            lo, hi = (self.qs & 0x0F), (self.qs >> 4)
+            q = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], dim=-1).float()  # [N, nb, 32]
+            return (q * self.d[..., None] + self.m[..., None]).view(n, k)  # type: ignore[index]
+        return (self.qs.view(n, -1, QK).float() * self.d[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """These output rows only (e.g. llama.cpp's Q/K row interleave undone)."""
+        return QuantWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
+                           None if self.m is None else self.m[index].contiguous())
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Stack along the output rows (fused q/k/v, gate/up)."""
+        assert len({p.kind for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
+        return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
+    """raw: the tensor's bytes as the GGUF stores them ([n, k/32 * block bytes] uint8)."""
+    nb = k // QK
+    if kind == "q4_1":
+        blocks = np.ascontiguousarray(raw).reshape(n, nb, Q4_1_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        qs = blocks[..., 4:].reshape(n, nb * 16).copy()
+        return QuantWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m))
+    if kind == "q8_0":
+        blocks = np.ascontiguousarray(raw).reshape(n, nb, Q8_0_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        qs = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return QuantWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), None)
+    raise ValueError(f"no kernel for the {kind} block format")

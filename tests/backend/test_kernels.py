@@ -1,0 +1,128 @@
+"""The C++ CPU kernels against the pure-PyTorch reference ops, on random data and on the GGUF's blocks."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from backend import kernels
+from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered
+from backend.ops import DENSE_ROWS, KernelOps, TorchOps
+from backend.quant import Q4_1_BYTES, Q8_0_BYTES, QuantWeight, from_gguf_blocks
+from kvyard.model_path import embedded_model_path
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None, reason="C++ kernels unavailable (no AVX2/FMA or no compiler)")
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """Valid GGUF bytes for an [n, k] matrix: random codes, scales and minimums."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    size = Q4_1_BYTES if kind == "q4_1" else Q8_0_BYTES
+    raw = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, size=(n, nb, 2 if kind == "q4_1" else 1)).astype(np.float16)
+    raw[..., : scales.shape[-1] * 2] = scales.view(np.uint8).reshape(n, nb, -1)
+    return from_gguf_blocks(kind, raw.reshape(n, nb * size), n, k)
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors() -> dict[str, object]:
+    reader = gguf.GGUFReader(str(embedded_model_path()))
+    return {t.name: t for t in reader.tensors}
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_up.weight", "blk.3.attn_q.weight", "token_embd.weight"])
+def test_blocks_decode_to_ggufs_own_dequantization(gguf_tensors: dict, name: str) -> None:
+    t = gguf_tensors[name]
+    k, n = int(t.shape[0]), int(t.shape[1])
+    w = from_gguf_blocks(t.tensor_type.name.lower(), t.data, n, k)
+    expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    assert torch.equal(w.dequantize(), expected)
+    rows = torch.tensor([0, 5, n - 1])
+    assert torch.equal(K.dequant_rows(w.qs, w.d, w.m if w.m is not None else w.d, rows, w.kind == "q4_1"),
+                       expected[rows])
+    if n * k <= 4 << 20:
+        out = torch.empty(n, k)
+        K.dequantize_into(w.qs, w.d, w.m if w.m is not None else w.d, out, w.kind == "q4_1")
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, DENSE_ROWS + 7])
+def test_block_linear_matches_dense_linear(kind: str, rows: int) -> None:
+    w = random_blocks(kind, 72, 96, seed=rows)
+    dense = w.dequantize()
+    x = torch.randn(rows, 96)
+    bias, residual = torch.randn(72), torch.randn(rows, 72)
+    ops, ref = KernelOps(K), TorchOps()
+    want = ref.linear(x, dense, bias, residual)
+    got = ops.linear(x, w, bias, residual)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear(x, w), ref.linear(x, dense), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_activation_linear_is_close(kind: str) -> None:
+    """llama.cpp's scheme (x quantized per 32-block): not exact, within a percent of the output scale."""
+    w = random_blocks(kind, 64, 128)
+    x = torch.randn(5, 128)
+    want = x @ w.dequantize().T
+    if kind == "q4_1":
+        got = K.q4_1_linear_i8(x, w.qs, w.d, w.m, None, None)
+    else:
+        got = K.q8_0_linear_i8(x, w.qs, w.d, None, None)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_rms_norm_and_silu_mul() -> None:
+    x, w = torch.randn(7, 96) * 3, torch.randn(96)
+    ops, ref = KernelOps(K), TorchOps()
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(7, 2 * 40)
+    torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_store_rotates_and_writes_the_cache() -> None:
+    n_heads, n_kv, d, T = 6, 2, 64, 5
+    qkv = torch.randn(T, (n_heads + 2 * n_kv) * d)
+    angles = torch.rand(T, d // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 17, 4, 30, 9])
+    caches = [KVCache(1, 4, 8, n_kv, d, torch.float32, torch.device("cpu")) for _ in range(2)]
+    q_ref = TorchOps().rope_store(qkv, cos, sin, caches[0], 0, slots, n_heads, n_kv)
+    q_got = KernelOps(K).rope_store(qkv, cos, sin, caches[1], 0, slots, n_heads, n_kv)
+    torch.testing.assert_close(q_got, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[1].data, caches[0].data, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        K.rope_store(qkv, cos, sin, caches[1].data[0, 0], caches[1].data[0, 1], slots + 100, n_heads, n_kv)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_reads_paged_blocks_in_place(head_dim: int) -> None:
+    torch.manual_seed(head_dim)
+    bs, n_heads, n_kv = 16, 9, 3
+    cache = KVCache(1, 64, bs, n_kv, head_dim, torch.float32, torch.device("cpu"))
+    cache.data.normal_()
+    lens = torch.tensor([1, 7, 16, 17, 33, 200])   # block edges, partial blocks, one key
+    nblk = 13
+    table = torch.randint(0, 64, (len(lens), nblk))  # any block anywhere, as after reuse
+    mask = (torch.arange(nblk * bs)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
+                             decode_blocks=table, decode_key_mask=mask, decode_lens=lens, prefills=[])
+    q = torch.randn(len(lens), n_heads, head_dim) * 3
+    want = attend_decode_gathered(q, cache, 0, meta)
+    got = KernelOps(K).attention(q, cache, 0, meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        K.decode_attention(q, cache.data[0, 0], cache.data[0, 1], table + 64, lens, bs, head_dim ** -0.5)
+
+
+def test_kernels_off_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backend.model import default_ops
+    monkeypatch.setattr(kernels, "_cached", [None])
+    assert type(default_ops(torch.device("cpu"), torch.float32)) is TorchOps
+    monkeypatch.setattr(kernels, "_cached", [K])
+    assert isinstance(default_ops(torch.device("cpu"), torch.float32), KernelOps)
+    assert type(default_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps

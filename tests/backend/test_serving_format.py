@@ -1,0 +1,90 @@
+"""The default CPU serving format (the GGUF's own Q4_1/Q8_0 blocks, C++ kernels, float32 activations)
+keeps the model's answers: same numbers as the float32 reference up to rounding, ~5x less memory."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import kernels
+from backend.engine import Engine, GenerationRequest
+from backend.engine_types import TokenOutput
+from backend.model import LlamaModel
+from backend.ops import TorchOps
+from backend.sampler import SamplingParams
+from backend.sequence import StopConditions
+from backend.weights import load_weights
+from kvyard.model_config import ModelConfig
+from kvyard.tokenizer import TextTokenizer
+from tests.backend.conftest import CPU, full_logits
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unavailable")]
+
+TEXT = Path(__file__).parent / "data" / "ordinary_text.txt"
+
+
+@pytest.fixture(scope="module")
+def model_blocks(model_path: Path, model_config: ModelConfig) -> LlamaModel:
+    return LlamaModel(model_config, load_weights(model_path, model_config, torch.float32, CPU, keep_blocks=True))
+
+
+@pytest.fixture(scope="module")
+def model_reference(model_config: ModelConfig, weights_f32: dict[str, torch.Tensor]) -> LlamaModel:
+    """Dense float32 weights through plain PyTorch ops: what transformers computes (test_reference.py)."""
+    return LlamaModel(model_config, weights_f32, ops=TorchOps())
+
+
+def test_blocks_are_kept_and_small(model_blocks: LlamaModel, model_reference: LlamaModel) -> None:
+    assert type(model_blocks.ops).__name__ == "KernelOps"
+    assert model_blocks.weight_bytes() * 4 < model_reference.weight_bytes()
+
+
+def test_teacher_forced_agreement_with_float32(model_blocks: LlamaModel, model_reference: LlamaModel,
+                                              model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
+    """Top-1 agreement >= 0.98 over >= 500 tokens of ordinary text (the issue's quality bar); being
+    float32 arithmetic over the same weights, it is in fact ~1.0 and the logits agree to ~1e-4."""
+    ids = tokenizer.encode(TEXT.read_text())[:640]
+    assert len(ids) >= 500
+    got = full_logits(model_blocks, model_config, ids)
+    want = full_logits(model_reference, model_config, ids)
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agreement >= 0.98, agreement
+    assert (got - want).abs().max().item() < 2e-3
+
+
+def _engine(model: LlamaModel, config: ModelConfig, engine_builder: Callable[..., Engine]) -> Engine:
+    return engine_builder(model, config)
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], max_new: int, eos_id: int) -> list[list[int]]:
+    for i, ids in enumerate(prompts):
+        engine.add(GenerationRequest(request_id=f"r{i}", prompt_ids=ids, sampling=SamplingParams(),
+                                     stop=StopConditions(max_new_tokens=max_new, eos_token_ids=frozenset({eos_id}))))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for t in engine.step():
+            if isinstance(t, TokenOutput):
+                out[t.request_id].append(t.token_id)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_france_answer_in_serving_format(model_blocks: LlamaModel, model_config: ModelConfig,
+                                         engine_builder: Callable[..., Engine], france_prompt_ids: list[int],
+                                         tokenizer: TextTokenizer, eos_id: int) -> None:
+    engine = _engine(model_blocks, model_config, engine_builder)
+    [tokens] = _greedy(engine, [france_prompt_ids], 20, eos_id)
+    assert tokenizer.decode([t for t in tokens if t != eos_id]) == "The capital of France is Paris."
+
+
+def test_batched_equals_alone_in_serving_format(model_blocks: LlamaModel, model_config: ModelConfig,
+                                                engine_builder: Callable[..., Engine],
+                                                chat_ids: Callable[[str], list[int]], eos_id: int) -> None:
+    """Batch sizes on both sides of the kernel/GEMM switch (backend.ops.DENSE_ROWS): same greedy tokens."""
+    questions = [f"Name a famous scientist whose surname starts with the letter {c}." for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    prompts = [chat_ids(q) for q in questions[:26]]
+    alone = [_greedy(_engine(model_blocks, model_config, engine_builder), [p], 12, eos_id)[0] for p in prompts[:4]]
+    batched = _greedy(_engine(model_blocks, model_config, engine_builder), prompts, 12, eos_id)
+    assert batched[:4] == alone
