@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run test test-fast proto bench clean
+.PHONY: setup run test test-fast proto bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ proto: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
+
+# kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
+bench-peers: setup
+	$(PY) benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

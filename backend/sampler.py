@@ -79,9 +79,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # before temperature
     tokens = logits.argmax(dim=-1)
-    for i, row in enumerate(rows):
-        if not row.params.greedy:
-            tokens[i] = _sample_row(logits[i], row.params, row.generator)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        tokens[drawn] = _draw(logits[drawn], [rows[i] for i in drawn])
     token_list = tokens.tolist()
 
     out: list[Sample] = []
@@ -124,18 +124,34 @@ def _needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits: [V] → one token, after temperature, top_k, top_p and min_p filtering."""
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[0]:
-        kth = logits.topk(p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """logits: [R, V] of rows that sample → one token each, after temperature, top_k, min_p, top_p.
+    Batched over the rows (one softmax, one cumsum); each row's randomness comes from its own generator,
+    one uniform draw, so a seeded request gets the same tokens whatever else is in the batch.
+    Inverse-CDF sampling: the first token whose cumulative mass exceeds u * total."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    for j, row in enumerate(rows):
+        p = row.params
+        if (p.top_k and p.top_k < probs.shape[1]) or p.min_p > 0 or p.top_p < 1.0:
+            probs[j] = _filter(probs[j], p)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=r.generator, device=logits.device) for r in rows])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return picks.clamp_(max=probs.shape[1] - 1)
+
+
+def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """probs: [V] after temperature → the same with tokens outside top_k, min_p and top_p set to 0."""
+    if p.top_k and p.top_k < probs.shape[0]:
+        kth = probs.topk(p.top_k).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep a token when the mass before it is < top_p: the top token always survives.
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        # Keep a token when the mass before it is < top_p of the total: the top token always survives.
+        total = sorted_probs.sum()
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p * total
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return probs

@@ -55,26 +55,45 @@ inline void unpack_q8(const int8_t* q, __m256 w[4]) {
 template <bool Q4, int R>
 inline void dot_rows(const float* x, int64_t ldx, const uint8_t* qs, const float* d, const float* mins,
                      const float* xsum, int64_t nb, float* out, int64_t ldo) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  // Few rows are latency-bound on the accumulator chain: give them U independent chains (even/odd
+  // blocks, and the minimum's share apart); many rows are throughput-bound and need the registers.
+  constexpr int U = R <= 2 ? 2 : 1;
+  constexpr bool SPLIT_MIN = R <= 4;
+  __m256 acc[U][R], accm[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = accm[u][r] = _mm256_setzero_ps();
   __m256 w[4];
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (Q4) unpack_q4(qs + b * 16, w);
-    else unpack_q8(reinterpret_cast<const int8_t*>(qs) + b * 32, w);
-    const __m256 scale = _mm256_set1_ps(d[b]);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * ldx + b * QK;
-      // Two short chains instead of one long one: the FMA latency, not the ports, bounds one row.
-      __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
-      __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
-      t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), t0);
-      t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), t1);
-      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), scale, acc[r]);
-      // The minimum's share, m_b Σ x_b, from the block's 8-lane partial sums of x.
-      if constexpr (Q4) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + (r * nb + b) * 8), _mm256_set1_ps(mins[b]), acc[r]);
+  for (int64_t b0 = 0; b0 < nb; b0 += U) {
+    for (int u = 0; u < U; ++u) {
+      const int64_t b = b0 + u;
+      if (U > 1 && b >= nb) break;
+      if constexpr (Q4) unpack_q4(qs + b * 16, w);
+      else unpack_q8(reinterpret_cast<const int8_t*>(qs) + b * 32, w);
+      const __m256 scale = _mm256_set1_ps(d[b]);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + b * QK;
+        // Two short chains instead of one long one.
+        __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+        __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+        t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), t0);
+        t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), t1);
+        acc[u][r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), scale, acc[u][r]);
+        // The minimum's share, m_b Σ x_b, from the block's 8-lane partial sums of x.
+        if constexpr (Q4) {
+          const __m256 ms = _mm256_mul_ps(_mm256_loadu_ps(xsum + (r * nb + b) * 8), _mm256_set1_ps(mins[b]));
+          if constexpr (SPLIT_MIN) accm[u][r] = _mm256_add_ps(accm[u][r], ms);
+          else acc[u][r] = _mm256_add_ps(acc[u][r], ms);
+        }
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) {
+    __m256 total = acc[0][r];
+    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][r]);
+    if constexpr (Q4 && SPLIT_MIN)
+      for (int u = 0; u < U; ++u) total = _mm256_add_ps(total, accm[u][r]);
+    out[r * ldo] = hsum(total);
+  }
 }
 
 template <bool Q4>

@@ -1,0 +1,137 @@
+"""The servers benchmarks/peers.py compares: llama.cpp's llama-server (built once from the
+llama-cpp-python sdist on PyPI) and kvyard itself, each started on a free loopback port and stopped by pid."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
+CACHE = Path(os.environ.get("KVYARD_PEER_CACHE", Path.home() / ".cache" / "kvyard"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_binary() -> Path:
+    """Build llama-server once (cmake, Release, native, no curl; ~10 min on 2 cores), then reuse it."""
+    src = CACHE / "llama-src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    binary = src / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    sdist_dir = CACHE / "llama-src"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdist = sdist_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        print(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "-d", str(sdist_dir), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    if not src.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(sdist_dir, filter="data")
+    print("building llama-server (cmake, Release, -DGGML_NATIVE=ON -DLLAMA_CURL=OFF) ...", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server",
+                    f"-j{os.cpu_count() or 2}"], check=True)
+    return binary
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy in {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group we started (kvyard's launcher has children), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def tree_rss_mb(pid: int) -> dict[int, float]:
+    """Resident MB of pid and every descendant."""
+    out: dict[int, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            out[p] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+@contextmanager
+def llama_server(gguf: Path, threads: int = 2, slots: int = 32) -> Iterator[tuple[str, int]]:
+    """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it."""
+    port = free_port()
+    proc = subprocess.Popen([str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
+                             "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", "16384",
+                             "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}/v1", proc.pid
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """(base_url, launcher pid) of `python -m kvyard` (PDFUSION) as a user starts it."""
+    port = free_port()
+    while any(_busy(port + k) for k in (1, 5)):
+        port = free_port()
+    env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
+           "LOG_LEVEL": "WARNING", **env_overrides}
+    log = open(CACHE / "kvyard-peer.log", "w")
+    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}/v1", proc.pid
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def which_cmake() -> bool:
+    return shutil.which("cmake") is not None
