@@ -96,10 +96,11 @@ def tree_rss_mb(pid: int) -> dict[int, float]:
 
 @contextmanager
 def llama_server(gguf: Path, threads: int = 2, slots: int = 32) -> Iterator[tuple[str, int]]:
-    """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it."""
+    """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it, with one KV pool shared by
+    the slots (--kv-unified) so a 1,000-token prompt fits, as it does in kvyard's paged cache."""
     port = free_port()
     proc = subprocess.Popen([str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", "16384",
+                             "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", "16384", "--kv-unified",
                              "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

@@ -161,12 +161,13 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t mb = item / n_tiles, nt = item % n_tiles;
       const int64_t m_end = std::min(M, (mb + 1) * MB), n_end = std::min(N, (nt + 1) * NT);
-      for (int64_t n = nt * NT; n < n_end; ++n) {
-        for (int64_t m = mb * MB; m < m_end; m += MT) {
-          const int rows = static_cast<int>(std::min<int64_t>(MT, m_end - m));
+      // Token tile outside, weight rows inside: the tile's x stays in L1 while NT rows stream past it
+      // (the other order re-read all of x from L2 for every row, the bound at 32 rows).
+      for (int64_t m = mb * MB; m < m_end; m += MT) {
+        const int rows = static_cast<int>(std::min<int64_t>(MT, m_end - m));
+        for (int64_t n = nt * NT; n < n_end; ++n)
           dot_row<Q4>(xp + m * K, K, rows, qp + n * row_bytes, dp + n * nb, Q4 ? mp + n * nb : nullptr,
                       Q4 ? xs + m * nb * 8 : nullptr, nb, yp + m * N + n, N);
-        }
       }
     }
   });
@@ -446,13 +447,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
 
 }  // namespace
 
+// Every kernel lets go of the GIL: the backend's asyncio thread (gRPC streaming) runs meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1)^T (+ bias) (+ residual)");
-  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0)^T (+ bias) (+ residual)");
-  m.def("dequant_rows", &dequant_rows, "rows of a Q4_1/Q8_0 matrix as float32");
-  m.def("dequantize_into", &dequantize_into, "a whole Q4_1/Q8_0 matrix into a float32 buffer");
-  m.def("rms_norm", &rms_norm, "RMSNorm, float32");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q");
-  m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks");
+  m.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1)^T (+ bias) (+ residual)", py::call_guard<py::gil_scoped_release>());
+  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0)^T (+ bias) (+ residual)", py::call_guard<py::gil_scoped_release>());
+  m.def("dequant_rows", &dequant_rows, "rows of a Q4_1/Q8_0 matrix as float32", py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_into", &dequantize_into, "a whole Q4_1/Q8_0 matrix into a float32 buffer", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks", py::call_guard<py::gil_scoped_release>());
 }
