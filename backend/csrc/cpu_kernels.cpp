@@ -96,6 +96,29 @@ inline void dot_rows(const float* x, int64_t ldx, const uint8_t* qs, const float
   }
 }
 
+// Many rows: decode each block into its 32 weights once (w = d q + m) and run plain FMAs for every row:
+// 4 FMAs per row-block instead of 6 arithmetic ops, and no per-block scale or minimum term. The FMA
+// ports, not the decode, bound this shape.
+template <bool Q4, int R>
+inline void dot_rows_decoded(const float* x, int64_t ldx, const uint8_t* qs, const float* d, const float* mins,
+                             int64_t nb, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (Q4) unpack_q4(qs + b * 16, w);
+    else unpack_q8(reinterpret_cast<const int8_t*>(qs) + b * 32, w);
+    const __m256 scale = _mm256_set1_ps(d[b]);
+    const __m256 shift = _mm256_set1_ps(Q4 ? mins[b] : 0.f);
+    for (int i = 0; i < 4; ++i) w[i] = Q4 ? _mm256_fmadd_ps(w[i], scale, shift) : _mm256_mul_ps(w[i], scale);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * QK;
+      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]);
+}
+
 template <bool Q4>
 inline void dot_row(const float* x, int64_t ldx, int rows, const uint8_t* qs, const float* d,
                     const float* mins, const float* xsum, int64_t nb, float* out, int64_t ldo) {
@@ -104,10 +127,10 @@ inline void dot_row(const float* x, int64_t ldx, int rows, const uint8_t* qs, co
     case 2: return dot_rows<Q4, 2>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
     case 3: return dot_rows<Q4, 3>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
     case 4: return dot_rows<Q4, 4>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
-    case 5: return dot_rows<Q4, 5>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
-    case 6: return dot_rows<Q4, 6>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
-    case 7: return dot_rows<Q4, 7>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
-    default: return dot_rows<Q4, 8>(x, ldx, qs, d, mins, xsum, nb, out, ldo);
+    case 5: return dot_rows_decoded<Q4, 5>(x, ldx, qs, d, mins, nb, out, ldo);
+    case 6: return dot_rows_decoded<Q4, 6>(x, ldx, qs, d, mins, nb, out, ldo);
+    case 7: return dot_rows_decoded<Q4, 7>(x, ldx, qs, d, mins, nb, out, ldo);
+    default: return dot_rows_decoded<Q4, 8>(x, ldx, qs, d, mins, nb, out, ldo);
   }
 }
 
