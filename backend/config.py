@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvyard.env import env_choice, env_int, env_str
-from kvyard.model_path import default_model_name, resolve_model_path
+from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
 
 DEFAULT_START_PORT = 8088
 
@@ -49,7 +49,7 @@ class BackendConfig:
             http_port=start_port + 5,
             device=device,
             dtype=dtype,
-            weight_format=_weight_format(env, device, dtype),
+            weight_format=_weight_format(env, device, dtype, checkpoint),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
             max_num_seqs=env_int(env, "MAX_NUM_SEQS", 64, minimum=1),
@@ -64,14 +64,16 @@ class BackendConfig:
         )
 
 
-def _weight_format(env: Mapping[str, str], device: str, dtype: str) -> str:
+def _weight_format(env: Mapping[str, str], device: str, dtype: str, checkpoint: Path) -> str:
     """auto: GGUF blocks where the C++ kernels run (float32 on an AVX2 CPU), dense elsewhere."""
     fmt = env_choice(env, "WEIGHT_FORMAT", "auto", ("auto", "gguf", "dense"))
     if fmt == "gguf" and (device != "cpu" or dtype != "float32"):
         raise ValueError(f"WEIGHT_FORMAT=gguf needs DEVICE=cpu and DTYPE=float32 (got {device}, {dtype})")
+    if fmt == "gguf" and not is_gguf(checkpoint):
+        raise ValueError(f"WEIGHT_FORMAT=gguf needs a .gguf checkpoint, not {checkpoint}")
     if fmt != "auto":
         return fmt
-    if device != "cpu" or dtype != "float32":
+    if device != "cpu" or dtype != "float32" or not is_gguf(checkpoint):
         return "dense"
     from backend import kernels
     return "gguf" if kernels.cpu_supports_avx2() and env.get("KVYARD_KERNELS", "1") != "0" else "dense"

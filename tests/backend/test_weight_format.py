@@ -1,0 +1,40 @@
+"""WEIGHT_FORMAT resolves once in BackendConfig: GGUF blocks where the C++ kernels run, dense elsewhere,
+and an impossible explicit choice is refused at start-up, never silently ignored."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend import kernels
+from backend.config import BackendConfig
+from kvyard.model_path import embedded_model_path
+
+
+def cfg(**env: str) -> BackendConfig:
+    return BackendConfig.from_env({"DEVICE": "cpu", **env})
+
+
+@pytest.mark.skipif(not kernels.cpu_supports_avx2(), reason="needs AVX2/FMA")
+def test_auto_keeps_gguf_blocks_for_float32_on_the_cpu() -> None:
+    assert cfg().weight_format == "gguf"
+    assert cfg(KVYARD_KERNELS="0").weight_format == "dense"
+    assert cfg(DTYPE="bfloat16").weight_format == "dense"
+
+
+def test_explicit_choices() -> None:
+    assert cfg(WEIGHT_FORMAT="dense").weight_format == "dense"
+    with pytest.raises(ValueError, match="DTYPE=float32"):
+        cfg(WEIGHT_FORMAT="gguf", DTYPE="bfloat16")
+    with pytest.raises(ValueError, match="WEIGHT_FORMAT"):
+        cfg(WEIGHT_FORMAT="int3")
+
+
+def test_gguf_format_needs_a_gguf_file(tmp_path: Path) -> None:
+    hf_dir = tmp_path / "model"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    assert embedded_model_path().suffix == ".gguf"
+    with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
+        cfg(WEIGHT_FORMAT="gguf", CHECKPOINT_PATH=str(hf_dir))
+    assert cfg(CHECKPOINT_PATH=str(hf_dir)).weight_format == "dense"
