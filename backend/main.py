@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import uvicorn
@@ -24,6 +27,7 @@ from kvyard.model_config import load_model_config
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.backend")
+T = TypeVar("T")
 
 
 def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int]:
@@ -55,10 +59,34 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     return EngineLoop(engine), eos, max_model_len
 
 
+async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfig) -> T:
+    """fn(cfg) on a thread that ends when it returns. Loading runs torch's OpenMP regions; a thread that
+    lives on (asyncio's executor) keeps its OpenMP pool, and with two pools on two cores libgomp stops
+    spinning and puts workers to sleep after every region: the engine thread's decode step then takes
+    2-3x longer (measured: 15 -> 43 ms at batch 1). The engine thread must be the only OpenMP master."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        try:
+            result = fn(cfg)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(future.set_result, result)
+
+    thread = threading.Thread(target=run, name="load", daemon=True)
+    thread.start()
+    try:
+        return await future
+    finally:
+        await asyncio.to_thread(thread.join)
+
+
 async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
     turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
-    engine_loop, eos, max_model_len = await asyncio.to_thread(build_engine_loop, cfg)
+    engine_loop, eos, max_model_len = await _in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
     server, health_servicer = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address),
                                                       cfg.host, cfg.grpc_port)
