@@ -95,12 +95,13 @@ def tree_rss_mb(pid: int) -> dict[int, float]:
 
 
 @contextmanager
-def llama_server(gguf: Path, threads: int = 2, slots: int = 32) -> Iterator[tuple[str, int]]:
-    """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it, with one KV pool shared by
-    the slots (--kv-unified) so a 1,000-token prompt fits, as it does in kvyard's paged cache."""
+def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 16384) -> Iterator[tuple[str, int]]:
+    """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it (`-t 2 -np 32 -c 16384`:
+    512 tokens a slot, its fastest setting for many streams); peers.py starts a one-slot server for the
+    long-prompt TTFT (`--kv-unified` would fit it in the 32-slot one but costs it ~25 % decode speed)."""
     port = free_port()
     proc = subprocess.Popen([str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", "16384", "--kv-unified",
+                             "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", str(context),
                              "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

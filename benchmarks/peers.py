@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/peers.py [--only kvyard,llama,hf] [--quick] [--json out.json]
 
 Peers: llama.cpp's llama-server (built once from the llama-cpp-python sdist into ~/.cache/kvyard, see
-benchmarks/peer_servers.py) and kvyard (`python -m kvyard`, PDFUSION) through the HTTP API with the
+benchmarks/peer_servers.py; `-t 2 -np 32 -c 16384` for the streams, a one-slot server for the long
+prompt) and kvyard (`python -m kvyard`, PDFUSION) through the HTTP API with the
 official openai client, and transformers' `generate` in-process (float32, same weights). Servers run one
 at a time so they never share the two cores. Workloads:
   single   one chat stream, sequential requests, 96 output tokens (ignore_eos), tok/s
@@ -40,11 +41,16 @@ def chat_tokens(client, model: str, messages: list[dict[str, str]], max_tokens: 
     return r.usage.completion_tokens
 
 
-def measure_server(base_url: str, n_single: int, concurrency: int, n_ttft: int) -> dict[str, float]:
+def client_for(base_url: str):  # type: ignore[no-untyped-def]
     from openai import OpenAI
     client = OpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
     model = client.models.list().data[0].id
     chat_tokens(client, model, story(0), 8)  # warm-up
+    return client, model
+
+
+def measure_streams(base_url: str, n_single: int, concurrency: int) -> dict[str, float]:
+    client, model = client_for(base_url)
     t0 = time.perf_counter()
     tokens = sum(chat_tokens(client, model, story(i), OUT_TOKENS) for i in range(1, n_single + 1))
     single = tokens / (time.perf_counter() - t0)
@@ -53,7 +59,11 @@ def measure_server(base_url: str, n_single: int, concurrency: int, n_ttft: int) 
         t0 = time.perf_counter()
         tokens = sum(pool.map(lambda i: chat_tokens(client, model, story(100 + i), OUT_TOKENS), range(concurrency)))
         agg = tokens / (time.perf_counter() - t0)
+    return {"single": single, "agg": agg}
 
+
+def measure_ttft(base_url: str, n_ttft: int) -> dict[str, float]:
+    client, model = client_for(base_url)
     ttft = []
     for i in range(n_ttft):
         prompt = f"Document {i} of {time.time_ns()}.\n{LONG_TEXT}\n{LONG_TEXT[:1200]}\nSummarise document {i}."
@@ -61,8 +71,7 @@ def measure_server(base_url: str, n_single: int, concurrency: int, n_ttft: int) 
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=1, temperature=0)
         ttft.append(time.perf_counter() - t0)
-    return {"single": single, "agg": agg, "ttft_ms": 1000 * statistics.median(ttft),
-            "prompt_tokens": r.usage.prompt_tokens}
+    return {"ttft_ms": 1000 * statistics.median(ttft), "prompt_tokens": r.usage.prompt_tokens}
 
 
 def measure_transformers(gguf: Path, n_single: int, concurrency: int) -> dict[str, float]:
@@ -126,14 +135,17 @@ def main() -> None:
     if "llama" in only:
         with llama_server(gguf) as (url, pid):
             loaded = sum(tree_rss_mb(pid).values())
-            res["llama"] = measure_server(url, n_single, concurrency, n_ttft)
+            res["llama"] = measure_streams(url, n_single, concurrency)
             res["llama"]["rss_detail"] = f"{loaded:.0f} MB right after load"  # type: ignore[assignment]
             res["llama"]["rss_mb"] = sum(tree_rss_mb(pid).values())
+        with llama_server(gguf, slots=1, context=4096) as (url, pid):
+            res["llama"].update(measure_ttft(url, n_ttft))
         print("llama-server:", res["llama"], flush=True)
     if "kvyard" in only:
         with kvyard_server({}) as (url, pid):
             loaded = max(tree_rss_mb(pid).values())  # the backend: the largest of the launcher's processes
-            res["kvyard"] = measure_server(url, n_single, concurrency, n_ttft)
+            res["kvyard"] = measure_streams(url, n_single, concurrency)
+            res["kvyard"].update(measure_ttft(url, n_ttft))
             res["kvyard"]["rss_mb"] = max(tree_rss_mb(pid).values())
             res["kvyard"]["rss_detail"] = f"backend process; {loaded:.0f} MB right after load"  # type: ignore[assignment]
         print("kvyard:", res["kvyard"], flush=True)
