@@ -1,6 +1,7 @@
 """The backend's step loop: schedule → run the model → sample → hand tokens back to the scheduler."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from backend.sampler import (MAX_TOP_LOGPROBS, Sample, SampleRow, SamplingParams
 from backend.scheduler import Scheduler, ScheduledSeq
 from backend.sequence import Sequence, StopConditions
 from kvyard.errors import ErrorCode, RequestError
+
+log = logging.getLogger("kvyard.engine")
 
 _EMA = 0.2  # weight of the newest step in the moving averages the master routes on
 
@@ -49,6 +52,8 @@ class Engine:
         self._siblings: dict[str, list[Sequence]] = {}
         self.step_latency_ms = 0.0
         self.prefill_tokens_per_s = 0.0
+        # Requests a step failed on their own (the batch went on); the engine loop reports and drains it.
+        self.failed: list[tuple[str, RequestError]] = []
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -185,8 +190,7 @@ class Engine:
                 sample_at.append(i + len(chunk_rows) - 1)  # the chunk's last row samples
             i += len(chunk_rows)
         if sample_seqs:
-            picked = sample(logits[sample_at], [_sample_row(seq) for seq in sample_seqs])
-            sampled = {seq.seq_id: smp for seq, smp in zip(sample_seqs, picked)}
+            sampled = self._sample(logits[sample_at], sample_seqs)
 
         with self.lock:
             results = self.scheduler.update_from_output(
@@ -208,6 +212,24 @@ class Engine:
                 outputs.append(TokenOutput(seq.request_id, st.index, token, sampled[seq.seq_id], finish,
                                            _aux(seq, now)))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sample]:
+        """One token per sequence. A row that cannot be sampled fails its own request (into
+        self.failed, aborted here), never the batch: the others are sampled one by one."""
+        rows = [_sample_row(seq) for seq in seqs]
+        try:
+            return {seq.seq_id: smp for seq, smp in zip(seqs, sample(logits, rows))}
+        except Exception:
+            log.exception("sampling the batch failed; isolating the row(s) at fault")
+        out: dict[int, Sample] = {}
+        for j, (seq, row) in enumerate(zip(seqs, rows)):
+            try:
+                out[seq.seq_id] = sample(logits[j:j + 1], [row])[0]
+            except Exception as exc:
+                self.failed.append((seq.request_id, RequestError(
+                    ErrorCode.INTERNAL, f"this request's sampling failed ({exc}); other requests go on")))
+                self.abort(seq.request_id)
+        return out
 
     def _measure(self, prefill_tokens: int, seconds: float) -> None:
         self.iterations += 1

@@ -29,6 +29,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    add: _Add  # the stream that is leaving: a refused duplicate of a running id must not abort it
 
 
 class EngineLoop:
@@ -105,7 +106,8 @@ class EngineLoop:
         if not self.alive:
             raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
         sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError] = asyncio.Queue()
-        self._commands.put(_Add(request, sink, asyncio.get_running_loop(), imported=imported))
+        add = _Add(request, sink, asyncio.get_running_loop(), imported=imported)
+        self._commands.put(add)
         remaining = request.n
         try:
             while remaining:
@@ -116,7 +118,7 @@ class EngineLoop:
                 yield item
         finally:
             if remaining:
-                self._commands.put(_Abort(request.request_id))
+                self._commands.put(_Abort(request.request_id, add))
 
     def _run(self) -> None:
         try:
@@ -130,6 +132,7 @@ class EngineLoop:
                     self._fail_all(RequestError(ErrorCode.INTERNAL, "engine step failed; see backend log"))
                     continue
                 self._deliver(outputs)
+                self._fail_alone()
         finally:
             self._alive = False
             self._fail_all(RequestError(ErrorCode.UNAVAILABLE, "the engine stopped"))
@@ -158,8 +161,10 @@ class EngineLoop:
                 else:
                     self.engine.add(cmd.request)
             else:
-                self.engine.abort(cmd.request_id)
-                self._sinks.pop(cmd.request_id, None)
+                running = self._sinks.get(cmd.request_id)
+                if running is None or running is cmd.add:
+                    self.engine.abort(cmd.request_id)
+                    self._sinks.pop(cmd.request_id, None)
 
     def _deliver(self, outputs: list[TokenOutput | ScoreResult]) -> None:
         grouped: dict[str, list[TokenOutput | ScoreResult]] = {}
@@ -173,6 +178,14 @@ class EngineLoop:
             add.unfinished -= sum(1 for o in outs if o.finish_reason is not None)
             if add.unfinished <= 0:
                 del self._sinks[request_id]
+
+    def _fail_alone(self) -> None:
+        """Requests the step failed one by one (already aborted in the engine)."""
+        for request_id, error in self.engine.failed:
+            add = self._sinks.pop(request_id, None)
+            if add is not None:
+                self._send(add, error)
+        self.engine.failed.clear()
 
     def _fail_all(self, error: RequestError) -> None:
         for request_id, add in list(self._sinks.items()):

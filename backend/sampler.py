@@ -1,12 +1,15 @@
 """Logits of the sampling rows → next tokens (and their logprobs), each row with its own parameters."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5                      # temperatures under this sample greedily (as vLLM does)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32: such a temperature means "the top token".
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the bad field."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -37,8 +45,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, "
+                             f"{REPETITION_PENALTY_RANGE[1]}], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
@@ -136,6 +150,9 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         if (p.top_k and p.top_k < probs.shape[1]) or p.min_p > 0 or p.top_p < 1.0:
             probs[j] = _filter(probs[j], p)
     cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("sampling met non-finite or all-zero probabilities")
     u = torch.cat([torch.rand(1, generator=r.generator, device=logits.device) for r in rows])
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
     return picks.clamp_(max=probs.shape[1] - 1)
