@@ -2,9 +2,25 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Integers travel in the backend proto's int32/int64 fields: a larger one is the client's 400 here,
+# never an encoding error (a 500) further down.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+
+
+def _valid_text(v: Any) -> Any:
+    """A lone UTF-16 surrogate (JSON's \\ud800) is valid JSON but not text: refuse it."""
+    for s in [v] if isinstance(v, str) else v or []:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("stop strings must be valid Unicode (a lone UTF-16 surrogate is not)") from None
+    return v
 
 
 class _Lenient(BaseModel):
@@ -17,20 +33,20 @@ class GenerateConfig(BaseModel):
     request, `generate_config` of `POST /`. Unknown keys are a 400 rather than silently ignored."""
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    min_new_tokens: int | None = Field(default=None, ge=0)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    min_new_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    random_seed: int | None = None
+    random_seed: Int64 | None = None
     stop_words_str: list[str] | None = None        # extra stop strings
-    stop_words_list: list[list[int]] | None = None  # extra stop token-id sequences
+    stop_words_list: list[list[Int32]] | None = None  # extra stop token-id sequences
     num_return_sequences: int | None = Field(default=None, ge=0, le=16)  # 0 or 1: one
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # chat only; wins over the request's own
-    timeout_ms: int | None = Field(default=None, ge=0)
+    timeout_ms: int | None = Field(default=None, ge=0, le=INT64_MAX)
     # POST / only
     is_streaming: bool | None = None
     return_output_ids: bool | None = None
@@ -41,7 +57,7 @@ class GenerateConfig(BaseModel):
     def _no_empty(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
-        return v
+        return _valid_text(v)
 
 
 class StreamOptions(_Lenient):
@@ -53,11 +69,11 @@ class SamplingRequest(_Lenient):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)                # extension
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)  # extension
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)    # extension
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -73,7 +89,7 @@ class SamplingRequest(_Lenient):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and any(s == "" for s in v) or v == "":
             raise ValueError("stop strings must not be empty")
-        return v
+        return _valid_text(v)
 
     def stop_list(self) -> list[str]:
         own = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -134,7 +150,7 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
@@ -183,8 +199,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: Int32 | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None

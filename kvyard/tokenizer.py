@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.gguf_meta import read_gguf_metadata
 from kvyard.model_path import ModelFileError, is_gguf
 
@@ -168,14 +169,14 @@ class TextTokenizer:
         content cannot forge them; True is for rendered chat templates.
         """
         tok = self._parse if parse_special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
+        return tok.encode(_encodable(text), add_special_tokens=False).ids
 
     def encode_with_offsets(
         self, text: str, parse_special: bool = False
     ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         """Ids, their pieces (vocab strings, byte-level encoded) and (start, end) character offsets."""
         tok = self._parse if parse_special else self._plain
-        enc = tok.encode(text, add_special_tokens=False)
+        enc = tok.encode(_encodable(text), add_special_tokens=False)
         return enc.ids, enc.tokens, [(s, e) for s, e in enc.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -228,3 +229,13 @@ def _hf_token_id(tokenizer: Tokenizer, token: Any) -> int | None:
     if not isinstance(token, str):
         return None
     return tokenizer.token_to_id(token)
+
+
+def _encodable(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (\\ud800): valid JSON, not text. The client's 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                           f"the text has a lone UTF-16 surrogate at character {exc.start}: not valid Unicode") from None
+    return text

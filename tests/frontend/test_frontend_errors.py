@@ -76,12 +76,32 @@ BAD = [
     ("/", {"prompt": "x", "generate_config": {"oops": 1}}),
     ("/", {"prompt": 3}),
     ("/", {"prompt": "x", "generate_config": {"max_new_tokens": 100000}}),
+    # integers past the backend proto's int32/int64 fields (were 500s)
+    ("/v1/chat/completions", {"messages": HI, "top_k": 2**40}),
+    ("/v1/chat/completions", {"messages": HI, "seed": 2**70}),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2**40}),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 2**40}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"timeout_ms": 2**70}}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"min_new_tokens": 2**40}}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"stop_words_list": [[2**40]]}}),
+    ("/v1/completions", {"prompt": [[1, 2**40]]}),
+    ("/", {"prompt": "x", "generate_config": {"random_seed": 2**64}}),
+    ("/", {"prompt": "x", "generate_config": {"top_k": 2**33}}),
+    # lone UTF-16 surrogates (valid JSON, not encodable text; were 500s)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]}),
+    ("/v1/chat/completions", {"messages": HI, "stop": ["\udfff"]}),
+    ("/v1/completions", {"prompt": "x \ud83d"}),
+    ("/", {"prompt": "\ud800"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "stream": True}),
+    ("/v1/chat/completions", {"messages": HI, "seed": -2**70, "stream": True}),
+    ("/v1/completions", {"prompt": "\udc00", "stream": True}),
 ]
 
 
 @pytest.mark.parametrize(("path", "body"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
 def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
-    assert_error(http.post(path, json=body), 400)
+    # json.dumps escapes a lone surrogate as \udXXX: valid JSON a client can send, not encodable text.
+    assert_error(http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), 400)
 
 
 def test_openai_client_gets_bad_request(front: MockFrontend) -> None:
