@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvyard.env import env_choice, env_int, env_str
+from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_str
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
 
 DEFAULT_START_PORT = 8088
@@ -44,7 +44,7 @@ class BackendConfig:
         return cls(
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
-            host=env_str(env, "HOST", "0.0.0.0"),
+            host=env_str(env, "HOST", INTERNAL_HOST),
             grpc_port=start_port + 1,
             http_port=start_port + 5,
             device=device,

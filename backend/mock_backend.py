@@ -24,7 +24,7 @@ import grpc
 
 from backend.grpc_server import start_grpc_server
 
-from kvyard.env import env_int, env_str
+from kvyard.env import INTERNAL_HOST, env_int, env_str
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -179,7 +179,7 @@ class MockBackendConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockBackendConfig:
         start = env_int(env, "START_PORT", 8088, minimum=1)
-        return cls(env_str(env, "HOST", "0.0.0.0"), start + 1, MockScript.from_env(env))
+        return cls(env_str(env, "HOST", INTERNAL_HOST), start + 1, MockScript.from_env(env))
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:

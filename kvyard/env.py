@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# Where internal ports (backend gRPC and HTTP, master HTTP) listen unless HOST says otherwise: they
+# have no authentication of their own, so only this machine may reach them by default.
+INTERNAL_HOST = "127.0.0.1"
+
 
 def env_int(env: Mapping[str, str], name: str, default: int, minimum: int | None = None) -> int:
     raw = env.get(name, "")

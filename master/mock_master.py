@@ -18,7 +18,7 @@ from fastapi import Body, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from frontend.errors import install_error_handlers
-from kvyard.env import env_int, env_str
+from kvyard.env import INTERNAL_HOST, env_int, env_str
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 
@@ -48,7 +48,7 @@ class MockMasterConfig:
                 raise ValueError(f"MOCK_MASTER_ERROR must be one of {', '.join(c.value for c in ErrorCode)}, "
                                  f"got {env['MOCK_MASTER_ERROR']!r}") from None
         models = tuple(m.strip() for m in env.get("MOCK_MASTER_MODELS", "").split(",") if m.strip())
-        return cls(env_str(env, "HOST", "0.0.0.0"), env_int(env, "START_PORT", 8088, minimum=1), backends,
+        return cls(env_str(env, "HOST", INTERNAL_HOST), env_int(env, "START_PORT", 8088, minimum=1), backends,
                    models, error)
 
 

@@ -58,3 +58,15 @@ def test_frontend_master_settings() -> None:
 def test_frontend_model_service_config_errors(raw: str) -> None:
     with pytest.raises(ValueError, match="MODEL_SERVICE_CONFIG"):
         FrontendConfig.from_env({"MODEL_SERVICE_CONFIG": raw})
+
+
+def test_internal_ports_bind_loopback_by_default() -> None:
+    """Backend gRPC/HTTP and the master have no authentication of their own: only this machine by
+    default; HOST opens them (Kubernetes manifests set it). The public frontend keeps 0.0.0.0."""
+    from backend.config import BackendConfig
+    from frontend.config import FrontendConfig
+    from master.config import MasterConfig
+    assert BackendConfig.from_env({"DEVICE": "cpu"}).host == "127.0.0.1"
+    assert BackendConfig.from_env({"DEVICE": "cpu", "HOST": "0.0.0.0"}).host == "0.0.0.0"
+    assert MasterConfig.from_env({}).host == "127.0.0.1"
+    assert FrontendConfig.from_env({}).host == "0.0.0.0"
