@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -47,7 +48,10 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission)  # innermost: 401/413/429/503 before routes
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
-    app.add_middleware(JsonBodyByDefault)
+    app.add_middleware(JsonBodyByDefault, allowed_origins=cfg.cors_allow_origins)
+    if cfg.cors_allow_origins:  # outermost: answers the browsers' preflights for the allowed origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     add_metrics_route(app, metrics.registry)
     app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client)))
     app.include_router(generate_stream_routes(cfg, tokenizer, client))

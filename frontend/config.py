@@ -35,6 +35,7 @@ class FrontendConfig:
     concurrency_limit: int = 1024     # CONCURRENCY_LIMIT: generation requests in flight; more are a 429
     drain_grace_s: float = 30.0       # DRAIN_GRACE_S: after SIGTERM, how long requests in flight may run
     tool_call_parser: str | None = None  # TOOL_CALL_PARSER: overrides the renderer's tool-call format
+    cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
@@ -63,6 +64,7 @@ class FrontendConfig:
             concurrency_limit=env_int(env, "CONCURRENCY_LIMIT", 1024, minimum=1),
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
             tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
+            cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
         )
 
 

@@ -1,19 +1,50 @@
-"""ASGI middleware shared by the HTTP roles: request bodies are JSON whatever curl says."""
+"""ASGI middleware shared by the HTTP roles: request bodies are JSON whatever curl says, and web pages
+from other origins cannot drive the API."""
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import Any
+
+_SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
 
 
 class JsonBodyByDefault:
-    """`curl -d '{...}'` sends a form content type; every body here is JSON, so read it as JSON."""
+    """`curl -d '{...}'` sends a form content type; every body here is JSON, so read it as JSON.
 
-    def __init__(self, app: Any) -> None:
+    That leniency would let any web page POST to a local kvyard (a cross-site form or `text/plain`
+    fetch needs no CORS preflight), so a request or WebSocket handshake that carries an `Origin`
+    header is refused (403) unless that origin is allowed (`CORS_ALLOW_ORIGINS`). Browsers always
+    send `Origin` on such requests; curl and the SDKs send none."""
+
+    def __init__(self, app: Any, allowed_origins: Iterable[str] = ()) -> None:
         self.app = app
+        self.allowed = {o.rstrip("/").encode() for o in allowed_origins}
+        self.any_origin = "*" in set(allowed_origins)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            origin = dict(scope["headers"]).get(b"origin")
+            unsafe = scope["type"] == "websocket" or scope["method"].encode() not in _SAFE_METHODS
+            if origin is not None and unsafe and not (self.any_origin or origin.rstrip(b"/") in self.allowed):
+                await _refuse(scope, send, origin)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             ctype = dict(scope["headers"]).get(b"content-type", b"")
             if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
                 scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+async def _refuse(scope: dict[str, Any], send: Any, origin: bytes) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})  # before accept: uvicorn answers 403
+        return
+    message = (f"requests from the web origin {origin.decode(errors='replace')!r} are refused; "
+               "allow it with CORS_ALLOW_ORIGINS")
+    body = json.dumps({"error": {"message": message, "type": "forbidden", "param": None,
+                                 "code": "origin_not_allowed"}}).encode()
+    await send({"type": "http.response.start", "status": 403,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
