@@ -209,12 +209,25 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return qlinear<false>(x, qs, d, at::Tensor(), bias, residual);
 }
 
+// Row n of a quantized matrix as float32 into out (K = nb * 32 floats).
+inline void decode_row(const uint8_t* qp, const float* dp, const float* mp, int64_t n, int64_t nb, bool q4,
+                       float* out) {
+  const int64_t row_bytes = q4 ? nb * 16 : nb * 32;
+  __m256 w[4];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (q4) unpack_q4(qp + n * row_bytes + b * 16, w);
+    else unpack_q8(reinterpret_cast<const int8_t*>(qp) + n * row_bytes + b * 32, w);
+    const __m256 scale = _mm256_set1_ps(dp[n * nb + b]);
+    const __m256 shift = _mm256_set1_ps(q4 ? mp[n * nb + b] : 0.f);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * QK + 8 * i, _mm256_fmadd_ps(w[i], scale, shift));
+  }
+}
+
 // Rows `ids` of a quantized matrix, dequantized: the embedding lookup. → [T, K] float32.
 at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
                         const at::Tensor& ids_in, bool q4) {
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t T = ids.size(0), N = d.size(0), nb = d.size(1), K = nb * QK;
-  const int64_t row_bytes = q4 ? K / 2 : K;
   at::Tensor out = at::empty({T, K}, d.options());
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row id out of range");
@@ -223,18 +236,7 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    __m256 w[4];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = ip[t];
-      for (int64_t b = 0; b < nb; ++b) {
-        if (q4) unpack_q4(qp + n * row_bytes + b * 16, w);
-        else unpack_q8(reinterpret_cast<const int8_t*>(qp) + n * row_bytes + b * 32, w);
-        const __m256 scale = _mm256_set1_ps(dp[n * nb + b]);
-        const __m256 shift = _mm256_set1_ps(q4 ? mp[n * nb + b] : 0.f);
-        for (int i = 0; i < 4; ++i)
-          _mm256_storeu_ps(op + t * K + b * QK + 8 * i, _mm256_fmadd_ps(w[i], scale, shift));
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) decode_row(qp, dp, mp, ip[t], nb, q4, op + t * K);
   });
   return out;
 }
@@ -244,22 +246,12 @@ void dequantize_into(const at::Tensor& qs, const at::Tensor& d, const at::Tensor
   const int64_t N = d.size(0), nb = d.size(1), K = nb * QK;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N && out.size(1) == K,
               "out must be a contiguous float32 [N, K]");
-  const int64_t row_bytes = q4 ? K / 2 : K;
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    __m256 w[4];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < nb; ++b) {
-        if (q4) unpack_q4(qp + n * row_bytes + b * 16, w);
-        else unpack_q8(reinterpret_cast<const int8_t*>(qp) + n * row_bytes + b * 32, w);
-        const __m256 scale = _mm256_set1_ps(dp[n * nb + b]);
-        const __m256 shift = _mm256_set1_ps(q4 ? mp[n * nb + b] : 0.f);
-        for (int i = 0; i < 4; ++i)
-          _mm256_storeu_ps(op + n * K + b * QK + 8 * i, _mm256_fmadd_ps(w[i], scale, shift));
-      }
+    for (int64_t n = n0; n < n1; ++n) decode_row(qp, dp, mp, n, nb, q4, op + n * K);
   });
 }
 
