@@ -33,6 +33,7 @@ from renderers import get_renderer
 
 
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admission | None = None) -> FastAPI:
+    tokenizer = tokenizer.bounded(cfg.max_seq_len)  # huge texts refused by size before tokenizing
     metrics = FrontendMetrics()
     client = MeteredRouter(cfg, metrics)
     chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser), client)

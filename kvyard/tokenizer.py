@@ -1,6 +1,7 @@
 """Text ⇄ token ids for the frontend (prompt → ids) and the detokenizer (ids → streamed text)."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -46,6 +47,7 @@ class TextTokenizer:
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_text_bytes: int | None = None  # see bounded()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.bos_token: str | None = None if bos_token_id is None else tokenizer.id_to_token(bos_token_id)
@@ -169,14 +171,36 @@ class TextTokenizer:
         content cannot forge them; True is for rendered chat templates.
         """
         tok = self._parse if parse_special else self._plain
-        return tok.encode(_encodable(text), add_special_tokens=False).ids
+        return tok.encode(self._encodable(text), add_special_tokens=False).ids
+
+    def bounded(self, max_tokens: int) -> TextTokenizer:
+        """A view that refuses, before tokenizing, any text too long to fit max_tokens tokens however
+        it splits (its UTF-8 size over the vocabulary's longest piece): a body of megabytes costs a
+        length check, not seconds of tokenizing on the event loop and a gigabyte of pieces."""
+        view = copy.copy(self)
+        longest = max(len(piece) for piece in self._parse.get_vocab(with_added_tokens=True))
+        view.max_text_bytes = max_tokens * max(longest, 1)
+        return view
+
+    def _encodable(self, text: str) -> str:
+        """JSON may carry a lone UTF-16 surrogate (\\ud800): valid JSON, not text. The client's 400."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"the text has a lone UTF-16 surrogate at character {exc.start}: not valid Unicode") from None
+        if self.max_text_bytes is not None and size > self.max_text_bytes:
+            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                               f"the text is {size} bytes: more than this model's context can hold "
+                               f"whatever its tokens (at most {self.max_text_bytes} bytes)")
+        return text
 
     def encode_with_offsets(
         self, text: str, parse_special: bool = False
     ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         """Ids, their pieces (vocab strings, byte-level encoded) and (start, end) character offsets."""
         tok = self._parse if parse_special else self._plain
-        enc = tok.encode(_encodable(text), add_special_tokens=False)
+        enc = tok.encode(self._encodable(text), add_special_tokens=False)
         return enc.ids, enc.tokens, [(s, e) for s, e in enc.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -230,12 +254,3 @@ def _hf_token_id(tokenizer: Tokenizer, token: Any) -> int | None:
         return None
     return tokenizer.token_to_id(token)
 
-
-def _encodable(text: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate (\\ud800): valid JSON, not text. The client's 400."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                           f"the text has a lone UTF-16 surrogate at character {exc.start}: not valid Unicode") from None
-    return text

@@ -95,6 +95,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "stream": True}),
     ("/v1/chat/completions", {"messages": HI, "seed": -2**70, "stream": True}),
     ("/v1/completions", {"prompt": "\udc00", "stream": True}),
+    # a megabyte of text under MAX_BODY_BYTES: refused by its size, before tokenizing
+    ("/v1/completions", {"prompt": "word " * 200_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}], "stream": True}),
 ]
 
 

@@ -284,3 +284,25 @@ def test_minimal_gpt2_gguf(tmp_path: Path) -> None:
     t = TextTokenizer.from_path(path)
     assert t.vocab_size == 3 and t.encode("ab") == [2]
     assert t.bos_token_id is None and t.chat_template is None and t.special_token_ids == frozenset()
+
+
+def test_bounded_view_refuses_huge_text_before_tokenizing(tokenizer: TextTokenizer) -> None:
+    """The frontend's view: a text that cannot fit the context whatever its tokens is refused by its
+    size (context_length_exceeded), without running the tokenizer; the shared tokenizer is unchanged."""
+    from kvyard.errors import ErrorCode, RequestError
+
+    view = tokenizer.bounded(512)
+    assert tokenizer.max_text_bytes is None and view.max_text_bytes is not None
+    assert view.encode("Hello there") == tokenizer.encode("Hello there")
+
+    class Exploding:
+        def encode(self, *a: object, **k: object) -> object:
+            raise AssertionError("tokenized a text that was too long to fit anyway")
+    view._plain = view._parse = Exploding()  # type: ignore[assignment]
+    huge = "word " * (view.max_text_bytes // 5 + 1)
+    with pytest.raises(RequestError) as exc:
+        view.encode(huge)
+    assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    with pytest.raises(RequestError) as exc:
+        view.encode("\ud800")
+    assert exc.value.code is ErrorCode.INVALID_ARGUMENT
