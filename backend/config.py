@@ -71,12 +71,14 @@ def _weight_format(env: Mapping[str, str], device: str, dtype: str, checkpoint: 
         raise ValueError(f"WEIGHT_FORMAT=gguf needs DEVICE=cpu and DTYPE=float32 (got {device}, {dtype})")
     if fmt == "gguf" and not is_gguf(checkpoint):
         raise ValueError(f"WEIGHT_FORMAT=gguf needs a .gguf checkpoint, not {checkpoint}")
-    if fmt != "auto":
-        return fmt
-    if device != "cpu" or dtype != "float32" or not is_gguf(checkpoint):
+    if fmt == "dense" or (fmt == "auto" and (device != "cpu" or dtype != "float32" or not is_gguf(checkpoint))):
         return "dense"
     from backend import kernels
-    return "gguf" if kernels.cpu_supports_avx2() and env.get("KVYARD_KERNELS", "1") != "0" else "dense"
+    usable = env.get("KVYARD_KERNELS", "1") != "0" and kernels.load() is not None  # built by `make setup`
+    if fmt == "gguf" and not usable:
+        raise ValueError("WEIGHT_FORMAT=gguf needs the C++ CPU kernels, which are off or unavailable here "
+                         "(an AVX2 CPU and a compiler; see the log)")
+    return "gguf" if usable else "dense"
 
 
 def _default_device() -> str:

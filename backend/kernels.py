@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,8 @@ def load(verbose: bool = False) -> ModuleType | None:
     else:
         try:
             from torch.utils.cpp_extension import load as build
+            # The venv's own ninja (the `ninja` package) when the shell never activated the venv.
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             module = build(name="kvyard_cpu_kernels", sources=[str(SOURCE)], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as exc:  # a missing compiler must not take the backend down

@@ -28,6 +28,8 @@ def test_explicit_choices() -> None:
         cfg(WEIGHT_FORMAT="gguf", DTYPE="bfloat16")
     with pytest.raises(ValueError, match="WEIGHT_FORMAT"):
         cfg(WEIGHT_FORMAT="int3")
+    with pytest.raises(ValueError, match="C\\+\\+ CPU kernels"):
+        cfg(WEIGHT_FORMAT="gguf", KVYARD_KERNELS="0")
 
 
 def test_gguf_format_needs_a_gguf_file(tmp_path: Path) -> None:
