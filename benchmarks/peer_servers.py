@@ -3,7 +3,6 @@ llama-cpp-python sdist on PyPI) and kvyard itself, each started on a free loopba
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -133,7 +132,3 @@ def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
 def _busy(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def which_cmake() -> bool:
-    return shutil.which("cmake") is not None
