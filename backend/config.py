@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_str
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
 
@@ -32,6 +33,7 @@ class BackendConfig:
     advertise_host: str = ""     # ADVERTISE_HOST: address the master should dial; "" = the one it sees
     role: str = "PDFUSION"       # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
     decode_address: str = ""     # DECODE_ADDRESS: PREFILL's decode backend when a request names none
+    cluster_token: str = ""      # CLUSTER_TOKEN(_FILE): gRPC/HTTP callers must carry it; sent to master and decode
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
@@ -39,12 +41,13 @@ class BackendConfig:
         checkpoint = resolve_model_path(env.get("CHECKPOINT_PATH"))
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or str(checkpoint))
         device = env_choice(env, "DEVICE", _default_device(), ("cpu", "cuda"))
+        host = env_str(env, "HOST", INTERNAL_HOST)
         dtype = env_choice(env, "DTYPE", "bfloat16" if device == "cuda" else "float32",
                            ("float32", "bfloat16", "float16"))
         return cls(
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
-            host=env_str(env, "HOST", INTERNAL_HOST),
+            host=host,
             grpc_port=start_port + 1,
             http_port=start_port + 5,
             device=device,
@@ -61,6 +64,7 @@ class BackendConfig:
             advertise_host=env_str(env, "ADVERTISE_HOST", ""),
             role=env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper(),
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
+            cluster_token=internal_token(env, host),
         )
 
 

@@ -6,6 +6,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvyard.cluster_auth import server_interceptors
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvyard.backend")
@@ -13,9 +14,10 @@ log = logging.getLogger("kvyard.backend")
 SERVICE_NAME = "kvyard.ModelRpcService"
 
 
-async def start_grpc_server(servicer: pb_grpc.ModelRpcServiceServicer, host: str, port: int
+async def start_grpc_server(servicer: pb_grpc.ModelRpcServiceServicer, host: str, port: int, token: str = ""
                             ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=[
+    """token: the cluster token every RPC but the health service must carry ("" = open)."""
+    server = grpc.aio.server(interceptors=server_interceptors(token), options=[
         ("grpc.max_send_message_length", 256 * 1024 * 1024),
         ("grpc.max_receive_message_length", 256 * 1024 * 1024),
         ("grpc.so_reuseport", 0),

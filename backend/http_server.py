@@ -8,14 +8,19 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from backend.engine_loop import EngineLoop
+from kvyard.cluster_auth import install_cluster_auth
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import add_metrics_route
 
 _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+# Open without the cluster token: probes, Prometheus and the load report (the numbers /metrics shows).
+# The cached block keys (which prompts were sent) and the log level need it.
+OPEN_PATHS = ("/health", "/metrics", "/worker_status", "/rtp_llm/worker_status")
 
 
-def create_backend_http_app(engine_loop: EngineLoop) -> FastAPI:
+def create_backend_http_app(engine_loop: EngineLoop, token: str = "") -> FastAPI:
     app = FastAPI(title="kvyard backend")
+    install_cluster_auth(app, token, OPEN_PATHS)
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, engine_loop.metrics.registry)
 

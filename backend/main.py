@@ -21,6 +21,7 @@ from backend.model_runner import ModelRunner
 from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.grpc_server import set_serving, start_grpc_server
+from backend.pd_transfer import DecodeChannels
 from backend.server import ModelRpcServicer, watch_engine
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
@@ -88,9 +89,10 @@ async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None
     turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
     engine_loop, eos, max_model_len = await _in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
-    server, health_servicer = await start_grpc_server(ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address),
-                                                      cfg.host, cfg.grpc_port)
-    http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop), host=cfg.host,
+    servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address)
+    servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it
+    server, health_servicer = await start_grpc_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
+    http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop, cfg.cluster_token), host=cfg.host,
                                          port=cfg.http_port, log_level="warning", access_log=False))
     http.install_signal_handlers = lambda: None  # this function owns the signals
     log.info("backend HTTP (status, debug) on %s:%d", cfg.host, cfg.http_port)

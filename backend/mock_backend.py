@@ -24,6 +24,7 @@ import grpc
 
 from backend.grpc_server import start_grpc_server
 
+from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_str
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
@@ -165,8 +166,8 @@ class MockServicer(pb_grpc.ModelRpcServiceServicer):
         return pb.CacheStatusPB(version=0, is_diff=False, block_size=16)
 
 
-async def start_mock_server(servicer: MockServicer, host: str, port: int) -> grpc.aio.Server:
-    server, _ = await start_grpc_server(servicer, host, port)  # the real backend's server set-up and health
+async def start_mock_server(servicer: MockServicer, host: str, port: int, token: str = "") -> grpc.aio.Server:
+    server, _ = await start_grpc_server(servicer, host, port, token)  # the real backend's set-up, health, auth
     return server
 
 
@@ -175,15 +176,17 @@ class MockBackendConfig:
     host: str            # bind address
     grpc_port: int       # START_PORT + 1, where a frontend looks for its backend
     script: MockScript
+    cluster_token: str = ""  # CLUSTER_TOKEN(_FILE): callers must carry it, as with the real backend
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockBackendConfig:
         start = env_int(env, "START_PORT", 8088, minimum=1)
-        return cls(env_str(env, "HOST", INTERNAL_HOST), start + 1, MockScript.from_env(env))
+        host = env_str(env, "HOST", INTERNAL_HOST)
+        return cls(host, start + 1, MockScript.from_env(env), internal_token(env, host))
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:
-    server = await start_mock_server(MockServicer(cfg.script), cfg.host, cfg.grpc_port)
+    server = await start_mock_server(MockServicer(cfg.script), cfg.host, cfg.grpc_port, cfg.cluster_token)
     log.info("mock backend on %s:%d: %d scripted tokens, %.0f ms apart%s", cfg.host, cfg.grpc_port,
              len(cfg.script.token_ids), cfg.script.delay_s * 1000,
              f", failing with {cfg.script.error} after {cfg.script.error_after}" if cfg.script.error else "")

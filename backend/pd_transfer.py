@@ -20,6 +20,7 @@ from backend.engine_loop import EngineLoop
 from backend.engine_types import GenerationRequest, ImportPlan, TokenOutput
 from backend.pb_convert import outputs_to_pb, request_from_pb
 from backend.sequence import FinishReason
+from kvyard.cluster_auth import client_interceptors
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb, error_to_pb
 from proto import model_rpc_pb2 as pb
@@ -57,12 +58,13 @@ def write_block(cache: KVCache, block_id: int, data: bytes) -> None:
 class DecodeChannels:
     """One gRPC channel per decode backend address, owned by the prefill backend's servicer."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str = "") -> None:
+        self.token = token  # the cluster token: the decode backend refuses calls without it
         self._stubs: dict[str, pb_grpc.ModelRpcServiceStub] = {}
 
     def stub(self, address: str) -> pb_grpc.ModelRpcServiceStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=[
+            channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(self.token), options=[
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),
                 ("grpc.max_receive_message_length", 256 * 1024 * 1024)])
             self._stubs[address] = pb_grpc.ModelRpcServiceStub(channel)

@@ -7,6 +7,7 @@ import logging
 import httpx
 
 from backend.config import BackendConfig
+from kvyard.cluster_auth import auth_headers
 
 log = logging.getLogger("kvyard.backend")
 
@@ -24,7 +25,7 @@ async def register_forever(cfg: BackendConfig) -> None:
     base = cfg.master_address if "://" in cfg.master_address else f"http://{cfg.master_address}"
     body = registration_body(cfg)
     registered = None  # None: not tried yet; then whether the last attempt worked (log changes only)
-    async with httpx.AsyncClient(base_url=base, timeout=2.0) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=2.0, headers=auth_headers(cfg.cluster_token)) as client:
         while True:
             try:
                 resp = await client.post("/rtp_llm/register", json=body)

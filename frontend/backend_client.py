@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvyard.cluster_auth import grpc_metadata
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from proto import model_rpc_pb2 as pb
@@ -88,8 +89,9 @@ class ScoreOutput:
 
 
 class BackendClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         self.address = address
+        self._metadata = grpc_metadata(token)  # the cluster token, on every call but the health check
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
         ])
@@ -113,7 +115,7 @@ class BackendClient:
         decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend."""
         msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
                                  generate_config=params.to_pb(), decode_address=decode_address)
-        call = self._stub.GenerateStreamCall(msg)
+        call = self._stub.GenerateStreamCall(msg, metadata=self._metadata)
         try:
             async for out in call:
                 if out.HasField("error"):
@@ -130,7 +132,7 @@ class BackendClient:
         msg = pb.ScoreInputPB(request_id=request_id, prompt_ids=prompt_ids, scored_ids=scored_ids,
                               top_logprobs=top_logprobs)
         try:
-            out = await self._stub.ScoreCall(msg, timeout=timeout_s)
+            out = await self._stub.ScoreCall(msg, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc, self.address) from exc
         if out.HasField("error"):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_int, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
@@ -36,6 +37,7 @@ class FrontendConfig:
     drain_grace_s: float = 30.0       # DRAIN_GRACE_S: after SIGTERM, how long requests in flight may run
     tool_call_parser: str | None = None  # TOOL_CALL_PARSER: overrides the renderer's tool-call format
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
+    cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
@@ -65,6 +67,7 @@ class FrontendConfig:
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
             tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
+            cluster_token=read_cluster_token(env),
         )
 
 

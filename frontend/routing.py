@@ -21,6 +21,7 @@ import httpx
 from frontend.backend_client import BackendClient, BackendOutput, GenerateParams
 from frontend.config import FrontendConfig
 from kvyard.block_keys import block_cache_keys
+from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
 
 log = logging.getLogger("kvyard.frontend")
@@ -50,7 +51,11 @@ class Router:
         self._master: httpx.AsyncClient | None = None
         if cfg.master_address:
             base = cfg.master_address if "://" in cfg.master_address else f"http://{cfg.master_address}"
-            self._master = httpx.AsyncClient(base_url=base, timeout=cfg.master_timeout_s)
+            # One connection per admitted request: a smaller pool makes requests queue for a connection
+            # past master_timeout_s under load, and they would be routed blind.
+            pool = httpx.Limits(max_connections=cfg.concurrency_limit, max_keepalive_connections=cfg.concurrency_limit)
+            self._master = httpx.AsyncClient(base_url=base, timeout=cfg.master_timeout_s, limits=pool,
+                                             headers=auth_headers(cfg.cluster_token))
 
     async def close(self) -> None:
         if self._master is not None:
@@ -60,7 +65,7 @@ class Router:
 
     def client(self, address: str) -> BackendClient:
         if address not in self._clients:
-            self._clients[address] = BackendClient(address)
+            self._clients[address] = BackendClient(address, self.cfg.cluster_token)
         return self._clients[address]
 
     async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
@@ -119,8 +124,10 @@ class Router:
             except (KeyError, IndexError, TypeError, ValueError, StopIteration):
                 return self._master_failed(f"malformed schedule answer: {str(data)[:200]}")
         error = _master_error(data)
-        if error is None or error.code in (ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.INVALID_ARGUMENT):
-            # Nothing the client did wrong: the master has no healthy backend or misbehaves.
+        if error is None or error.code in (ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.INVALID_ARGUMENT,
+                                           ErrorCode.UNAUTHENTICATED):
+            # Nothing the client did wrong: the master has no healthy backend, misbehaves or refuses our
+            # cluster token (a 401 to the client would read as a bad API key).
             return self._master_failed(f"HTTP {resp.status_code}: {str(data)[:200]}")
         raise error
 

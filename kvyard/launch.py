@@ -81,6 +81,17 @@ def frontend_count(env: Mapping[str, str]) -> int:
     return count
 
 
+def with_cluster_token(role: RoleType, env: dict[str, str]) -> dict[str, str]:
+    """PDFUSION starts both ends of its internal gRPC port itself: unless a cluster token is configured it
+    makes one that only its own processes know, so nothing else on the machine can call the backend."""
+    configured = env.get("CLUSTER_TOKEN") or env.get("CLUSTER_TOKEN_FILE")
+    if role is not RoleType.PDFUSION or not frontend_count(env) or configured:
+        return env
+    from kvyard.cluster_auth import new_token
+    log.info("no CLUSTER_TOKEN: generated one for this launch's backend and frontend")
+    return {**env, "CLUSTER_TOKEN": new_token()}
+
+
 def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
     """Validate every config this role needs before starting anything, so mistakes fail fast."""
     if role is RoleType.FRONTEND or (role is RoleType.PDFUSION and frontend_count(env)):
@@ -137,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     try:
         role = parse_role(env.get("ROLE_TYPE"))
+        env = with_cluster_token(role, env)
         _check_configs(role, env)
     except (ValueError, ModelFileError) as exc:
         print(f"kvyard: error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from frontend.errors import error_body, install_error_handlers
+from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import HttpMetricsMiddleware, MasterMetrics, add_metrics_route
@@ -21,6 +22,10 @@ from master.policy import RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
 from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candidates_view, debug_info
+
+# Open without the cluster token: probes, Prometheus, and read-only views a frontend or /metrics shows
+# anyway. Everything else (schedule, whose answer reveals cache hits, and registration) needs it.
+OPEN_PATHS = ("/health", "/status", "/metrics", "/backends", "/v1/models", "/rtp_llm/master")
 
 
 def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
@@ -44,6 +49,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     app = FastAPI(title="kvyard master", lifespan=lifespan)
     app.state.registry = registry
     install_error_handlers(app)
+    install_cluster_auth(app, cfg.cluster_token, OPEN_PATHS)  # inside the metrics: 401s are counted
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, metrics.registry)
@@ -83,6 +89,10 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
 
     @app.post("/rtp_llm/register")
     async def register(req: RegisterRequest, request: Request) -> dict[str, Any]:
+        if not cfg.cluster_token:  # anyone who can reach the port could take the traffic (and prompts)
+            raise RequestError(ErrorCode.UNAUTHENTICATED, "registration is refused: this master has no "
+                               "CLUSTER_TOKEN; set the same CLUSTER_TOKEN (or CLUSTER_TOKEN_FILE) on the "
+                               "master and every backend, or list backends in MASTER_BACKENDS")
         host = req.server_ip or (request.client.host if request.client else "")
         if not host:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",

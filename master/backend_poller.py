@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvyard.cluster_auth import grpc_metadata
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -53,9 +54,10 @@ class StatusError(Exception):
 class BackendPoller:
     """The status RPCs of one backend over one channel."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, token: str = "") -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._metadata = grpc_metadata(token)  # the cluster token
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.initial_reconnect_backoff_ms", 100),
@@ -76,7 +78,7 @@ class BackendPoller:
 
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:
-            return await method(request, timeout=self.timeout_s, wait_for_ready=False)
+            return await method(request, timeout=self.timeout_s, wait_for_ready=False, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             definitive = code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_str
 from kvyard.model_path import EMBEDDED_MODEL_NAME
 from master.policy import PolicyConfig
@@ -49,6 +50,7 @@ class MasterConfig:
     routed_grace_s: float                  # a routed request counts as load until a poll sent this long after it
     pending_keys_ttl_s: float              # keys of routed prompts count as cached there for this long
     policy: PolicyConfig                   # the routing knobs
+    cluster_token: str = ""                # CLUSTER_TOKEN(_FILE): internal calls must carry it; "" = open, no registration
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MasterConfig:
@@ -77,6 +79,7 @@ class MasterConfig:
                 imbalance_abs=env_int(env, "MASTER_IMBALANCE_ABS", 8, minimum=0),
                 imbalance_ratio=env_int(env, "MASTER_IMBALANCE_PCT", 150, minimum=100) / 100,
             ),
+            cluster_token=internal_token(env, host),
         )
 
 

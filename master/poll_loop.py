@@ -51,7 +51,7 @@ class PollLoop:
     async def poll(self, name: str) -> None:
         poller = self._pollers.get(name)
         if poller is None:
-            poller = self._pollers[name] = BackendPoller(name, self.cfg.poll_timeout_s)
+            poller = self._pollers[name] = BackendPoller(name, self.cfg.poll_timeout_s, self.cfg.cluster_token)
         was_healthy = self._healthy(name)
         sent = self.clock()
         try:

@@ -18,7 +18,7 @@ from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.tokenizer import TextTokenizer
-from tests.support.procs import RoleProcess, free_port_block
+from tests.support.procs import CLUSTER_TOKEN, RoleProcess, free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def router_for(cluster: Cluster) -> Router:
     return Router(FrontendConfig.from_env({"MASTER_ADDRESS": cluster.master.removeprefix("http://"),
-                                           "BACKEND_ADDRESSES": ",".join(cluster.backends)}))
+                                           "BACKEND_ADDRESSES": ",".join(cluster.backends),
+                                           "CLUSTER_TOKEN": CLUSTER_TOKEN}))
 
 
 async def run_once(router: Router, ids: list[int], request_id: str) -> tuple[str, int]:

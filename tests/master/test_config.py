@@ -67,6 +67,7 @@ def test_internal_ports_bind_loopback_by_default() -> None:
     from frontend.config import FrontendConfig
     from master.config import MasterConfig
     assert BackendConfig.from_env({"DEVICE": "cpu"}).host == "127.0.0.1"
-    assert BackendConfig.from_env({"DEVICE": "cpu", "HOST": "0.0.0.0"}).host == "0.0.0.0"
+    opened = BackendConfig.from_env({"DEVICE": "cpu", "HOST": "0.0.0.0", "CLUSTER_TOKEN": "t" * 16})
+    assert opened.host == "0.0.0.0"
     assert MasterConfig.from_env({}).host == "127.0.0.1"
     assert FrontendConfig.from_env({}).host == "0.0.0.0"

@@ -13,7 +13,7 @@ import pytest
 
 from kvyard.block_keys import block_cache_keys
 from kvyard.tokenizer import TextTokenizer
-from tests.support.procs import RoleProcess, free_port_block
+from tests.support.procs import RoleProcess, cluster_headers, free_port_block
 from tests.support.stub_backend import StubBackend, StubServicer, sane_status
 
 MODEL = "stub-model"
@@ -110,7 +110,7 @@ def prompt_ids(cluster: Cluster, content: str, system: str = SHARED) -> list[int
 
 
 def schedule(cluster: Cluster, body: Any) -> httpx.Response:
-    return httpx.post(f"{cluster.master}/rtp_llm/schedule", json=body, timeout=5)
+    return httpx.post(f"{cluster.master}/rtp_llm/schedule", json=body, timeout=5, headers=cluster_headers())
 
 
 GOOD = {"model": MODEL, "block_cache_keys": [1, 2], "seq_len": 40}
@@ -131,7 +131,7 @@ def test_schedule_rejects_bad_input_with_400(cluster: Cluster, body: Any, needle
     resp = schedule(cluster, body)
     assert resp.status_code == 400, resp.text
     assert needle in resp.json()["error"]["message"]
-    bad_json = httpx.post(f"{cluster.master}/rtp_llm/schedule", content=b'{"model": ')
+    bad_json = httpx.post(f"{cluster.master}/rtp_llm/schedule", content=b'{"model": ', headers=cluster_headers())
     assert bad_json.status_code == 400 and "malformed JSON" in bad_json.json()["error"]["message"]
 
 
@@ -168,7 +168,8 @@ def test_master_host_backends_and_models(cluster: Cluster) -> None:
 def test_self_registered_backend_serves_its_model(cluster: Cluster) -> None:
     c_port = int(cluster.addresses["c"].rsplit(":", 1)[1])
     resp = httpx.post(f"{cluster.master}/rtp_llm/register",
-                      json={"model": "other-model", "grpc_port": c_port, "http_port": c_port + 4})
+                      json={"model": "other-model", "grpc_port": c_port, "http_port": c_port + 4},
+                      headers=cluster_headers())
     assert resp.status_code == 200, resp.text
     wait_until(lambda: healthy(cluster, "c"), what="c registered and polled")
     assert backends(cluster)[cluster.addresses["c"]]["sources"] == ["registered"]
@@ -177,7 +178,8 @@ def test_self_registered_backend_serves_its_model(cluster: Cluster) -> None:
     resp = chat(cluster.frontend, "hi", model="other-model")
     assert resp.status_code == 200, resp.text
     assert len(cluster.stubs["c"].requests) == 1 and not cluster.stubs["a"].requests
-    bad = httpx.post(f"{cluster.master}/rtp_llm/register", json={"model": "x", "grpc_port": "1"})
+    bad = httpx.post(f"{cluster.master}/rtp_llm/register", json={"model": "x", "grpc_port": "1"},
+                     headers=cluster_headers())
     assert bad.status_code == 400
 
 
@@ -248,7 +250,8 @@ def test_frontend_without_its_master_uses_the_direct_list(cluster: Cluster) -> N
 def test_an_endpoint_that_is_not_a_backend_never_crashes_the_master(cluster: Cluster) -> None:
     http_port = int(cluster.frontend.rsplit(":", 1)[1])  # an HTTP/1 server where gRPC is expected
     resp = httpx.post(f"{cluster.master}/rtp_llm/register",
-                      json={"model": "junk-model", "grpc_port": http_port, "http_port": http_port})
+                      json={"model": "junk-model", "grpc_port": http_port, "http_port": http_port},
+                      headers=cluster_headers())
     assert resp.status_code == 200
     name = f"127.0.0.1:{http_port}"
     wait_until(lambda: name in backends(cluster) and backends(cluster)[name]["error"] is not None,

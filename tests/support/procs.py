@@ -14,6 +14,18 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Every role process gets this cluster token (as a deployment's Secret would), so the internal calls
+# between them (registration, schedule, polls, gRPC) authenticate. Tests calling internal ports use it too.
+CLUSTER_TOKEN = "test-cluster-token-0123456789"
+
+
+def cluster_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
+
+
+def cluster_metadata() -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {CLUSTER_TOKEN}"),)
+
 
 def free_port_block(span: int = 6) -> int:
     """A port p such that p .. p+span-1 are all free on 127.0.0.1 right now."""
@@ -38,10 +50,12 @@ def _is_free(port: int) -> bool:
 
 
 class RoleProcess:
-    """`python -m kvyard` with the given environment, its output kept in a log file."""
+    """`python -m kvyard` with the given environment, its output kept in a log file. CLUSTER_TOKEN is the
+    shared test token unless `env` sets CLUSTER_TOKEN ("" = none) or CLUSTER_TOKEN_FILE."""
 
     def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
-        full_env = {**os.environ, "HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", **env}
+        token = {} if "CLUSTER_TOKEN_FILE" in env else {"CLUSTER_TOKEN": CLUSTER_TOKEN}
+        full_env = {**os.environ, "HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", **token, **env}
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.log_path = log_path
         self._log = open(log_path, "wb")
