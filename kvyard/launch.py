@@ -88,7 +88,6 @@ def with_cluster_token(role: RoleType, env: dict[str, str]) -> dict[str, str]:
     if role is not RoleType.PDFUSION or not frontend_count(env) or configured:
         return env
     from kvyard.cluster_auth import new_token
-    log.info("no CLUSTER_TOKEN: generated one for this launch's backend and frontend")
     return {**env, "CLUSTER_TOKEN": new_token()}
 
 
@@ -153,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelFileError) as exc:
         print(f"kvyard: error: {exc}", file=sys.stderr)
         return 2
-    log.info("starting ROLE_TYPE=%s", role.name)
+    generated = env.get("CLUSTER_TOKEN", "") != os.environ.get("CLUSTER_TOKEN", "")
+    log.info("starting ROLE_TYPE=%s%s", role.name, ", its backend and frontend sharing a cluster token generated "
+             "for this launch (no CLUSTER_TOKEN set)" if generated else "")
     if role is RoleType.FRONTEND:
         run_frontend(env)
         return 0

@@ -24,3 +24,33 @@ def test_launcher_bad_config_exits_2(env: dict[str, str]) -> None:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvyard: error:")
     assert ("NOPE" if env.get("ROLE_TYPE") == "NOPE" else "/does/not/exist") in lines[0]
+
+
+@pytest.mark.slow
+def test_pdfusion_launch_makes_its_own_cluster_token(tmp_path: Path) -> None:
+    """No CLUSTER_TOKEN configured: the launcher generates one for its backend and frontend, so chat
+    works while nothing else on the machine can call the backend's gRPC or its cache keys."""
+    import grpc
+    import httpx
+
+    from proto import model_rpc_pb2 as pb
+    from proto import model_rpc_pb2_grpc as pb_grpc
+    from tests.support.procs import RoleProcess, free_port_block
+
+    port = free_port_block()
+    proc = RoleProcess({"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "KV_CACHE_MB": "64",
+                        "TORCH_NUM_THREADS": "1", "CLUSTER_TOKEN": ""}, tmp_path / "pdfusion.log")
+    try:
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1, resp.text
+        with grpc.insecure_channel(f"127.0.0.1:{port + 1}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ModelRpcServiceStub(channel).GetWorkerStatus(pb.WorkerStatusRequestPB(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert httpx.post(f"http://127.0.0.1:{port + 5}/cache_status", json={}).status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{port + 5}/health").status_code == 200
+    finally:
+        proc.stop()
+    assert "cluster token generated" in proc.log_path.read_text()
