@@ -30,9 +30,11 @@ sys.path.insert(0, str(REPO))
 from frontend.backend_client import GenerateParams  # noqa: E402
 from frontend.config import FrontendConfig  # noqa: E402
 from frontend.routing import Router  # noqa: E402
+from kvyard.cluster_auth import auth_headers, new_token  # noqa: E402
 from kvyard.model_config import load_model_config  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
+TOKEN = new_token()  # the benchmark's cluster shares one token, as a real deployment does
 STRATEGIES = ("cache-aware", "round-robin", "random")
 
 
@@ -119,7 +121,7 @@ class Cluster:
                 "KV_CACHE_MB": str(kv_cache_mb), "TORCH_NUM_THREADS": "1", "MASTER_ADDRESS": self.master}))
 
     def _start(self, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        full = {**os.environ, "HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **env}
+        full = {**os.environ, "HOST": "127.0.0.1", "PYTHONPATH": str(REPO), "CLUSTER_TOKEN": TOKEN, **env}
         log = open(self.logs / f"{name}.log", "wb")
         return subprocess.Popen([sys.executable, "-m", "kvyard"], env=full, cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,7 +132,7 @@ class Cluster:
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"a role process exited; logs in {self.logs}")
             try:
-                view = httpx.get(f"http://{self.master}/backends", timeout=1).json()["backends"]
+                view = httpx.get(f"http://{self.master}/backends", timeout=1, headers=auth_headers(TOKEN)).json()["backends"]
                 if sorted(b["name"] for b in view if b["healthy"]) == sorted(self.backends):
                     return
             except (httpx.HTTPError, ValueError, KeyError):
@@ -151,7 +153,8 @@ class Cluster:
 
 async def main_async(args: argparse.Namespace, master: str, backends: list[str]) -> list[Result]:
     vocab = load_model_config(embedded_model_path()).vocab_size
-    router = Router(FrontendConfig.from_env({"MASTER_ADDRESS": master, "BACKEND_ADDRESSES": ",".join(backends)}))
+    router = Router(FrontendConfig.from_env({"MASTER_ADDRESS": master, "BACKEND_ADDRESSES": ",".join(backends),
+                                             "CLUSTER_TOKEN": TOKEN}))
     try:
         warm = [[random.Random(s).randrange(100, vocab) for _ in range(64)] for s in range(4)]
         await run_strategy("round-robin", warm, router, backends, 2, 2)  # first-step costs out of the way

@@ -26,6 +26,9 @@ sys.path.insert(0, str(REPO))
 
 from proto import model_rpc_pb2 as pb  # noqa: E402
 from proto import model_rpc_pb2_grpc as pb_grpc  # noqa: E402
+from kvyard.cluster_auth import grpc_metadata, new_token  # noqa: E402
+
+TOKEN = new_token()  # every role of the benchmark's cluster shares it
 
 
 def free_port() -> int:
@@ -39,7 +42,8 @@ def free_port() -> int:
 
 def start(role: str, port: int, **env: str) -> subprocess.Popen:
     full = {**os.environ, "ROLE_TYPE": role, "START_PORT": str(port), "HOST": "127.0.0.1", "KV_CACHE_MB": "256",
-            "TORCH_NUM_THREADS": "1", "FRONTEND_SERVER_COUNT": "0", "PYTHONPATH": str(REPO), **env}
+            "TORCH_NUM_THREADS": "1", "FRONTEND_SERVER_COUNT": "0", "PYTHONPATH": str(REPO),
+            "CLUSTER_TOKEN": TOKEN, **env}
     return subprocess.Popen([sys.executable, "-m", "kvyard"], env=full, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -75,7 +79,7 @@ async def run(targets: list[tuple[str, str]], streams: int, n_long: int, long_le
         last = None
         async for msg in stubs[addr].GenerateStreamCall(pb.GenerateInputPB(
                 request_id=f"r{i}-{time.monotonic_ns()}", token_ids=prompt, generate_config=cfg,
-                decode_address=decode)):
+                decode_address=decode), metadata=grpc_metadata(TOKEN)):
             now = time.perf_counter()
             if msg.HasField("error"):
                 raise RuntimeError(msg.error.message)

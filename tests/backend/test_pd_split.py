@@ -15,7 +15,7 @@ from kvyard.tokenizer import TextTokenizer
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 from tests.conftest import Cluster
-from tests.support.procs import RoleProcess, free_port_block
+from tests.support.procs import RoleProcess, cluster_metadata, free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,8 @@ def generate(address: str, ids: list[int], request_id: str, decode_address: str 
         cfg = pb.GenerateConfigPB(max_new_tokens=NEW_TOKENS, ignore_eos=True)
         stub = pb_grpc.ModelRpcServiceStub(channel)
         return list(stub.GenerateStreamCall(pb.GenerateInputPB(request_id=request_id, token_ids=ids,
-                                                               generate_config=cfg, decode_address=decode_address)))
+                                                               generate_config=cfg, decode_address=decode_address),
+                                            metadata=cluster_metadata()))
 
 
 def tokens(outs: list[pb.GenerateOutputsPB]) -> list[int]:
@@ -184,7 +185,7 @@ def test_decode_dying_mid_stream_reaches_the_client_as_an_error(pd: PD, tokenize
 
 def _remote_decode(dport: int, messages: list[pb.KVTransferPB]) -> list[pb.RemoteDecodeReplyPB]:
     with grpc.insecure_channel(f"127.0.0.1:{dport + 1}") as channel:
-        return list(pb_grpc.ModelRpcServiceStub(channel).RemoteDecode(iter(messages)))
+        return list(pb_grpc.ModelRpcServiceStub(channel).RemoteDecode(iter(messages), metadata=cluster_metadata()))
 
 
 def _header(ids: list[int], **overrides: object) -> pb.KVTransferHeaderPB:

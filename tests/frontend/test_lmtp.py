@@ -22,6 +22,7 @@ from frontend.backend_client import BackendClient
 from frontend.lmtp_client import LmtpConsole, parse_line
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
+from tests.support.procs import CLUSTER_TOKEN
 from tests.support.scoring_stub import StubFrontend, fake_logprob, stub_frontend
 
 LONG = 500  # max_tokens at or above this makes the stub stream LONG_STEPS steps (for cancellation)
@@ -252,7 +253,7 @@ def test_real_score_matches_generate_and_score_call(pdfusion: Cluster, tokenizer
             tokens = [t["token"] for t in generated]
             await send(ws, "SCORE", {"prompt": prompt, "scored": tokens, "stream_id": 2})
             scored = (await collect(ws, {2}))[0][2]
-        backend = BackendClient(pdfusion.grpc_address)
+        backend = BackendClient(pdfusion.grpc_address, CLUSTER_TOKEN)
         direct = await backend.score("test-score", prompt, tokens)
         await backend.close()
         return generated, scored, [lp.logprob for lp in direct.logprobs]
