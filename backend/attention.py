@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend.engine_types import KVLayout
+
 
 @dataclass
 class PrefillSpan:
@@ -48,6 +50,11 @@ class KVCache:
                               device=self.data.device)
             self._scratch[name] = buf
         return buf[:numel]
+
+    def layout(self) -> KVLayout:
+        layers, two, _, hkv, d = self.data.shape
+        return KVLayout(self.block_size, str(self.data.dtype).removeprefix("torch."),
+                        (layers, two, self.block_size, hkv, d), self.data.dtype.itemsize)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -45,7 +45,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.role = role
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the scheduler against load reports read on other threads (HTTP, metrics)
         self.iterations = 0
         # n > 1: siblings wait here until the first sequence has computed (and cached) the prompt,
         # then join with a prefix-cache hit instead of computing the same prompt n times.
@@ -121,7 +121,7 @@ class Engine:
             seqs.append(seq)
         return seqs
 
-    # ---- prefill/decode hand-over (any thread; the lock guards the scheduler) -----------------
+    # ---- prefill/decode hand-over (engine thread: EngineLoop commands) ------------------------
 
     def held_sequence(self, request_id: str) -> Sequence | None:
         with self.lock:

@@ -1,20 +1,25 @@
-"""Runs the Engine on its own thread and bridges it to asyncio: one queue of tokens per request."""
+"""Runs the Engine on its own thread and bridges it to asyncio: one queue of tokens per request.
+
+Everything that reads or changes engine state (scheduler, block pool, KV cache) runs on the engine
+thread, between steps: requests come in as _Add/_Abort commands, anything else as a _Call."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from backend.engine import Engine
-from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, ScoreRequest, ScoreResult, TokenOutput,
-                                  WorkerStatus)
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, ScoreRequest, ScoreResult,
+                                  TokenOutput, WorkerStatus)
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.metrics import BackendMetrics
 
 log = logging.getLogger("kvyard.engine")
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,13 +37,21 @@ class _Abort:
     add: _Add  # the stream that is leaving: a refused duplicate of a running id must not abort it
 
 
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future[Any] | None = None  # None: posted, nobody waits for the result
+    undo: Callable[[Engine, Any], None] | None = None  # runs instead if the caller left before the result
+
+
 class EngineLoop:
     """The engine thread owns the Engine; asyncio code talks to it only through commands."""
 
     def __init__(self, engine: Engine, metrics: BackendMetrics | None = None) -> None:
         self.engine = engine
+        self.kv_layout: KVLayout = engine.runner.cache.layout()  # fixed: any thread may read it
         self.metrics = metrics or BackendMetrics(self.worker_status)  # recorded here, served on /metrics
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._sinks: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._alive = False
@@ -60,6 +73,20 @@ class EngineLoop:
 
     def cache_status(self, since_version: int) -> CacheStatus:
         return self.engine.cache_status(since_version)
+
+    async def call(self, fn: Callable[[Engine], T], undo: Callable[[Engine, T], None] | None = None) -> T:
+        """fn(engine) on the engine thread between two steps; its result (or exception) comes back here.
+        A caller that is cancelled while waiting leaves nothing behind: undo(engine, result) runs then."""
+        if not self.alive:
+            raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, done, undo))
+        return await done
+
+    def post(self, fn: Callable[[Engine], None]) -> None:
+        """fn(engine) on the engine thread, nobody waiting (clean-up from finally blocks; in order with
+        every other command)."""
+        self._commands.put(_Call(fn))
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         result = None
@@ -135,7 +162,9 @@ class EngineLoop:
                 self._fail_alone()
         finally:
             self._alive = False
-            self._fail_all(RequestError(ErrorCode.UNAVAILABLE, "the engine stopped"))
+            stopped = RequestError(ErrorCode.UNAVAILABLE, "the engine stopped")
+            self._fail_all(stopped)
+            self._refuse_queued(stopped)
 
     def _apply_commands(self, block: bool) -> bool:
         """Returns False when asked to stop."""
@@ -147,7 +176,9 @@ class EngineLoop:
             block = False
             if cmd is None:
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Call):
+                self._run_call(cmd)
+            elif isinstance(cmd, _Add):
                 if cmd.request.request_id in self._sinks:
                     if cmd.imported is not None:
                         self.engine.drop_import(cmd.imported[0])
@@ -165,6 +196,48 @@ class EngineLoop:
                 if running is None or running is cmd.add:
                     self.engine.abort(cmd.request_id)
                     self._sinks.pop(cmd.request_id, None)
+
+    def _run_call(self, cmd: _Call) -> None:
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as exc:  # noqa: BLE001 - it belongs to the caller
+            result, error = None, exc
+        if cmd.done is None:
+            if error is not None:
+                log.error("engine command failed", exc_info=error)
+            return
+        self._settle(cmd, result, error)
+
+    def _settle(self, cmd: _Call, result: Any, error: BaseException | None) -> None:
+        done = cmd.done
+        assert done is not None
+
+        def resolve() -> None:  # on the caller's event loop
+            if done.cancelled():
+                if cmd.undo is not None and error is None:
+                    self.post(lambda engine: cmd.undo(engine, result))  # type: ignore[misc]
+            elif error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        try:
+            done.get_loop().call_soon_threadsafe(resolve)
+        except RuntimeError:  # the caller's loop is closed: nobody will take the result
+            if cmd.undo is not None and error is None:
+                cmd.undo(self.engine, result)
+
+    def _refuse_queued(self, error: RequestError) -> None:
+        """Commands that came after the last step: nothing will run them now."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call) and cmd.done is not None:
+                self._settle(cmd, None, error)
+            elif isinstance(cmd, _Add):
+                self._send(cmd, error)
 
     def _deliver(self, outputs: list[TokenOutput | ScoreResult]) -> None:
         grouped: dict[str, list[TokenOutput | ScoreResult]] = {}

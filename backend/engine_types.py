@@ -1,6 +1,7 @@
 """Hand-off types between the gRPC edge, the engine loop and the engine (no protobuf, no torch)."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,19 @@ class GenerationRequest:
     n: int = 1                       # sequences sampled from this prompt
     arrival_time: float = field(default_factory=time.monotonic)
     hold_blocks: bool = False        # prefill hand-over: keep the KV after finishing until released
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One KV block as the hand-over sends it; fixed for the engine's life, so any thread may read it."""
+    block_size: int
+    dtype: str                      # torch dtype name without "torch.", e.g. "float32"
+    block_shape: tuple[int, ...]    # [layers, 2 (K, V), block_size, kv heads, head dim]
+    itemsize: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.itemsize * math.prod(self.block_shape)
 
 
 @dataclass

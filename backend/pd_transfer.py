@@ -4,6 +4,10 @@ Prefill side (`prefill_then_hand_over`): run the prompt, send the first token to
 prompt's blocks, open RemoteDecode on the decode backend, send the blocks it asks for, free ours on
 its "loaded" ack, then relay its tokens. Decode side (`remote_decode`): check the header against our
 own cache layout, allocate (prefix hits by block key need no transfer), load the blocks, continue.
+
+Both sides run on the backend's asyncio thread; whatever touches the engine (the held sequence, the
+block pool, the KV cache itself) goes to the engine thread as an EngineLoop command, so nothing here
+changes engine state in the middle of a step.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import grpc
 import torch
 
 from backend.attention import KVCache
+from backend.engine import Engine
 from backend.engine_loop import EngineLoop
-from backend.engine_types import GenerationRequest, ImportPlan, TokenOutput
+from backend.engine_types import GenerationRequest, ImportPlan, KVLayout, TokenOutput
 from backend.pb_convert import outputs_to_pb, request_from_pb
 from backend.sequence import FinishReason
 from kvyard.cluster_auth import client_interceptors
@@ -27,18 +32,10 @@ from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 HANDOVER_TIMEOUT_S = 30.0  # header → blocks → loaded ack; past it the prefill side frees its copy
+BLOCKS_PER_READ = 8  # blocks copied out of the cache per engine command (steps run between them)
 
 
 # ---- KV blocks as bytes ----------------------------------------------------------------------
-
-def block_shape(cache: KVCache) -> list[int]:
-    layers, two, _, hkv, d = cache.data.shape
-    return [layers, two, cache.block_size, hkv, d]
-
-
-def dtype_name(cache: KVCache) -> str:
-    return str(cache.data.dtype).removeprefix("torch.")
-
 
 def read_block(cache: KVCache, block_id: int) -> bytes:
     bs = cache.block_size
@@ -48,7 +45,7 @@ def read_block(cache: KVCache, block_id: int) -> bytes:
 
 def write_block(cache: KVCache, block_id: int, data: bytes) -> None:
     bs = cache.block_size
-    shape = block_shape(cache)
+    shape = cache.layout().block_shape
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(cache.data.dtype).view(shape)
     cache.data[:, :, block_id * bs:(block_id + 1) * bs] = t.to(cache.data.device)
 
@@ -92,22 +89,38 @@ async def prefill_then_hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req:
         async for out in _hand_over(loop, msg, req, first, decode, decode_address):
             yield out
     finally:
-        loop.engine.release(req.request_id)
+        request_id = req.request_id
+        loop.post(lambda engine: engine.release(request_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What the hand-over needs of the prefill's held sequence, copied on the engine thread."""
+    block_table: list[int]
+    block_keys: list[int]
+    layout: KVLayout
+
+
+def _held(engine: Engine, request_id: str, prompt_len: int) -> _Held | None:
+    seq = engine.held_sequence(request_id)
+    if seq is None:
+        return None
+    layout = engine.runner.cache.layout()
+    return _Held(list(seq.block_table), list(seq.block_keys[:prompt_len // layout.block_size]), layout)
 
 
 async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationRequest, first: TokenOutput,
                      decode: pb_grpc.ModelRpcServiceStub, address: str) -> AsyncIterator[pb.GenerateOutputsPB]:
-    seq = loop.engine.held_sequence(req.request_id)
-    if seq is None:
+    request_id, prompt_len = req.request_id, len(req.prompt_ids)
+    held = await loop.call(lambda engine: _held(engine, request_id, prompt_len))
+    if held is None:
         raise RequestError(ErrorCode.INTERNAL, "the prefill KV was not held for the hand-over")
-    cache = loop.engine.runner.cache
-    bs = cache.block_size
-    n_blocks = -(-len(req.prompt_ids) // bs)
+    layout = held.layout
+    n_blocks = -(-prompt_len // layout.block_size)
     header = pb.KVTransferHeaderPB(
-        request_id=req.request_id, prompt_ids=req.prompt_ids, first_token=first.token_id,
-        generate_config=msg.generate_config, block_size=bs, num_blocks=n_blocks,
-        block_keys=seq.block_keys[:len(req.prompt_ids) // bs], dtype=dtype_name(cache),
-        block_shape=block_shape(cache), first_token_output_len=1)
+        request_id=request_id, prompt_ids=req.prompt_ids, first_token=first.token_id,
+        generate_config=msg.generate_config, block_size=layout.block_size, num_blocks=n_blocks,
+        block_keys=held.block_keys, dtype=layout.dtype, block_shape=layout.block_shape, first_token_output_len=1)
     start = time.monotonic()
     call = decode.RemoteDecode()
     sent_bytes = sent = skipped = 0
@@ -116,17 +129,20 @@ async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationR
             await call.write(pb.KVTransferPB(header=header))
             need = await _expect(call, "need")
             skipped = need.need.skipped
-            for index in need.need.indices:
-                if not 0 <= index < n_blocks:
-                    raise RequestError(ErrorCode.INTERNAL, f"decode backend asked for block {index} of {n_blocks}")
-                data = read_block(cache, seq.block_table[index])
-                sent_bytes += len(data)
-                sent += 1
-                await call.write(pb.KVTransferPB(block=pb.KVBlockPB(index=index, data=data)))
+            wanted = list(need.need.indices)
+            if any(not 0 <= index < n_blocks for index in wanted):
+                raise RequestError(ErrorCode.INTERNAL, f"decode backend asked for blocks {wanted} of {n_blocks}")
+            for at in range(0, len(wanted), BLOCKS_PER_READ):
+                part = [held.block_table[index] for index in wanted[at:at + BLOCKS_PER_READ]]
+                datas = await loop.call(lambda engine, part=part: [read_block(engine.runner.cache, b) for b in part])
+                for index, data in zip(wanted[at:at + BLOCKS_PER_READ], datas):
+                    sent_bytes += len(data)
+                    sent += 1
+                    await call.write(pb.KVTransferPB(block=pb.KVBlockPB(index=index, data=data)))
             await call.write(pb.KVTransferPB(done=True))
             await call.done_writing()
             await _expect(call, "loaded")
-        loop.engine.release(req.request_id)  # the decode side has its own copy now
+        loop.post(lambda engine: engine.release(request_id))  # the decode side has its own copy now
         transfer_us = int((time.monotonic() - start) * 1e6)
         while (reply := await call.read()) is not grpc.aio.EOF:
             out = reply.outputs
@@ -171,11 +187,15 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
         h = first.header
         request_id = h.request_id
         req, prompt_len = _decode_request(loop, h, eos, max_model_len)
-        plan = loop.engine.plan_import(req, prompt_len)
+        plan = await loop.call(lambda engine: engine.plan_import(req, prompt_len),
+                               undo=lambda engine, p: p and engine.drop_import(p))
         if plan is None:
             raise RequestError(ErrorCode.OVERLOADED, "no free KV blocks for the hand-over right now")
         yield pb.RemoteDecodeReplyPB(need=pb.BlockRequestPB(indices=plan.need, skipped=plan.skipped))
-        await _receive_blocks(loop.engine.runner.cache, messages, plan)
+        blocks = await _receive_blocks(loop.kv_layout, messages, plan)
+        targets = plan.seq.block_table  # type: ignore[attr-defined]
+        await loop.call(lambda engine: [write_block(engine.runner.cache, targets[i], data)
+                                        for i, data in blocks.items()])
         yield pb.RemoteDecodeReplyPB(loaded=True)
         submitted = True
         async for outs in loop.generate(req, imported=(plan, prompt_len)):
@@ -184,19 +204,20 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
         yield pb.RemoteDecodeReplyPB(outputs=error_to_pb(request_id, exc))
     finally:
         if plan is not None and not submitted:
-            loop.engine.drop_import(plan)
+            dropped = plan
+            loop.post(lambda engine: engine.drop_import(dropped))
 
 
 def _decode_request(loop: EngineLoop, h: pb.KVTransferHeaderPB, eos: frozenset[int],
                     max_model_len: int) -> tuple[GenerationRequest, int]:
-    cache = loop.engine.runner.cache
-    bs = cache.block_size
+    layout = loop.kv_layout
+    bs = layout.block_size
     prompt_len = len(h.prompt_ids)
     problems = []
     if h.block_size != bs:
         problems.append(f"block_size {h.block_size} != {bs}")
-    if h.dtype != dtype_name(cache) or list(h.block_shape) != block_shape(cache):
-        problems.append(f"KV layout {h.dtype}{list(h.block_shape)} != {dtype_name(cache)}{block_shape(cache)}")
+    if h.dtype != layout.dtype or tuple(h.block_shape) != layout.block_shape:
+        problems.append(f"KV layout {h.dtype}{list(h.block_shape)} != {layout.dtype}{list(layout.block_shape)}")
     if prompt_len == 0 or h.num_blocks != -(-prompt_len // bs):
         problems.append(f"num_blocks {h.num_blocks} does not cover {prompt_len} prompt tokens")
     if problems:
@@ -208,14 +229,17 @@ def _decode_request(loop: EngineLoop, h: pb.KVTransferHeaderPB, eos: frozenset[i
     cfg.min_new_tokens = max(0, cfg.min_new_tokens - h.first_token_output_len)
     msg = pb.GenerateInputPB(request_id=h.request_id, token_ids=[*h.prompt_ids, h.first_token], generate_config=cfg)
     req = request_from_pb(msg, eos, max_model_len)
-    loop.engine.validate(req)
+    loop.engine.validate(req)  # pure: reads the engine's fixed limits only
     return req, prompt_len
 
 
-async def _receive_blocks(cache: KVCache, messages: AsyncIterator[pb.KVTransferPB], plan: ImportPlan) -> None:
-    """Load every asked block; anything else (unasked, repeated, wrong size, missing) rejects the hand-over."""
-    expected = cache.data.dtype.itemsize * int(torch.tensor(block_shape(cache)).prod())
+async def _receive_blocks(layout: KVLayout, messages: AsyncIterator[pb.KVTransferPB], plan: ImportPlan
+                          ) -> dict[int, bytes]:
+    """Every asked block, by prompt block index; anything else (unasked, repeated, wrong size, missing)
+    rejects the hand-over. Nothing is written here: the engine thread loads them in one command."""
+    expected = layout.block_bytes
     missing = set(plan.need)
+    blocks: dict[int, bytes] = {}
     async for m in messages:
         kind = m.WhichOneof("msg")
         if kind == "done":
@@ -225,7 +249,8 @@ async def _receive_blocks(cache: KVCache, messages: AsyncIterator[pb.KVTransferP
         if m.block.index not in missing or len(m.block.data) != expected:
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                f"bad block {m.block.index} ({len(m.block.data)} bytes, expected {expected})")
-        write_block(cache, plan.seq.block_table[m.block.index], m.block.data)  # type: ignore[attr-defined]
+        blocks[m.block.index] = m.block.data
         missing.discard(m.block.index)
     if missing:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"partial block stream: blocks {sorted(missing)} never came")
+    return blocks

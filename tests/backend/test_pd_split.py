@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -218,3 +219,42 @@ def test_bad_block_streams_are_rejected(case: str, pd: PD) -> None:
     assert last.WhichOneof("msg") == "outputs" and last.outputs.error.code == pb.INVALID_ARGUMENT, replies
     assert not any(r.WhichOneof("msg") == "loaded" for r in replies)
     assert_no_leaks(dport)
+
+
+def _cancel_after_first(address: str, ids: list[int], request_id: str, decode_address: str = "") -> None:
+    """A client that leaves after the first streamed message: the request is aborted mid-flight."""
+    with grpc.insecure_channel(address) as channel:
+        cfg = pb.GenerateConfigPB(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        stream = pb_grpc.ModelRpcServiceStub(channel).GenerateStreamCall(
+            pb.GenerateInputPB(request_id=request_id, token_ids=ids, generate_config=cfg,
+                               decode_address=decode_address), metadata=cluster_metadata())
+        next(stream)
+        stream.cancel()
+
+
+def test_hand_overs_beside_ordinary_requests_and_aborts(pd: PD, pdfusion: Cluster,
+                                                        tokenizer: TextTokenizer) -> None:
+    """Hand-overs, plain requests on the decode backend and clients that leave mid-stream, all at once: the
+    engines' state is only touched on their engine threads, so every answer is its PDFUSION answer and
+    every block comes back. (Greedy and float32 activations: a batch computes what a run alone does up
+    to the order of float additions, which has never flipped a token of these prompts.)"""
+    prefill, decode = f"127.0.0.1:{pd.prefill + 1}", pd.decode_grpc
+    ps = prompts(tokenizer)
+    reference = [tokens(generate(pdfusion.grpc_address, ids, f"stress-ref{i}")) for i, ids in enumerate(ps)]
+    jobs = []
+    for round_ in range(3):
+        for i, ids in enumerate(ps):
+            jobs.append(("pd", i, lambda ids=ids, k=f"s{round_}-pd{i}": generate(prefill, ids, k, decode)))
+            jobs.append(("decode", i, lambda ids=ids, k=f"s{round_}-dec{i}": generate(decode, ids, k)))
+            jobs.append(("abort", i, lambda ids=ids, k=f"s{round_}-xpd{i}": _cancel_after_first(prefill, ids, k,
+                                                                                                 decode)))
+            jobs.append(("abort", i, lambda ids=ids, k=f"s{round_}-xdec{i}": _cancel_after_first(decode, ids, k)))
+    with ThreadPoolExecutor(max_workers=24) as pool:
+        results = list(pool.map(lambda job: (job[0], job[1], job[2]()), jobs))
+    answered = 0
+    for kind, i, outs in results:
+        if kind != "abort":
+            assert tokens(outs) == reference[i], (kind, i)
+            answered += 1
+    assert answered == 3 * 2 * len(ps)
+    assert_no_leaks(pd.decode, pd.prefill)

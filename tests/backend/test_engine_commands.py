@@ -1,0 +1,73 @@
+"""EngineLoop commands: whatever touches the engine outside a request runs on the engine thread."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from backend.engine_loop import EngineLoop
+from kvyard.errors import ErrorCode, RequestError
+from tests.backend.conftest import EngineFactory
+
+
+def test_calls_run_on_the_engine_thread_and_return_or_raise(make_engine: EngineFactory) -> None:
+    loop = EngineLoop(make_engine(num_blocks=16))
+
+    async def scenario() -> tuple[str, int]:
+        thread = await loop.call(lambda engine: threading.current_thread().name)
+        free = await loop.call(lambda engine: engine.scheduler.block_pool.num_free_blocks)
+        with pytest.raises(ZeroDivisionError):
+            await loop.call(lambda engine: 1 // 0)
+        return thread, free
+
+    loop.start()
+    try:
+        thread, free = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert thread == "engine" and free == 16
+
+
+def test_a_caller_that_leaves_gets_its_result_undone(make_engine: EngineFactory) -> None:
+    """Cancelled while the command runs: the result (say, allocated blocks) is handed to undo on the
+    engine thread, not dropped on the floor."""
+    loop = EngineLoop(make_engine(num_blocks=16))
+    running, go = threading.Event(), threading.Event()
+    undone: list[tuple[str, object]] = []
+
+    def slow(engine: object) -> str:
+        running.set()
+        go.wait(10)
+        return "blocks"
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(loop.call(slow, undo=lambda engine, r: undone.append(
+            (threading.current_thread().name, r))))
+        await asyncio.to_thread(running.wait, 10)
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await loop.call(lambda engine: None)  # the undo was posted before this: FIFO
+        await loop.call(lambda engine: None)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert undone == [("engine", "blocks")]
+
+
+def test_calls_to_a_stopped_engine_fail_instead_of_hanging(make_engine: EngineFactory) -> None:
+    loop = EngineLoop(make_engine(num_blocks=16))
+    loop.start()
+    loop.stop()
+
+    async def scenario() -> RequestError:
+        with pytest.raises(RequestError) as exc:
+            await asyncio.wait_for(loop.call(lambda engine: 1), 5)
+        return exc.value
+
+    assert asyncio.run(scenario()).code is ErrorCode.UNAVAILABLE
