@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from backend import kernels, ops
+from backend.attention import KVCache
 from backend.engine import Engine, GenerationRequest
 from backend.engine_types import TokenOutput
 from backend.model import LlamaModel
+from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.ops import TorchOps
 from backend.sampler import SamplingParams
 from backend.sequence import StopConditions
@@ -50,6 +52,33 @@ def test_teacher_forced_agreement_with_float32(model_blocks: LlamaModel, model_r
     assert len(ids) >= 500
     got = full_logits(model_blocks, model_config, ids)
     want = full_logits(model_reference, model_config, ids)
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agreement >= 0.98, agreement
+    assert (got - want).abs().max().item() < 2e-3
+
+
+def decode_logits(model: LlamaModel, config: ModelConfig, token_ids: list[int], start: int) -> torch.Tensor:
+    """Logits [len - start, V] of positions start.. computed the way one stream decodes: a prefill of
+    token_ids[:start], then one single-row step per token (the kernels' one-row linears and decode
+    attention, not the prefill's dequantize-and-GEMM)."""
+    block_size = 16
+    num_blocks = -(-len(token_ids) // block_size)
+    cache = KVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                    model.dtype, model.device)
+    runner, seq = ModelRunner(model, cache), DirectSeq(list(token_ids), list(range(num_blocks)))
+    runner.run([DirectChunk(seq, 0, start, samples=False)], [[]])
+    return torch.cat([runner.run([DirectChunk(seq, i, 1)]) for i in range(start, len(token_ids))])
+
+
+def test_decode_steps_agree_with_float32(model_blocks: LlamaModel, model_reference: LlamaModel,
+                                         model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
+    """The same bar for the single-stream decode path: top-1 agreement >= 0.98 over >= 500 decoded
+    positions, logits as close as the prefill's."""
+    ids = tokenizer.encode(TEXT.read_text())[:640]
+    start = 16
+    got = decode_logits(model_blocks, model_config, ids, start)
+    want = full_logits(model_reference, model_config, ids)[start:]
+    assert len(got) >= 500
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= 0.98, agreement
     assert (got - want).abs().max().item() < 2e-3
