@@ -1,8 +1,16 @@
-"""The frontend's door, before any route runs: the API key (401), the body size (413), draining (503) and the
-concurrency limit (429). Each refusal is a RequestError answered through the one error table."""
+"""The frontend's door, before any route runs: the API key (401), the body size (413) and how long it may
+take to arrive (408), draining (503) and the concurrency limit (429). Each refusal is a RequestError
+answered through the one error table.
+
+What counts against CONCURRENCY_LIMIT is sequences being generated, not connections: an HTTP request
+counts once its whole body is here (a stalled upload holds nobody else out), and routes that fan out
+(n, several prompts) take one slot per sequence (Admission.hold); an LMTP WebSocket counts each of
+its streams, not itself."""
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -17,6 +25,8 @@ OPEN_PATHS = frozenset({"/health", "/status", "/health_check", "/GraphService/cm
 # LMTP WebSocket at / (see _is_generation).
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
                               "/generate", "/lmtp"})
+BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this
+_HELD = "kvyard.held_slots"  # scope key: slots a request holds beyond its first (Admission.hold)
 
 
 class Admission:
@@ -32,6 +42,35 @@ class Admission:
     def start_draining(self) -> None:
         self.draining = True
 
+    def hold(self, scope: dict[str, Any], sequences: int) -> None:
+        """A request that generates `sequences` at once holds one slot per sequence (it holds one already,
+        from the middleware); released when the request ends. More than the whole limit is a 400."""
+        if sequences > self.limit:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"this request asks for {sequences} sequences at "
+                               f"once (prompts x n); this server runs at most {self.limit} (CONCURRENCY_LIMIT)",
+                               "n")
+        extra = sequences - 1 - scope.get(_HELD, 0)
+        if extra <= 0:
+            return
+        if self.in_flight + extra > self.limit:
+            raise RequestError(ErrorCode.OVERLOADED, f"{self.in_flight} sequences are in flight and this request "
+                               f"asks for {sequences}; the limit of this server is {self.limit} "
+                               "(CONCURRENCY_LIMIT); retry later")
+        self.in_flight += extra
+        scope[_HELD] = scope.get(_HELD, 0) + extra
+
+    def take_stream(self) -> None:
+        """One LMTP stream starts: a slot of its own, or OVERLOADED / UNAVAILABLE."""
+        if self.draining:
+            raise RequestError(ErrorCode.UNAVAILABLE, "this server is draining (shutting down); retry")
+        if self.in_flight >= self.limit:
+            raise RequestError(ErrorCode.OVERLOADED, f"{self.in_flight} sequences are in flight, the limit of "
+                               "this server (CONCURRENCY_LIMIT); retry later")
+        self.in_flight += 1
+
+    def end_stream(self) -> None:
+        self.in_flight -= 1
+
     def authorized(self, scope: dict[str, Any]) -> bool:
         if not self.api_key:
             return True
@@ -45,6 +84,11 @@ class Admission:
 def _is_generation(scope: dict[str, Any]) -> bool:
     path = scope["path"]
     return path in GENERATION_PATHS or (path == "/" and (scope["type"] == "websocket" or scope["method"] == "POST"))
+
+
+def _counted(scope: dict[str, Any]) -> bool:
+    """Generation requests over HTTP; a WebSocket's streams count one by one (Admission.take_stream)."""
+    return scope["type"] == "http" and _is_generation(scope)
 
 
 def _is_open(scope: dict[str, Any]) -> bool:
@@ -71,41 +115,50 @@ class AdmissionMiddleware:
                                    "'Authorization: Bearer <key>'")
         elif generation and adm.draining:
             refusal = RequestError(ErrorCode.UNAVAILABLE, "this server is draining (shutting down); retry")
-        elif generation and adm.in_flight >= adm.limit:
-            refusal = RequestError(ErrorCode.OVERLOADED, f"{adm.in_flight} requests are in flight, the limit "
-                                   f"of this server (CONCURRENCY_LIMIT); retry later")
         elif scope["type"] == "http":
             receive, refusal = await self._bounded_body(scope, receive)
+        counted = _counted(scope)
+        if refusal is None and counted and adm.in_flight >= adm.limit:  # counted once the body is here
+            refusal = RequestError(ErrorCode.OVERLOADED, f"{adm.in_flight} sequences are in flight, the limit "
+                                   f"of this server (CONCURRENCY_LIMIT); retry later")
         if refusal is not None:
             await self._refuse(scope, receive, send, refusal)
             return
-        if generation:
+        if counted:
             adm.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            if generation:
-                adm.in_flight -= 1
+            if counted:
+                adm.in_flight -= 1 + scope.pop(_HELD, 0)
 
     async def _bounded_body(self, scope: dict[str, Any], receive: Any) -> tuple[Any, RequestError | None]:
+        """Reads the whole body here (within MAX_BODY_BYTES and BODY_TIMEOUT_S) and hands the route the
+        same bytes: a request that trickles its body in holds no slot and no route while it does."""
         limit = self.admission.max_body_bytes
         too_large = RequestError(ErrorCode.PAYLOAD_TOO_LARGE, f"the request body is over {limit} bytes "
                                  "(MAX_BODY_BYTES)")
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            return receive, too_large if length.isdigit() and int(length) > limit else None
+        if length is not None and length.isdigit() and int(length) > limit:
+            return receive, too_large
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return receive, None
-        # Chunked: read it here, up to the limit, and hand the route the same bytes.
-        body, more = b"", True
+        chunks, size, more = [], 0, True
+        deadline = time.monotonic() + BODY_TIMEOUT_S
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return receive, RequestError(ErrorCode.BODY_TIMEOUT, f"the request body did not arrive within "
+                                             f"{BODY_TIMEOUT_S:g} s")
             if message["type"] != "http.request":
                 return receive, None   # the client left; the route will see that
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > limit:
+            if size > limit:
                 return receive, too_large
+        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> dict[str, Any]:

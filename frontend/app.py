@@ -25,6 +25,7 @@ from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
+from frontend.off_loop import off_loop
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -54,7 +55,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["*"],
                            allow_headers=["*"])
     add_metrics_route(app, metrics.registry)
-    app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client)))
+    app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client, admission)))
     app.include_router(generate_stream_routes(cfg, tokenizer, client))
     app.include_router(completion_routes(chat))
     app.include_router(raw_routes(chat))
@@ -62,7 +63,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        prep = chat.prepare(req)
+        prep = await off_loop(chat.prepare, req)
+        admission.hold(request.scope, prep.params.n)
         model = prep.model or cfg.model_name
         if req.stream:
             return StreamingResponse(sse(chat, req, prep, model), media_type="text/event-stream",
@@ -79,7 +81,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     @app.post("/v1/chat/render")
     @app.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        return render_info(chat, chat.prepare(req))
+        return render_info(chat, await off_loop(chat.prepare, req))
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
@@ -87,7 +89,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         if not isinstance(prompt, str):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "'prompt' must be a string", "prompt")
         parse_special = bool(body.get("parse_special", True))
-        ids, pieces, offsets = tokenizer.encode_with_offsets(prompt, parse_special=parse_special)
+        ids, pieces, offsets = await off_loop(tokenizer.encode_with_offsets, prompt,
+                                              parse_special=parse_special)
         out: dict[str, Any] = {"token_ids": ids, "tokens": pieces, "error": ""}
         if body.get("return_offsets_mapping"):
             out["offset_mapping"] = [list(o) for o in offsets]
@@ -100,12 +103,13 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                 req = ChatCompletionRequest.model_validate(body)
             except ValidationError as exc:  # the same 400 as a route's own body validation
                 raise RequestValidationError(exc.errors()) from exc
-            rendered = chat.render(req)
+            rendered = await off_loop(chat.render, req)
             return {"token_ids": rendered.input_ids, "prompt": rendered.prompt}
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "give 'prompt' (a string) or 'messages'", "prompt")
-        return {"token_ids": tokenizer.encode(prompt, parse_special=bool(body.get("parse_special", True)))}
+        return {"token_ids": await off_loop(tokenizer.encode, prompt,
+                                            parse_special=bool(body.get("parse_special", True)))}
 
     async def health() -> Any:
         if admission.draining:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import request_error_body
 from frontend.protocol import CompletionRequest
+from frontend.off_loop import off_loop
 from kvyard.errors import ErrorCode, RequestError
 from renderers import RenderedPrompt
 
@@ -106,7 +107,7 @@ def completion_routes(chat: ChatService) -> APIRouter:
     @router.post("/v1/completions")
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        request_id, jobs = await _prepare(chat, req)
+        request_id, jobs = await _prepare(chat, req, lambda n: request.app.state.admission.hold(request.scope, n))
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": req.model or chat.cfg.model_name}
         if req.stream:
@@ -117,14 +118,16 @@ def completion_routes(chat: ChatService) -> APIRouter:
     return router
 
 
-async def _prepare(chat: ChatService, req: CompletionRequest) -> tuple[str, list[_Job]]:
+async def _prepare(chat: ChatService, req: CompletionRequest, hold: Callable[[int], None]
+                   ) -> tuple[str, list[_Job]]:
+    """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts."""
     chat.check_model(req.model)
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
-    for number, prompt in enumerate(prompts):
-        text, ids = prompt_ids(chat, prompt)
+    tokenized = await off_loop(lambda: [prompt_ids(chat, prompt) for prompt in prompts])
+    for number, (text, ids) in enumerate(tokenized):
         prep = None
         if req.max_tokens == 0 and req.echo:
             chat.budget(len(ids), None, "max_tokens", "prompt")   # the prompt alone must fit
@@ -133,10 +136,11 @@ async def _prepare(chat: ChatService, req: CompletionRequest) -> tuple[str, list
             params = chat.params(req, max_new, req.logprobs is not None, req.logprobs or 0)
             prep = PreparedRequest(f"{request_id}-{number}", raw_prompt(text, ids), params,
                                    chat.stop_strings(req), req.model or None)
-        job = _Job(number, text, ids, prep)
-        if req.echo and req.logprobs is not None:
-            job.echo_logprobs = await _prompt_logprobs(chat, ids, req, f"{request_id}-{number}-echo")
-        jobs.append(job)
+        jobs.append(_Job(number, text, ids, prep))
+    hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
+    if req.echo and req.logprobs is not None:
+        for job in jobs:
+            job.echo_logprobs = await _prompt_logprobs(chat, job.ids, req, f"{request_id}-{job.number}-echo")
     return request_id, jobs
 
 

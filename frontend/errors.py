@@ -22,6 +22,7 @@ ERROR_TABLE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.UNAUTHENTICATED: (401, "authentication_error"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.PAYLOAD_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.BODY_TIMEOUT: (408, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.TIMEOUT: (504, "timeout_error"),
     ErrorCode.CANCELLED: (499, "cancelled"),

@@ -22,6 +22,7 @@ from frontend.config import FrontendConfig
 from frontend.errors import request_error_body
 from frontend.metered_router import MeteredRouter
 from frontend.stop_strings import StopStringMatcher
+from frontend.off_loop import off_loop
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.tokenizer import TextTokenizer
@@ -56,7 +57,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
             prompt = (await request.body()).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the body must be UTF-8 text ({exc})") from None
-        ids = tokenizer.encode(prompt)
+        ids = await off_loop(tokenizer.encode, prompt)
         if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id, *ids]
         if not ids:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketState
 
+from frontend.admission import Admission
 from frontend.config import FrontendConfig
 from frontend.errors import ERROR_TABLE
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
@@ -32,12 +33,15 @@ Outgoing = tuple[str, dict[str, Any]]  # ("TOKEN" | "MSG", item)
 
 
 class LmtpService:
-    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router."""
+    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, and
+    the frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT)."""
 
-    def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, client: MeteredRouter) -> None:
+    def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, client: MeteredRouter,
+                 admission: Admission | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.client = client
+        self.admission = admission or Admission(cfg)
 
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours). Without a master only our own name exists; with one, the
@@ -120,7 +124,15 @@ class LmtpSession:
         return task
 
     async def _guard(self, command: str, stream_id: Any, run: Coroutine[Any, Any, None]) -> None:
-        """Runs one stream; any failure becomes that stream's error item."""
+        """Runs one stream within its admission slot; any failure becomes that stream's error item."""
+        admission = self.service.admission
+        try:
+            admission.take_stream()
+        except RequestError as exc:
+            run.close()
+            self._count(command, exc.code)
+            self.outbox.put_nowait(("TOKEN", error_item(stream_id, exc)))
+            return
         try:
             await run
         except RequestError as exc:
@@ -135,6 +147,8 @@ class LmtpSession:
             self.outbox.put_nowait(("TOKEN", error_item(stream_id, "internal error; see the frontend log")))
         else:
             self._count(command, None)
+        finally:
+            admission.end_stream()
 
     async def _generate(self, frame: GenerateFrame) -> None:
         svc = self.service

@@ -22,6 +22,7 @@ from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import request_error_body
 from frontend.protocol import RawRequest, SamplingRequest
+from frontend.off_loop import off_loop
 from kvyard.errors import RequestError
 
 Key = tuple[int, int]   # (prompt number, sequence number)
@@ -65,7 +66,8 @@ def raw_routes(chat: ChatService) -> APIRouter:
 
     @router.post("/")
     async def raw(req: RawRequest, request: Request) -> Any:
-        state = _State(req, _prepare(chat, req))
+        state = _State(req, await off_loop(_prepare, chat, req))
+        request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
         if req.streaming:
             return StreamingResponse(_events(chat, state), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await cancel_on_disconnect(request, _collect(chat, state)))

@@ -15,6 +15,7 @@ class ErrorCode(Enum):
     UNAVAILABLE = "unavailable"  # no backend can be reached, or this server is draining
     UNAUTHENTICATED = "invalid_api_key"  # an API key is configured and the request lacks it
     PAYLOAD_TOO_LARGE = "payload_too_large"  # the request body is over the configured limit
+    BODY_TIMEOUT = "request_timeout"  # the client did not send its whole body in time
     INTERNAL = "internal"
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from datetime import datetime
 from functools import lru_cache
 from types import SimpleNamespace
@@ -27,6 +29,8 @@ def _raise(message: str) -> NoReturn:
 
 
 MAX_TEMPLATE_VALUE = 1_000_000  # characters or items one `*` may build
+RENDER_TIME_LIMIT_S = 2.0       # one render, every loop and macro call included
+MAX_RENDERED_CHARS = 16_000_000  # what one render may write (a loop can repeat a big value cheaply)
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
@@ -49,6 +53,46 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             if isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_VALUE:
                 raise SecurityError("value too large in a chat template")
         return super().call_binop(context, operator, left, right)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def render_bounded(template: jinja2.Template, args: dict[str, Any]) -> str:
+    """template.render(**args) with a work budget: nested loops over range() or a long string, or a
+    self-calling macro, end in a 400 instead of holding a thread (and the GIL) for minutes. Compiled
+    templates are Python code named "<template>": a trace function on this thread counts their lines
+    and checks the clock every 1024 of them; the output is counted as it is produced."""
+    time_limit_s, max_chars = RENDER_TIME_LIMIT_S, MAX_RENDERED_CHARS
+    deadline = time.monotonic() + time_limit_s
+    lines = 0
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if not lines & 1023 and time.monotonic() > deadline:
+                raise _OverBudget(f"the chat template ran past its {time_limit_s:g} s budget")
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        parts, size = [], 0
+        for part in template.generate(**args):
+            size += len(part)
+            if size > max_chars:
+                raise _OverBudget(f"the chat template wrote more than {max_chars} characters")
+            parts.append(part)
+        return "".join(parts)
+    except RecursionError:
+        raise _OverBudget("the chat template recursed too deeply") from None
+    finally:
+        sys.settrace(previous)
 
 
 # Templates may call json.dumps / json.loads; the module itself would expose codecs, re, sys... to them.
@@ -111,7 +155,9 @@ class BasicRenderer(ChatRenderer):
         args["messages"] = messages
         args.update(request.chat_template_kwargs)
         try:
-            prompt = template.render(**args)
+            prompt = render_bounded(template, args)
+        except _OverBudget as exc:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), "user_template") from exc
         except jinja2.exceptions.SecurityError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"template refused by the sandbox: {exc}",
                                "user_template") from exc

@@ -4,6 +4,7 @@ started; and a client that goes away cancels the backend call, streaming or not.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from backend.mock_backend import MockScript
+from frontend import admission
 from kvyard.tokenizer import TextTokenizer
 from master.mock_master import MockMasterConfig, create_mock_master_app
 from tests.support.sse import sse_data
@@ -42,6 +44,16 @@ def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> 
     if status in (429, 503):
         assert resp.headers.get("retry-after") == "1"
     return body["error"]
+
+
+def settles(condition: Any, timeout_s: float = 3.0) -> bool:
+    """True once condition() is (server-side state may trail the response's last byte a little)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def slow(tokenizer: TextTokenizer, n: int = 60, delay_s: float = 0.05) -> MockScript:
@@ -192,6 +204,64 @@ def test_concurrency_limit(tokenizer: TextTokenizer, mock: MockBackendThread) ->
         t.join(15)
         assert [line for line in result["lines"] if line][-1] == "data: [DONE]"
         assert c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_stalled_bodies_hold_no_slot_and_time_out(tokenizer: TextTokenizer, mock: MockBackendThread,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that send headers and then trickle (or never finish) their body used to count against
+    CONCURRENCY_LIMIT while waiting, locking everyone out: now a request counts once its body is here,
+    and a body that does not arrive within BODY_TIMEOUT_S is a 408."""
+    monkeypatch.setattr(admission, "BODY_TIMEOUT_S", 1.5)
+    with mock_frontend(tokenizer, mock.address, CONCURRENCY_LIMIT="1") as f, httpx.Client(base_url=f.url) as c:
+        host, port = f.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(4):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"messages\": ")
+            stalled.append(sock)
+        try:
+            time.sleep(0.3)
+            ok = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+            for sock in stalled:
+                sock.settimeout(10)
+                answer = b""
+                while b"}}" not in answer and (chunk := sock.recv(4096)):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert b'"code":"request_timeout"' in answer.replace(b" ", b""), answer
+        finally:
+            for sock in stalled:
+                sock.close()
+        assert settles(lambda: f.app.state.admission.in_flight == 0)
+
+
+def test_every_sequence_counts(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
+    """n and prompt lists fan out: a request holds one slot per sequence; more than the whole limit is a
+    400 (retrying cannot help), more than what is free a 429."""
+    with mock_frontend(tokenizer, mock.address, CONCURRENCY_LIMIT="4") as f, httpx.Client(base_url=f.url) as c:
+        err = assert_error(c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2}), 400)
+        assert "6 sequences" in err["message"] and "CONCURRENCY_LIMIT" in err["message"]
+        assert_error(c.post("/v1/chat/completions", json={"messages": HI, "n": 5}), 400)
+        assert_error(c.post("/", json={"prompt": ["a"] * 5}), 400)
+        assert c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}).status_code == 200
+        with mock.scripted(slow(tokenizer, 40)):
+            started = threading.Event()
+
+            def hold_three() -> None:
+                with httpx.stream("POST", f"{f.url}/v1/chat/completions",
+                                  json={"messages": HI, "n": 3, "stream": True}) as r:
+                    for _ in r.iter_lines():
+                        started.set()
+            t = threading.Thread(target=hold_three)
+            t.start()
+            assert started.wait(10)
+            assert f.app.state.admission.in_flight == 3
+            assert_error(c.post("/v1/chat/completions", json={"messages": HI, "n": 2}), 429, "overloaded")
+            assert c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+            t.join(15)
+        assert settles(lambda: f.app.state.admission.in_flight == 0)  # released just after the last byte
 
 
 def test_backend_overloaded_is_429(http: httpx.Client, mock: MockBackendThread, tokenizer: TextTokenizer) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -290,6 +291,24 @@ def test_render_user_template_ssti_is_400(http: httpx.Client) -> None:
     assert_error(resp, 400, "invalid_argument")
     resp = http.post("/v1/chat/completions", json={"messages": HI, "user_template": "{{ messages.__class__ }}"})
     assert_error(resp, 400, "invalid_argument")
+
+
+def test_a_slow_template_holds_neither_the_frontend_nor_other_requests(http: httpx.Client) -> None:
+    """Nested loops in a user_template used to block the event loop (/health included) for 30 s+:
+    the render runs on a worker thread within a time budget, then ends in a 400."""
+    slow = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(http.post, "/v1/chat/render", json={"messages": HI, "user_template": slow})
+        time.sleep(0.3)  # the render is under way
+        health = [http.get("/health", timeout=2) for _ in range(5)]
+        rendered = http.post("/v1/chat/render", json={"messages": HI}, timeout=2)
+        during = time.monotonic() - started
+        resp = pending.result(timeout=30)
+    assert all(h.status_code == 200 for h in health) and rendered.status_code == 200
+    assert during < 2.0  # all of that happened while the slow render still ran (its budget: 2 s)
+    assert_error(resp, 400, "invalid_argument")
+    assert "budget" in resp.json()["error"]["message"]
 
 
 # ---- bad input: always 4xx with one error shape, never 422 or 500 -------------------------------

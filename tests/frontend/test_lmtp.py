@@ -329,3 +329,29 @@ def test_real_interactive_client(pdfusion: Cluster, tokenizer: TextTokenizer) ->
     lines = out.getvalue().splitlines()
     assert sum(line.startswith(">>>> {") for line in lines) == 5
     assert text.startswith("Hello there") and len(text) > len("Hello there")
+
+
+def test_each_stream_counts_against_the_concurrency_limit(tokenizer: TextTokenizer, script_ids: list[int]) -> None:
+    """One WebSocket used to run any number of streams under CONCURRENCY_LIMIT=2: now every GENERATE or
+    SCORE stream takes a slot of its own, and the slot comes back when the stream ends."""
+    def script(req: Any) -> list[list[int]]:
+        return [[script_ids[0]]] * 60 if req.generate_config.max_new_tokens >= LONG else [[i] for i in script_ids]
+
+    async def go(url: str) -> tuple[dict[Any, list[dict[str, Any]]], dict[Any, list[dict[str, Any]]]]:
+        async with connect(url + "/lmtp") as ws:
+            for sid in (1, 2, 3):
+                await send(ws, "GENERATE", {"prompt": [1], "stream_id": sid, "max_tokens": LONG})
+            first, _, _ = await collect(ws, {1, 2, 3})
+            await send(ws, "GENERATE", {"prompt": [1], "stream_id": 4, "max_tokens": 8})
+            later, _, _ = await collect(ws, {4})
+            return first, later
+
+    with stub_frontend(tokenizer, script, delay_s=0.01, CONCURRENCY_LIMIT="2") as frontend:
+        first, later = run(go(frontend.ws_url))
+        deadline = time.monotonic() + 3
+        while frontend.app.state.admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)  # a stream's slot is freed just after its last item went out
+        assert frontend.app.state.admission.in_flight == 0
+    assert [len(first[s]) for s in (1, 2)] == [60, 60] and first[1][-1]["finish_reason"] is not None
+    assert len(first[3]) == 1 and "CONCURRENCY_LIMIT" in str(first[3][0]["error"])
+    assert [i["token"] for i in later[4]] == script_ids

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+import time
 from typing import Any
 
 import jinja2
@@ -11,6 +13,7 @@ import pytest
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.tokenizer import TextTokenizer
 from renderers import ChatRenderer, RenderRequest, get_renderer, register_renderer
+from renderers import basic
 from renderers.basic import BasicRenderer
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -273,3 +276,34 @@ def test_the_json_tool_format(tokenizer: TextTokenizer) -> None:
     assert renderer.tool_parser.name == "json"
     with pytest.raises(ValueError, match="hermes"):
         get_renderer(None, tokenizer, "no_such_parser")
+
+
+# ---- a template's work is bounded ---------------------------------------------------------------
+
+BUDGET_BUSTERS = {
+    "nested_loops": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x",
+    "loops_over_a_string": "{% set s = 'ab' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "recursive_macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "huge_output": "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUDGET_BUSTERS))
+def test_template_work_is_bounded(renderer: ChatRenderer, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of these held a frontend thread for minutes (or for ever, or took gigabytes): now a 400
+    within the render budget."""
+    monkeypatch.setattr(basic, "RENDER_TIME_LIMIT_S", 0.5)
+    start = time.monotonic()
+    with pytest.raises(RequestError) as err:
+        renderer.render(RenderRequest(messages=CONVERSATIONS[0], user_template=BUDGET_BUSTERS[case]))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    assert any(word in err.value.message for word in ("budget", "recursed", "more than"))
+    assert time.monotonic() - start < 3.0
+    assert sys.gettrace() is None  # the budget's trace function is gone again
+
+
+def test_a_bounded_render_equals_an_ordinary_one(renderer: ChatRenderer, tokenizer: TextTokenizer) -> None:
+    loops = "{% for m in messages %}{% for i in range(3) %}{{ m['content'] }}{{ i }}{% endfor %}{% endfor %}"
+    for messages in CONVERSATIONS:
+        got = renderer.render(RenderRequest(messages=messages, user_template=loops)).prompt
+        assert got == plain_render(loops, tokenizer, messages, True)

@@ -103,7 +103,7 @@ class StubFrontend:
 
 @contextmanager
 def stub_frontend(tokenizer: TextTokenizer, script: Callable[[pb.GenerateInputPB], list[list[int]]],
-                  delay_s: float = 0.0, model: str = "stub-model") -> Iterator[StubFrontend]:
+                  delay_s: float = 0.0, model: str = "stub-model", **env: str) -> Iterator[StubFrontend]:
     """create_app() served on a thread in front of a ScoringStubServicer: no model, no subprocess."""
     from frontend.app import create_app
     from frontend.config import FrontendConfig
@@ -112,7 +112,7 @@ def stub_frontend(tokenizer: TextTokenizer, script: Callable[[pb.GenerateInputPB
     stub = StubBackend(servicer, free_port_block(1)).start()
     try:
         cfg = FrontendConfig.from_env({"BACKEND_ADDRESS": f"127.0.0.1:{stub.port}", "MAX_SEQ_LEN": "256",
-                                       "MODEL_NAME": model})
+                                       "MODEL_NAME": model, **env})
         app = create_app(cfg, tokenizer)
         with AppThread(app) as server:
             yield StubFrontend(server.url, servicer, app)
