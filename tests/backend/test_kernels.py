@@ -50,7 +50,7 @@ def test_blocks_decode_to_ggufs_own_dequantization(gguf_tensors: dict, name: str
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, DENSE_ROWS + 7])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, DENSE_ROWS, DENSE_ROWS + 7])
 def test_block_linear_matches_dense_linear(kind: str, rows: int) -> None:
     w = random_blocks(kind, 72, 96, seed=rows)
     dense = w.dequantize()
