@@ -26,6 +26,7 @@ from frontend.metered_router import MeteredRouter
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
 from frontend.off_loop import off_loop
+from frontend.openapi_doc import install_openapi
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -126,4 +127,5 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         app.add_api_route(path, health, methods=["GET", "POST"])
     app.add_api_route("/health_check", health, methods=["POST"])
     app.add_api_route("/", health, methods=["GET"])
+    install_openapi(app)
     return app

@@ -1,0 +1,27 @@
+"""The OpenAPI document matches what the frontend answers: 400 (never 422) with the OpenAI error object,
+the error table's statuses, and text/event-stream for the streaming routes."""
+from __future__ import annotations
+
+import json
+
+from frontend.app import create_app
+from frontend.config import FrontendConfig
+from frontend.errors import ERROR_TABLE
+from kvyard.tokenizer import TextTokenizer
+
+
+def test_openapi_says_400_and_sse(tokenizer: TextTokenizer) -> None:
+    app = create_app(FrontendConfig.from_env({"BACKEND_ADDRESS": "127.0.0.1:1", "MODEL_NAME": "m"}), tokenizer)
+    doc = app.openapi()
+    assert '"422"' not in json.dumps(doc) and "HTTPValidationError" not in json.dumps(doc)
+    statuses = {str(status) for status, _ in ERROR_TABLE.values()}
+    for path in ("/v1/chat/completions", "/v1/completions", "/", "/v1/chat/render", "/tokenize"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert statuses <= set(responses), (path, sorted(responses))
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/chat/completions", "/v1/completions", "/", "/generate"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"], path
+    assert "text/event-stream" not in doc["paths"]["/v1/chat/render"]["post"]["responses"]["200"].get("content", {})
+    error = doc["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
