@@ -124,7 +124,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                             503, headers={"Retry-After": "1"})
 
     for path in ("/health", "/status", "/GraphService/cm2_status", "/SearchService/cm2_status"):
-        app.add_api_route(path, health, methods=["GET", "POST"])
+        for method in ("GET", "POST"):  # one route per method: each gets its own OpenAPI operation id
+            app.add_api_route(path, health, methods=[method])
     app.add_api_route("/health_check", health, methods=["POST"])
     app.add_api_route("/", health, methods=["GET"])
     install_openapi(app)

@@ -23,5 +23,7 @@ def test_openapi_says_400_and_sse(tokenizer: TextTokenizer) -> None:
     for path in ("/v1/chat/completions", "/v1/completions", "/", "/generate"):
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"], path
     assert "text/event-stream" not in doc["paths"]["/v1/chat/render"]["post"]["responses"]["200"].get("content", {})
+    ids = [op["operationId"] for methods in doc["paths"].values() for op in methods.values()]
+    assert len(ids) == len(set(ids)), "duplicate operation ids"
     error = doc["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
     assert set(error["properties"]) == {"message", "type", "param", "code"}
