@@ -454,57 +454,78 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   const float sc = static_cast<float>(scale);
   auto run = [&](auto nv_const) {
   constexpr int64_t nv = decltype(nv_const)::value;  // d / 8, a constant so the sums stay in registers
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+  constexpr int64_t KB = 32;  // keys per V pass: their rows stay in L1 while each head of the group reads them
+  // One work item per (row, KV head): the `group` query heads that share it read each K and V row from
+  // memory once (the later heads find it in L1), instead of once per query head.
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;  // [group][n rounded up to 8]
     std::vector<int64_t> slots;
-    for (int64_t item = i0; item < i1; ++item) {  // one query head of one row
-      const int64_t b = item / H, h = item % H, kvh = h / group, n = lp[b];
-      scores.resize((n + 7) / 8 * 8);
-      const float* qh = qp + (b * H + h) * d;
+    std::vector<float> partial;  // [group][d]: the V sums between key passes
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / Hkv, kvh = item % Hkv, n = lp[b], np = (n + 7) / 8 * 8;
+      scores.resize(group * np);
+      partial.assign(group * d, 0.f);
       slots.resize(n);  // cache row of each key, walked block by block (no division per key)
       for (int64_t p = 0, j = 0; p < n; ++j)
         for (int64_t o = 0, base = tp[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
           slots[p] = base + o;
-      auto key = [&](int64_t p) { return slots[p]; };
       for (int64_t p = 0; p < n; p += 8) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) {
-          __m256 a = _mm256_setzero_ps();
-          if (p + j < n) {
-            const float* k = kc + (key(p + j) * Hkv + kvh) * d;
-            for (int64_t i = 0; i < nv; ++i)
-              a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_loadu_ps(k + 8 * i), a);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qp + (b * H + kvh * group + g) * d;
+          __m256 acc[8];
+          for (int j = 0; j < 8; ++j) {
+            __m256 a = _mm256_setzero_ps();
+            if (p + j < n) {
+              const float* k = kc + (slots[p + j] * Hkv + kvh) * d;
+              for (int64_t i = 0; i < nv; ++i)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_loadu_ps(k + 8 * i), a);
+            }
+            acc[j] = a;
           }
-          acc[j] = a;
+          _mm256_storeu_ps(scores.data() + g * np + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(sc)));
         }
-        _mm256_storeu_ps(scores.data() + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(sc)));
       }
-      float mx = scores[0];
-      for (int64_t p = 1; p < n; ++p) mx = std::max(mx, scores[p]);
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 vsum = _mm256_setzero_ps();
-      for (int64_t p = 0; p < n; p += 8) {
-        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + p), vmx));
-        if (p + 8 > n) {  // zero the lanes past the last key
-          alignas(32) float lane[8];
-          _mm256_store_ps(lane, e);
-          for (int64_t j = n - p; j < 8; ++j) lane[j] = 0.f;
-          e = _mm256_load_ps(lane);
+      std::vector<float> inv(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * np;
+        float mx = sg[0];
+        for (int64_t p = 1; p < n; ++p) mx = std::max(mx, sg[p]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n; p += 8) {
+          __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+          if (p + 8 > n) {  // zero the lanes past the last key
+            alignas(32) float lane[8];
+            _mm256_store_ps(lane, e);
+            for (int64_t j = n - p; j < 8; ++j) lane[j] = 0.f;
+            e = _mm256_load_ps(lane);
+          }
+          _mm256_storeu_ps(sg + p, e);
+          vsum = _mm256_add_ps(vsum, e);
         }
-        _mm256_storeu_ps(scores.data() + p, e);
-        vsum = _mm256_add_ps(vsum, e);
+        inv[g] = 1.0f / hsum(vsum);
       }
-      const float inv = 1.0f / hsum(vsum);
-      __m256 acc[nv];
-      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t p = 0; p < n; ++p) {
-        const float* v = vc + (key(p) * Hkv + kvh) * d;
-        const __m256 wgt = _mm256_set1_ps(scores[p]);
-        for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(wgt, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      for (int64_t p0 = 0; p0 < n; p0 += KB) {
+        const int64_t p1 = std::min(n, p0 + KB);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* sg = scores.data() + g * np;
+          float* part = partial.data() + g * d;
+          __m256 acc[nv];
+          for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_loadu_ps(part + 8 * i);
+          for (int64_t p = p0; p < p1; ++p) {
+            const float* v = vc + (slots[p] * Hkv + kvh) * d;
+            const __m256 wgt = _mm256_set1_ps(sg[p]);
+            for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(wgt, _mm256_loadu_ps(v + 8 * i), acc[i]);
+          }
+          for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(part + 8 * i, acc[i]);
+        }
       }
-      float* o = op + (b * H + h) * d;
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], vinv));
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (b * H + kvh * group + g) * d;
+        const __m256 vinv = _mm256_set1_ps(inv[g]);
+        for (int64_t i = 0; i < nv; ++i)
+          _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(partial.data() + g * d + 8 * i), vinv));
+      }
     }
   });
   };
