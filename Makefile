@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run test test-fast proto bench bench-peers clean
+.PHONY: setup run test test-fast fuzz proto bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Schema fuzzing of the frontend's HTTP API (thousands of cases; make test runs a few hundred): no 5xx.
+fuzz: setup
+	KVYARD_FUZZ_EXAMPLES=150 $(PY) -m pytest -q -s tests/frontend/test_fuzz.py
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto
