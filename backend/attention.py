@@ -79,6 +79,7 @@ def attend_decode_gathered(q: torch.Tensor, cache: KVCache, layer: int, meta: At
     n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
     kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
     vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
+    kd, vd = kd.to(q.dtype), vd.to(q.dtype)  # a float16 cache under a float32 model: convert what was read
     od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
     return od.squeeze(2)
 
@@ -92,8 +93,8 @@ def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: Attention
         n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
         kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size, cache.scratch("pk", n))[:span.num_keys]
         vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size, cache.scratch("pv", n))[:span.num_keys]
-        kp = kp.transpose(0, 1).unsqueeze(0)                                # [1, Hkv, K, d]
-        vp = vp.transpose(0, 1).unsqueeze(0)
+        kp = kp.transpose(0, 1).unsqueeze(0).to(q.dtype)                    # [1, Hkv, K, d]
+        vp = vp.transpose(0, 1).unsqueeze(0).to(q.dtype)
         n_q, n_k = qp.shape[2], kp.shape[2]
         if span.start == 0:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)

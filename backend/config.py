@@ -21,6 +21,7 @@ class BackendConfig:
     http_port: int               # START_PORT + 5 (worker status, debug)
     device: str                  # "cpu" or "cuda"
     dtype: str                   # "float32" or "bfloat16"
+    kv_cache_dtype: str          # KV_CACHE_DTYPE: "float16" for the CPU kernels by default, else dtype
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
@@ -44,6 +45,7 @@ class BackendConfig:
         host = env_str(env, "HOST", INTERNAL_HOST)
         dtype = env_choice(env, "DTYPE", "bfloat16" if device == "cuda" else "float32",
                            ("float32", "bfloat16", "float16"))
+        weight_format = _weight_format(env, device, dtype, checkpoint)
         return cls(
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
@@ -52,7 +54,8 @@ class BackendConfig:
             http_port=start_port + 5,
             device=device,
             dtype=dtype,
-            weight_format=_weight_format(env, device, dtype, checkpoint),
+            weight_format=weight_format,
+            kv_cache_dtype=_kv_cache_dtype(env, dtype, weight_format),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
             max_num_seqs=env_int(env, "MAX_NUM_SEQS", 64, minimum=1),
@@ -66,6 +69,16 @@ class BackendConfig:
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
             cluster_token=internal_token(env, host),
         )
+
+
+def _kv_cache_dtype(env: Mapping[str, str], dtype: str, weight_format: str) -> str:
+    """auto: float16 where the C++ kernels read the cache (half the bytes per decode step, twice the
+    tokens per KV_CACHE_MB), else the model's dtype. Any choice works with any weights; without the
+    kernels a cache in another dtype than the model's costs a conversion of every gathered block."""
+    choice = env_choice(env, "KV_CACHE_DTYPE", "auto", ("auto", "float32", "float16", "bfloat16"))
+    if choice == "auto":
+        return "float16" if weight_format == "gguf" else dtype
+    return choice
 
 
 def _weight_format(env: Mapping[str, str], device: str, dtype: str, checkpoint: Path) -> str:

@@ -43,15 +43,16 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     model = LlamaModel(model_cfg, weights)
     log.info("weights: %.0f MB as %s, %s", model.weight_bytes() / 2**20, cfg.weight_format,
              type(model.ops).__name__)
+    kv_dtype = getattr(torch, cfg.kv_cache_dtype)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
-                                        model_cfg.head_dim, dtype)
+                                        model_cfg.head_dim, kv_dtype)
     num_blocks = max(1, cfg.kv_cache_mb * 1024 * 1024 // per_block)
     cache = KVCache(model_cfg.num_layers, num_blocks, cfg.block_size, model_cfg.num_kv_heads,
-                    model_cfg.head_dim, dtype, device)
+                    model_cfg.head_dim, kv_dtype, device)
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
-    log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MB)", num_blocks, cfg.block_size,
-             num_blocks * cfg.block_size, num_blocks * per_block / 2**20)
+    log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MB, %s)", num_blocks, cfg.block_size,
+             num_blocks * cfg.block_size, num_blocks * per_block / 2**20, cfg.kv_cache_dtype)
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=cfg.block_size,
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))

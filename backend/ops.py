@@ -53,8 +53,9 @@ class TorchOps:
         d = qkv.shape[-1] // (n_heads + 2 * n_kv)
         q, k, v = qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1)
         c, s = cos.to(qkv.dtype), sin.to(qkv.dtype)
-        cache.data[layer, 0].index_copy_(0, slots, _rope(k.view(-1, n_kv, d), c, s))
-        cache.data[layer, 1].index_copy_(0, slots, v.view(-1, n_kv, d))
+        kv_dtype = cache.data.dtype  # the cache may hold a narrower type than the model computes in
+        cache.data[layer, 0].index_copy_(0, slots, _rope(k.view(-1, n_kv, d), c, s).to(kv_dtype))
+        cache.data[layer, 1].index_copy_(0, slots, v.view(-1, n_kv, d).to(kv_dtype))
         return _rope(q.reshape(-1, n_heads, d), c, s)
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:

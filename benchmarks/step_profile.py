@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv-dtype", default="float16", choices=("float32", "float16"))  # the serving default: float16
     args = ap.parse_args()
     path = embedded_model_path()
     config = load_model_config(path)
@@ -50,7 +51,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         nblk = args.ctx // 16 + 2
         cache = KVCache(config.num_layers, batch * nblk, 16, config.num_kv_heads, config.head_dim,
-                        torch.float32, torch.device("cpu"))
+                        getattr(torch, args.kv_dtype), torch.device("cpu"))
         runner = ModelRunner(model, cache)
         chunks = [DirectChunk(DirectSeq([1] * (args.ctx + 1), list(range(b * nblk, (b + 1) * nblk))), args.ctx, 1)
                   for b in range(batch)]

@@ -35,6 +35,27 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// The KV cache is float32 or float16 (KV_CACHE_DTYPE): 8 values of a cache row as floats, and back.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, at::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == v_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "KV caches must be contiguous float32 or float16 CPU tensors");
+}
+
 // 16 bytes of Q4_1 codes → 4 vectors of 8 floats in weight order 0-7, 8-15, 16-23, 24-31.
 inline void unpack_q4(const uint8_t* q, __m256 w[4]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -362,8 +383,7 @@ at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos, const at:
   check_cpu_f32(qkv, "qkv");
   check_cpu_f32(cos, "cos");
   check_cpu_f32(sin, "sin");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat,
-              "caches must be contiguous float32");
+  check_cache(k_cache, v_cache);
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   const int64_t T = qkv.size(0), d = k_cache.size(2), half = d / 2, W = qkv.size(1);
   TORCH_CHECK(W == (n_heads + 2 * n_kv) * d, "qkv width does not match the heads");
@@ -373,11 +393,11 @@ at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos, const at:
   const float* sp = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t S = k_cache.size(0);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "slot out of range");
+  auto run = [&](auto* kc, auto* vc) {
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> krot(d);
     for (int64_t t = t0; t < t1; ++t) {
       const float* row = in + t * W;
       const float* c = cp + t * half;
@@ -390,11 +410,16 @@ at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos, const at:
         }
       };
       for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * d, qp + (t * n_heads + h) * d);
-      float* kd = kc + slot[t] * n_kv * d;
-      for (int64_t h = 0; h < n_kv; ++h) rotate(row + (n_heads + h) * d, kd + h * d);
-      std::copy(row + (n_heads + n_kv) * d, row + W, vc + slot[t] * n_kv * d);
+      for (int64_t h = 0; h < n_kv; ++h) {
+        rotate(row + (n_heads + h) * d, krot.data());
+        store_row(krot.data(), kc + (slot[t] * n_kv + h) * d, d);
+      }
+      store_row(row + (n_heads + n_kv) * d, vc + slot[t] * n_kv * d, n_kv * d);
     }
   });
+  };
+  if (k_cache.scalar_type() == at::kHalf) run(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return q;
 }
 
@@ -432,8 +457,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
                             double scale) {
   const at::Tensor q = q_in.contiguous();
   check_cpu_f32(q, "q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat,
-              "caches must be contiguous float32");
+  check_cache(k_cache, v_cache);
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), d = q.size(2), Hkv = k_cache.size(1);
@@ -448,11 +472,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  auto run = [&](auto nv_const) {
+  auto run = [&](auto nv_const, const auto* kc, const auto* vc) {
   constexpr int64_t nv = decltype(nv_const)::value;  // d / 8, a constant so the sums stay in registers
   constexpr int64_t KB = 32;  // keys per V pass: their rows stay in L1 while each head of the group reads them
   // One work item per (row, KV head): the `group` query heads that share it read each K and V row from
@@ -476,9 +498,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
           for (int j = 0; j < 8; ++j) {
             __m256 a = _mm256_setzero_ps();
             if (p + j < n) {
-              const float* k = kc + (slots[p + j] * Hkv + kvh) * d;
+              const auto* k = kc + (slots[p + j] * Hkv + kvh) * d;
               for (int64_t i = 0; i < nv; ++i)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_loadu_ps(k + 8 * i), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8(k + 8 * i), a);
             }
             acc[j] = a;
           }
@@ -513,9 +535,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
           __m256 acc[nv];
           for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_loadu_ps(part + 8 * i);
           for (int64_t p = p0; p < p1; ++p) {
-            const float* v = vc + (slots[p] * Hkv + kvh) * d;
+            const auto* v = vc + (slots[p] * Hkv + kvh) * d;
             const __m256 wgt = _mm256_set1_ps(sg[p]);
-            for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(wgt, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(wgt, load8(v + 8 * i), acc[i]);
           }
           for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(part + 8 * i, acc[i]);
         }
@@ -529,13 +551,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
     }
   });
   };
-  switch (d) {
-    case 64: run(std::integral_constant<int64_t, 8>{}); break;
-    case 128: run(std::integral_constant<int64_t, 16>{}); break;
-    case 32: run(std::integral_constant<int64_t, 4>{}); break;
-    case 96: run(std::integral_constant<int64_t, 12>{}); break;
-    default: TORCH_CHECK(false, "decode_attention supports head_dim 32, 64, 96 or 128, not ", d);
-  }
+  auto dispatch = [&](const auto* kc, const auto* vc) {
+    switch (d) {
+      case 64: run(std::integral_constant<int64_t, 8>{}, kc, vc); break;
+      case 128: run(std::integral_constant<int64_t, 16>{}, kc, vc); break;
+      case 32: run(std::integral_constant<int64_t, 4>{}, kc, vc); break;
+      case 96: run(std::integral_constant<int64_t, 12>{}, kc, vc); break;
+      default: TORCH_CHECK(false, "decode_attention supports head_dim 32, 64, 96 or 128, not ", d);
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf) dispatch(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else dispatch(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 

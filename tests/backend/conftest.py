@@ -89,9 +89,10 @@ EngineFactory = Callable[..., Engine]
 
 def build_engine(model: LlamaModel, config: ModelConfig, *, num_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 long_prefill_token_threshold: int = 0, max_model_len: int | None = None) -> Engine:
+                 long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
+                 kv_dtype: torch.dtype | None = None) -> Engine:
     cache = KVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                    model.dtype, model.device)
+                    kv_dtype or model.dtype, model.device)
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                           max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens,

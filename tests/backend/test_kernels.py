@@ -74,26 +74,29 @@ def test_rms_norm_and_silu_mul() -> None:
     torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), rtol=1e-5, atol=1e-6)
 
 
-def test_rope_store_rotates_and_writes_the_cache() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rope_store_rotates_and_writes_the_cache(kv_dtype: torch.dtype) -> None:
     n_heads, n_kv, d, T = 6, 2, 64, 5
     qkv = torch.randn(T, (n_heads + 2 * n_kv) * d)
     angles = torch.rand(T, d // 2) * 6
     cos, sin = angles.cos(), angles.sin()
     slots = torch.tensor([3, 17, 4, 30, 9])
-    caches = [KVCache(1, 4, 8, n_kv, d, torch.float32, torch.device("cpu")) for _ in range(2)]
+    caches = [KVCache(1, 4, 8, n_kv, d, kv_dtype, torch.device("cpu")) for _ in range(2)]
     q_ref = TorchOps().rope_store(qkv, cos, sin, caches[0], 0, slots, n_heads, n_kv)
     q_got = KernelOps(K).rope_store(qkv, cos, sin, caches[1], 0, slots, n_heads, n_kv)
     torch.testing.assert_close(q_got, q_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(caches[1].data, caches[0].data, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[1].data, caches[0].data, rtol=1e-6, atol=1e-6)  # float16: same rounding
     with pytest.raises(RuntimeError, match="slot out of range"):
         K.rope_store(qkv, cos, sin, caches[1].data[0, 0], caches[1].data[0, 1], slots + 100, n_heads, n_kv)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_attention_reads_paged_blocks_in_place(head_dim: int) -> None:
+def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: torch.dtype) -> None:
+    """Against gather + SDPA over the same cache (a float16 cache: the same float16 values, widened)."""
     torch.manual_seed(head_dim)
     bs, n_heads, n_kv = 16, 9, 3
-    cache = KVCache(1, 64, bs, n_kv, head_dim, torch.float32, torch.device("cpu"))
+    cache = KVCache(1, 64, bs, n_kv, head_dim, kv_dtype, torch.device("cpu"))
     cache.data.normal_()
     lens = torch.tensor([1, 7, 16, 17, 33, 200])   # block edges, partial blocks, one key
     nblk = 13

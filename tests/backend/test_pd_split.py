@@ -21,6 +21,9 @@ from tests.support.procs import RoleProcess, cluster_metadata, free_port_block
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
+# One KV block of SmolLM2 on the wire: 30 layers x K,V x 16 tokens x 3 KV heads x 64, in the default CPU
+# cache's float16 (KV_CACHE_DTYPE=auto with the C++ kernels).
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2
 
 
 @dataclass
@@ -129,7 +132,7 @@ def test_pd_matches_pdfusion_and_skips_held_blocks(pd: PD, pdfusion: Cluster, to
                 assert (aux.kv_blocks_sent, aux.kv_blocks_skipped) == (n_blocks, 0)
             if round_ == "warm":
                 assert (aux.kv_blocks_sent, aux.kv_blocks_skipped) == (n_blocks - full, full)
-            assert aux.kv_transfer_bytes == aux.kv_blocks_sent * 30 * 2 * 16 * 3 * 64 * 4
+            assert aux.kv_transfer_bytes == aux.kv_blocks_sent * BLOCK_BYTES
     assert_no_leaks(dport, pport)
 
 
@@ -191,7 +194,7 @@ def _remote_decode(dport: int, messages: list[pb.KVTransferPB]) -> list[pb.Remot
 
 def _header(ids: list[int], **overrides: object) -> pb.KVTransferHeaderPB:
     fields = dict(request_id="bad", prompt_ids=ids, first_token=5, block_size=16, num_blocks=-(-len(ids) // 16),
-                  dtype="float32", block_shape=[30, 2, 16, 3, 64], first_token_output_len=1,
+                  dtype="float16", block_shape=[30, 2, 16, 3, 64], first_token_output_len=1,
                   generate_config=pb.GenerateConfigPB(max_new_tokens=4))
     fields.update(overrides)
     return pb.KVTransferHeaderPB(**fields)
@@ -201,7 +204,7 @@ def _header(ids: list[int], **overrides: object) -> pb.KVTransferHeaderPB:
 def test_bad_block_streams_are_rejected(case: str, pd: PD) -> None:
     dport = pd.decode
     ids = list(range(1000, 1040))  # 3 blocks, none cached on the decode side
-    block = 30 * 2 * 16 * 3 * 64 * 4
+    block = BLOCK_BYTES
     msgs = [pb.KVTransferPB(header=_header(ids))]
     if case == "wrong_size":
         msgs += [pb.KVTransferPB(block=pb.KVBlockPB(index=0, data=b"\0" * (block - 4)))]

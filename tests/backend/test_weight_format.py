@@ -40,3 +40,15 @@ def test_gguf_format_needs_a_gguf_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
         cfg(WEIGHT_FORMAT="gguf", CHECKPOINT_PATH=str(hf_dir))
     assert cfg(CHECKPOINT_PATH=str(hf_dir)).weight_format == "dense"
+
+
+@pytest.mark.skipif(not kernels.cpu_supports_avx2(), reason="needs AVX2/FMA")
+def test_kv_cache_dtype_follows_the_kernels() -> None:
+    """KV_CACHE_DTYPE=auto: float16 where the C++ kernels read the cache, the model's dtype elsewhere."""
+    assert cfg().kv_cache_dtype == "float16"
+    assert cfg(WEIGHT_FORMAT="dense").kv_cache_dtype == "float32"
+    assert cfg(DTYPE="bfloat16").kv_cache_dtype == "bfloat16"
+    assert cfg(KV_CACHE_DTYPE="float32").kv_cache_dtype == "float32"
+    assert cfg(WEIGHT_FORMAT="dense", KV_CACHE_DTYPE="float16").kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="KV_CACHE_DTYPE"):
+        cfg(KV_CACHE_DTYPE="int8")
