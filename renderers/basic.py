@@ -37,13 +37,23 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     """Refuse unsafe attribute access outright: with ChainableUndefined the sandbox's default (an
     undefined value that raises only when used) would print as "" and hide the attempt."""
 
-    # `*` and `**` can build gigantic values from a few characters ('x' * 10**10): bound them.
-    intercepted_binops = frozenset({"*", "**"})
+    # `*` and `**` can build gigantic values from a few characters ('x' * 10**10), and so can a printf
+    # width ('%999999999s' % x): bound them.
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def wrap_str_format(self, value: Any) -> Any:
+        """str.format / format_map as the sandbox wraps them, with the widths in the string bounded."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            _check_widths(_FORMAT_SPEC.findall(value.__self__))
+        return wrapped
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe.")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "%" and isinstance(left, str):
+            _check_widths(_PRINTF_SPEC.findall(left))
         if operator == "**":
             if isinstance(right, (int, float)) and abs(right) > 64:
                 raise SecurityError("exponent too large in a chat template")
@@ -95,6 +105,38 @@ def render_bounded(template: jinja2.Template, args: dict[str, Any]) -> str:
         sys.settrace(previous)
 
 
+_PRINTF_SPEC = re.compile(r"%[^a-zA-Z%]*[a-zA-Z%]")
+_FORMAT_SPEC = re.compile(r"\{[^{}]*:([^{}]*)\}")
+_NUMBER = re.compile(r"\d+")
+
+
+def _check_widths(specs: list[str]) -> None:
+    """Widths and precisions in format specs ('%9999999s', '{:>9999999}') must stay small."""
+    if any(int(n) > MAX_TEMPLATE_VALUE for spec in specs for n in _NUMBER.findall(spec)):
+        raise SecurityError("format width too large in a chat template")
+
+
+def _bounded_filter(name: str, *positions: int) -> Any:
+    """Jinja's filter `name`, refusing sizes (the arguments at `positions`) past MAX_TEMPLATE_VALUE."""
+    inner = jinja2.defaults.DEFAULT_FILTERS[name]
+
+    def bounded(value: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes = [args[i - 1] for i in positions if len(args) >= i] + \
+                [v for k, v in kwargs.items() if k in ("width", "length")]
+        if any(isinstance(n, int) and abs(n) > MAX_TEMPLATE_VALUE for n in sizes):
+            raise SecurityError(f"{name} width too large in a chat template")
+        if name == "format" and isinstance(value, str):
+            _check_widths(_PRINTF_SPEC.findall(value))
+        return inner(value, *args, **kwargs)
+    return bounded
+
+
+def _tojson(value: Any, indent: Any = None) -> str:
+    if isinstance(indent, int) and abs(indent) > 64:
+        raise SecurityError("tojson indent too large in a chat template")
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
 # Templates may call json.dumps / json.loads; the module itself would expose codecs, re, sys... to them.
 _TEMPLATE_JSON = SimpleNamespace(dumps=json.dumps, loads=json.loads)
 
@@ -102,7 +144,10 @@ _TEMPLATE_JSON = SimpleNamespace(dumps=json.dumps, loads=json.loads)
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
+    for name, positions in (("center", (1,)), ("indent", (1,)), ("wordwrap", (1,)), ("truncate", (1,)),
+                            ("format", ())):
+        env.filters[name] = _bounded_filter(name, *positions)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -161,8 +206,11 @@ class BasicRenderer(ChatRenderer):
         except jinja2.exceptions.SecurityError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"template refused by the sandbox: {exc}",
                                "user_template") from exc
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
+        except RequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a template raises is the template's failure
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"chat template failed: {type(exc).__name__}: {exc}"
+                               ) from exc
         stop_words = [tok.eos_token] if tok.eos_token else []
         return RenderedPrompt(prompt=prompt, input_ids=tok.encode(prompt, parse_special=True),
                               stop_words=stop_words, renderer=self.name, template_source=source,

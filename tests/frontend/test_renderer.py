@@ -307,3 +307,29 @@ def test_a_bounded_render_equals_an_ordinary_one(renderer: ChatRenderer, tokeniz
     for messages in CONVERSATIONS:
         got = renderer.render(RenderRequest(messages=messages, user_template=loops)).prompt
         assert got == plain_render(loops, tokenizer, messages, True)
+
+
+SIZE_BOMBS = [
+    "{% for i in range(10**9) %}x{% endfor %}",     # the sandbox's own range limit (OverflowError)
+    "{{ 1/0 }}",
+    "{{ 'ab'|center(10**9) }}",
+    "{{ 'a\nb'|indent(10**8) }}",
+    "{{ '%999999999s' % 'x' }}",
+    "{{ '%99999999d'|format(3) }}",
+    "{{ '{:>999999999}'.format('x') }}",
+    "{{ messages|tojson(indent=10**8) }}",
+]
+
+
+@pytest.mark.parametrize("source", SIZE_BOMBS)
+def test_size_bombs_and_template_crashes_are_400s(renderer: ChatRenderer, source: str) -> None:
+    """Each used to be a 500 or a gigabyte string: now a 400 before anything big is built."""
+    with pytest.raises(RequestError) as err:
+        renderer.render(RenderRequest(messages=CONVERSATIONS[0], user_template=source))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_ordinary_formatting_still_works(renderer: ChatRenderer) -> None:
+    source = "{{ '{:>5}'.format('x') }}|{{ '%3s' % 'y' }}|{{ 'ab'|center(6) }}|{{ '%s-%2d'|format('a', 3) }}"
+    assert renderer.render(RenderRequest(messages=CONVERSATIONS[0], user_template=source)).prompt == \
+        "    x|  y|  ab  |a- 3"
