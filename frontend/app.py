@@ -23,10 +23,10 @@ from frontend.errors import error_body, install_error_handlers
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
-from frontend.protocol import ChatCompletionRequest
-from frontend.raw_generate import raw_routes
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
+from frontend.protocol import ChatCompletionRequest
+from frontend.raw_generate import raw_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route

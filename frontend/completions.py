@@ -22,8 +22,8 @@ from frontend.backend_client import TokenLogprob
 from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import request_error_body
-from frontend.protocol import CompletionRequest
 from frontend.off_loop import off_loop
+from frontend.protocol import CompletionRequest
 from kvyard.errors import ErrorCode, RequestError
 from renderers import RenderedPrompt
 

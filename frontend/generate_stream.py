@@ -21,8 +21,8 @@ from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
 from frontend.errors import request_error_body
 from frontend.metered_router import MeteredRouter
-from frontend.stop_strings import StopStringMatcher
 from frontend.off_loop import off_loop
+from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.tokenizer import TextTokenizer

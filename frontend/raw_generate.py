@@ -21,8 +21,8 @@ from frontend.chat_response import aux_info
 from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import request_error_body
-from frontend.protocol import RawRequest, SamplingRequest
 from frontend.off_loop import off_loop
+from frontend.protocol import RawRequest, SamplingRequest
 from kvyard.errors import RequestError
 
 Key = tuple[int, int]   # (prompt number, sequence number)
