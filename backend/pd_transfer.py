@@ -156,6 +156,9 @@ async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationR
             yield out
     except grpc.aio.AioRpcError as exc:
         raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} failed: {exc.code().name}") from exc
+    except asyncio.InvalidStateError as exc:  # a write to a call that already failed (say, connection refused)
+        raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} failed: {(await call.code()).name}"
+                           ) from exc
     except TimeoutError as exc:
         raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} did not take the KV in time") from exc
     finally:
