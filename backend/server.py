@@ -41,6 +41,9 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
                     if not address:
                         raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                            "this PREFILL backend needs a decode_address (or DECODE_ADDRESS)")
+                    # However the call ends (a client that cancels while the hand-over generator waits at a
+                    # yield leaves it unclosed until garbage collection), the held prompt KV is freed.
+                    context.add_done_callback(lambda _: self.engine_loop.post(lambda e: e.release(request_id)))
                     async for out in prefill_then_hand_over(self.engine_loop, request, req,
                                                             self.decode_channels.stub(address), address):
                         yield out
