@@ -15,10 +15,9 @@ from typing import Any
 
 from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.chat import ChatService, PreparedRequest
-from frontend.errors import request_error_body
+from frontend.errors import stream_error_body
 from frontend.protocol import ChatCompletionRequest
 from frontend.tool_calls import ToolCallStream, message_parts
-from kvyard.errors import RequestError
 from kvyard.tokenizer import TextTokenizer
 
 
@@ -104,10 +103,9 @@ async def sse(chat: ChatService, req: ChatCompletionRequest, prep: PreparedReque
                     extra["aux_info"] = aux_info([ev.backend])
                 yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
                               "finish_reason": reason if is_last else None}], **extra)
-    except RequestError as exc:
+    except Exception as exc:  # noqa: BLE001 (a bug too ends the stream properly)
         # Headers are gone: the error travels as a data chunk, then [DONE].
-        _, body = request_error_body(exc)
-        yield f"data: {json.dumps(body)}\n\n"
+        yield f"data: {json.dumps(stream_error_body(exc))}\n\n"
         yield "data: [DONE]\n\n"
         return
     if include_usage:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.backend_client import TokenLogprob
 from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
 from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import request_error_body
+from frontend.errors import stream_error_body
 from frontend.off_loop import off_loop
 from frontend.protocol import CompletionRequest
 from kvyard.errors import ErrorCode, RequestError
@@ -238,9 +238,8 @@ async def _sse(chat: ChatService, req: CompletionRequest, jobs: list[_Job],
                 lp = choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
                 yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp,
                               "finish_reason": ev.finish_reason}])
-    except RequestError as exc:
-        _, body = request_error_body(exc)
-        yield f"data: {json.dumps(body)}\n\n"
+    except Exception as exc:  # noqa: BLE001 (headers are gone: an error chunk, then [DONE])
+        yield f"data: {json.dumps(stream_error_body(exc))}\n\n"
         yield "data: [DONE]\n\n"
         return
     if req.include_usage:

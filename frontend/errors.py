@@ -41,6 +41,16 @@ def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any]]:
     return status, error_body(exc.message, err_type, exc.param, exc.code.value)
 
 
+def stream_error_body(exc: Exception) -> dict[str, Any]:
+    """The error object a stream sends once its 200 and headers are gone: a RequestError's own; anything
+    else (a bug, a backend answering nonsense) is logged here and sent as INTERNAL, so the client still
+    gets an error chunk and the stream's end marker instead of a dropped connection."""
+    if not isinstance(exc, RequestError):
+        log.error("a stream failed after its headers were sent", exc_info=exc)
+        exc = RequestError(ErrorCode.INTERNAL, "internal error; see the frontend log")
+    return request_error_body(exc)[1]
+
+
 def request_error_response(exc: RequestError) -> JSONResponse:
     status, body = request_error_body(exc)
     headers = {"Retry-After": "1"} if status in (429, 503) else None

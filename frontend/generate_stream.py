@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
-from frontend.errors import request_error_body
+from frontend.errors import stream_error_body
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.stop_strings import StopStringMatcher
@@ -119,9 +119,8 @@ async def _sse(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str
             yield sse_message(first)
             async for text in rest:
                 yield sse_message(text)
-    except RequestError as exc:
-        _, body = request_error_body(exc)
-        yield sse_message(json.dumps(body), event="error")
+    except Exception as exc:  # noqa: BLE001 (headers are gone: an error event, then end)
+        yield sse_message(json.dumps(stream_error_body(exc)), event="error")
     finally:
         await rest.aclose()
     yield SSE_END

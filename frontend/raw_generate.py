@@ -20,10 +20,9 @@ from frontend.chat import ChatService, PreparedRequest
 from frontend.chat_response import aux_info
 from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
 from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import request_error_body
+from frontend.errors import stream_error_body
 from frontend.off_loop import off_loop
 from frontend.protocol import RawRequest, SamplingRequest
-from kvyard.errors import RequestError
 
 Key = tuple[int, int]   # (prompt number, sequence number)
 
@@ -113,7 +112,6 @@ async def _events(chat: ChatService, state: _State) -> AsyncIterator[str]:
         async for key, new in _updates(chat, state):
             body = state.body({key: new}) if state.req.incremental else state.body()
             yield f"data:{json.dumps(body, ensure_ascii=False)}\n\n"
-    except RequestError as exc:
-        _, body = request_error_body(exc)
-        yield f"data:{json.dumps(body)}\n\n"
+    except Exception as exc:  # noqa: BLE001 (headers are gone: an error event, then [done])
+        yield f"data:{json.dumps(stream_error_body(exc))}\n\n"
     yield "data:[done]\n\n"

@@ -332,6 +332,26 @@ def test_error_after_the_stream_started(http: httpx.Client, front: MockFrontend,
             list(client.chat.completions.create(model="mock-model", messages=HI, stream=True))
 
 
+def test_a_failure_that_is_not_a_request_error_still_ends_the_stream(http: httpx.Client, mock: MockBackendThread,
+                                                                     tokenizer: TextTokenizer) -> None:
+    """A backend that answers a token id outside the vocabulary makes the detokenizer raise ValueError, not a
+    RequestError: every stream used to drop its connection with no error chunk and no end marker."""
+    with mock.scripted(MockScript((*tokenizer.encode(TEXT)[:3], 10**6, 2))):
+        for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
+                           ("/v1/completions", {"prompt": "x", "stream": True})]:
+            resp = http.post(path, json=body)
+            assert resp.status_code == 200
+            data = sse_data(resp.text)
+            assert data[-1] == "[DONE]"
+            error = json.loads(data[-2])
+            assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
+            assert error["error"]["code"] == "internal"
+        raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
+        assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == "internal"
+        events = http.post("/generate", content=b"x", headers={"accept": "text/event-stream"}).text
+        assert "event: error\n" in events and events.endswith("event: end\n\n"), events
+
+
 # ---- the client goes away -----------------------------------------------------------------------
 
 def wait_cancelled(mock: MockBackendThread, before: int) -> None:
