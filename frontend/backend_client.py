@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -88,6 +89,17 @@ class ScoreOutput:
     reuse_len: int                  # of those, served from the prefix cache
 
 
+@contextmanager
+def _fits_the_proto() -> Iterator[None]:
+    """The last line behind each dialect's own bounds: a number past an int32/int64 field of the proto is
+    the client's 400 (INVALID_ARGUMENT), never an encoding error that surfaces as a 500."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"a value does not fit the backend protocol: {exc}"
+                           ) from None
+
+
 class BackendClient:
     def __init__(self, address: str, token: str = "") -> None:
         self.address = address
@@ -113,8 +125,9 @@ class BackendClient:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
         cancels the gRPC call, which aborts the request in the backend and frees its KV.
         decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend."""
-        msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
-                                 generate_config=params.to_pb(), decode_address=decode_address)
+        with _fits_the_proto():
+            msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
+                                     generate_config=params.to_pb(), decode_address=decode_address)
         call = self._stub.GenerateStreamCall(msg, metadata=self._metadata)
         try:
             async for out in call:
@@ -129,8 +142,9 @@ class BackendClient:
     async def score(self, request_id: str, prompt_ids: list[int], scored_ids: list[int],
                     top_logprobs: int = 0, timeout_s: float | None = None) -> ScoreOutput:
         """The backend's ScoreCall: one prefill over prompt + scored. Raises RequestError."""
-        msg = pb.ScoreInputPB(request_id=request_id, prompt_ids=prompt_ids, scored_ids=scored_ids,
-                              top_logprobs=top_logprobs)
+        with _fits_the_proto():
+            msg = pb.ScoreInputPB(request_id=request_id, prompt_ids=prompt_ids, scored_ids=scored_ids,
+                                  top_logprobs=top_logprobs)
         try:
             out = await self._stub.ScoreCall(msg, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:

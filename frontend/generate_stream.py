@@ -22,6 +22,7 @@ from frontend.config import FrontendConfig
 from frontend.errors import stream_error_body
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
+from frontend.protocol import INT32_MAX, INT64_MAX
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -44,11 +45,11 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
 
     @router.post("/generate")
     async def generate(request: Request,
-                       max_tokens: int = Query(DEFAULT_MAX_TOKENS, ge=1),
+                       max_tokens: int = Query(DEFAULT_MAX_TOKENS, ge=1, le=INT32_MAX),
                        temperature: float = Query(1.0, ge=0.0),
                        top_p: float = Query(1.0, gt=0.0, le=1.0),
-                       top_k: int = Query(0, ge=0),
-                       seed: int | None = Query(None),
+                       top_k: int = Query(0, ge=0, le=INT32_MAX),
+                       seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
         if model and model != cfg.model_name and not cfg.master_address:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server "

@@ -98,6 +98,10 @@ def test_curl_sees_the_same_text(stub: StubFrontend) -> None:
     ("", "", 400, "empty"),
     ("?max_tokens=0", "Hi", 400, "max_tokens"),
     ("?temperature=-1", "Hi", 400, "temperature"),
+    (f"?seed={2**70}", "Hi", 400, "seed"),        # past the proto's int64 (was a 500)
+    (f"?seed=-{2**70}", "Hi", 400, "seed"),
+    (f"?top_k={2**40}", "Hi", 400, "top_k"),      # past int32
+    (f"?max_tokens={2**40}", "Hi", 400, "max_tokens"),
 ])
 def test_errors_before_the_stream_are_http_errors(stub: StubFrontend, query: str, body: str, status: int,
                                                   needle: str) -> None:
