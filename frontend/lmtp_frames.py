@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from frontend.backend_client import GenerateParams, TokenLogprob
+from frontend.protocol import RepetitionPenalty
 from kvyard.errors import ErrorCode, RequestError
 
 MAX_TOP_LOGPROBS = 20   # the backend's limit (GenerateConfigPB.top_logprobs)
@@ -44,7 +45,7 @@ class GenerateFrame(_Frame):
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = Field(1, ge=0, le=MAX_TOP_LOGPROBS)

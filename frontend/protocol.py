@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+# The backend's sampler refuses a repetition penalty outside this range (backend/sampler.py: the penalised
+# logits overflow or vanish); checked here as well so that a stream is a 400, not an error chunk after a 200.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 
 
 def _valid_text(v: Any) -> Any:
@@ -39,7 +43,7 @@ class GenerateConfig(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: RepetitionPenalty | None = None
     random_seed: Int64 | None = None
     stop_words_str: list[str] | None = None        # extra stop strings
     stop_words_list: list[list[Int32]] | None = None  # extra stop token-id sequences
@@ -79,7 +83,7 @@ class SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension
+    repetition_penalty: RepetitionPenalty | None = None  # extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     extra_configs: GenerateConfig | None = None                  # RTP-LLM extension

@@ -107,6 +107,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "stream": True}),
     ("/v1/chat/completions", {"messages": HI, "seed": -2**70, "stream": True}),
     ("/v1/completions", {"prompt": "\udc00", "stream": True}),
+    # poison-pill penalties the backend's sampler refuses: a 400 here, before a stream's 200
+    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1e-40}),
+    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1e-40, "stream": True}),
+    ("/v1/chat/completions", {"messages": HI, "extra_configs": {"repetition_penalty": 1e9}}),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40, "stream": True}),
+    ("/", {"prompt": "x", "generate_config": {"repetition_penalty": 1e-40}}),
     # a megabyte of text under MAX_BODY_BYTES: refused by its size, before tokenizing
     ("/v1/completions", {"prompt": "word " * 200_000}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}], "stream": True}),
@@ -117,6 +123,12 @@ BAD = [
 def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     # json.dumps escapes a lone surrogate as \udXXX: valid JSON a client can send, not encodable text.
     assert_error(http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), 400)
+
+
+def test_the_edge_checks_the_samplers_repetition_penalty_range() -> None:
+    from backend.sampler import REPETITION_PENALTY_RANGE
+    from frontend import protocol
+    assert protocol.REPETITION_PENALTY_RANGE == REPETITION_PENALTY_RANGE
 
 
 def test_openai_client_gets_bad_request(front: MockFrontend) -> None:

@@ -125,16 +125,18 @@ def test_errors_stay_with_their_stream(stub: StubFrontend, script_ids: list[int]
             await send(ws, "GENERATE", {"prompt": [], "stream_id": 7})
             await send(ws, "GENERATE", {"prompt": [1], "stream_id": 10, "seed": 2**70})  # past int64: was INTERNAL
             await send(ws, "SCORE", {"prompt": [2**40], "scored": [1], "stream_id": 11})  # past int32
+            await send(ws, "GENERATE", {"prompt": [1], "stream_id": 12, "repetition_penalty": 1e-40})
             await send(ws, "GENERATE", "{not json")
             await send(ws, "DANCE", {"stream_id": 8})
-            items, _, msgs = await collect(ws, {1, 2, 3, 4, 5, 6, 7, 10, 11})
+            items, _, msgs = await collect(ws, {1, 2, 3, 4, 5, 6, 7, 10, 11, 12})
             await send(ws, "GENERATE", {"prompt": [3], "stream_id": 9})  # the connection goes on
             after, _, _ = await collect(ws, {9})
             return items, msgs, after
     items, msgs, after = run(go())
     assert [i["token"] for i in items[1]] == script_ids
     for sid, needle in [(2, "model_not_found"), (3, "vocabulary"), (4, "vocabulary"), (5, "max_tokens"),
-                        (6, "logit_bias"), (7, "prompt"), (10, "invalid_argument"), (11, "invalid_argument")]:
+                        (6, "logit_bias"), (7, "prompt"), (10, "invalid_argument"), (11, "invalid_argument"),
+                        (12, "repetition_penalty")]:
         assert len(items[sid]) == 1 and set(items[sid][0]) == {"stream_id", "error"}, items[sid]
         assert needle in items[sid][0]["error"]
     assert {m["stream_id"] for m in msgs} == {None, 8} and all("error" in m for m in msgs)
