@@ -2,7 +2,10 @@
 client and httpx against an in-process frontend and the product mock backend."""
 from __future__ import annotations
 
+import importlib
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -109,3 +112,35 @@ def test_raw_generate_stream(http: httpx.Client, incremental: bool) -> None:
     else:
         assert texts[-1] == TEXT and all(TEXT.startswith(t) for t in texts)
     assert [e["finished"] for e in events].count(True) == 1 and events[-1]["finished"]
+
+
+# ---- tokenizing holds nobody else ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("module", "path", "body"), [
+    ("frontend.completions", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
+    ("frontend.raw_generate", "/", {"prompt": "a", "generate_config": {"max_new_tokens": 2}}),
+])
+def test_tokenizing_runs_off_the_event_loop(http: httpx.Client, monkeypatch: pytest.MonkeyPatch, module: str,
+                                            path: str, body: dict[str, object]) -> None:
+    """A big prompt used to be tokenized on the event loop, blocking /health and every stream meanwhile:
+    with tokenizing made slow (0.5 s a prompt), /health still answers at once while it runs."""
+    target = importlib.import_module(module)
+    tokenize = target.prompt_ids
+    started = threading.Event()
+
+    def slow_prompt_ids(*args: object) -> object:
+        started.set()
+        time.sleep(0.5)
+        return tokenize(*args)
+
+    monkeypatch.setattr(target, "prompt_ids", slow_prompt_ids)
+    result: list[httpx.Response] = []
+    request = threading.Thread(target=lambda: result.append(http.post(path, json=body)))
+    request.start()
+    assert started.wait(5)
+    begun = time.monotonic()
+    health = [http.get("/health", timeout=2).status_code for _ in range(3)]
+    waited = time.monotonic() - begun
+    request.join(10)
+    assert health == [200] * 3 and waited < 0.4, waited
+    assert result and result[0].status_code == 200, result
