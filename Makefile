@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvyard-setup
 setup: $(STAMP)
 
 # torch first, pinned, so no later dependency range can pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml backend/csrc/cpu_kernels.cpp
+$(STAMP): pyproject.toml $(wildcard backend/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

@@ -28,6 +28,12 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None    # [B] keys each decode row sees (its position + 1)
     prefills: list[PrefillSpan]
 
+    @property
+    def decode_only(self) -> bool:
+        """Every row of the step is a single-token decode (the steady state)."""
+        return (self.decode_rows is not None and not self.prefills
+                and self.decode_rows.shape[0] == self.slot_mapping.shape[0])
+
 
 class KVCache:
     """K and V for every layer, addressed by slot = block_id * block_size + offset."""

@@ -1,9 +1,10 @@
-"""kvyard's C++ CPU kernels (backend/csrc/cpu_kernels.cpp), built once with torch's cpp_extension.
+"""kvyard's C++ CPU kernels (backend/csrc/: cpu_kernels.cpp and its headers), built once with torch's cpp_extension.
 
 `load()` returns the module, or None where it cannot run (no AVX2/FMA, no compiler, KVYARD_KERNELS=0):
 the model then uses the pure-PyTorch path, which is also the reference in tests."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -12,8 +13,18 @@ from types import ModuleType
 
 log = logging.getLogger("kvyard.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.cpp"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+
+
+def _source_digest() -> str:
+    """Of every file in csrc/: torch's extension cache keys on the .cpp alone and would keep a build whose
+    headers changed; this digest, passed as a define, makes any change a new build."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
 _cached: list[ModuleType | None] = []
 
 
@@ -39,7 +50,8 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils.cpp_extension import load as build
             # The venv's own ninja (the `ninja` package) when the shell never activated the venv.
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            module = build(name="kvyard_cpu_kernels", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+            module = build(name="kvyard_cpu_kernels", sources=[str(SOURCE)],
+                           extra_cflags=[*_FLAGS, f"-DKVYARD_SRC={_source_digest()}"],
                            extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as exc:  # a missing compiler must not take the backend down
             log.warning("C++ kernels unavailable (%s): pure-PyTorch path", exc)

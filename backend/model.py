@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
-from backend.ops import KernelOps, TorchOps, Weight
+from backend.ops import DENSE_ROWS, KernelOps, TorchOps, Weight
 from backend.quant import QuantWeight
 from kvyard.model_config import ModelConfig
 
@@ -34,6 +34,9 @@ class LlamaModel:
         if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
             raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
         self.cos, self.sin = _rope_tables(config, self.device)  # [P, d/2] each, float32
+        # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
+        # ops have one: the same kernels in the same order, so the same logits as the loop below.
+        self.fused = self.ops.fused_decoder(config, weights, self.lm_head)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
@@ -44,6 +47,9 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32)."""
+        if self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS:
+            return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
+                                      self.cos, self.sin, cache.data, cache.block_size, logits_rows)
         c, ops, w = self.config, self.ops, self.w
         cos = self.cos[positions]  # [T, d/2]; shared by every layer
         sin = self.sin[positions]

@@ -6,12 +6,14 @@ and must compute what TorchOps computes over the dequantized weights (tests/back
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered, attend_prefills
 from backend.quant import QuantWeight
+from kvyard.model_config import ModelConfig
 
 Weight = torch.Tensor | QuantWeight
 
@@ -27,6 +29,10 @@ DENSE_MAX_NUMEL = 8 << 20
 
 class TorchOps:
     """Reference implementations; dense weights only."""
+
+    def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
+        """Something whose forward() runs a whole decode-only step in one call, or None: op by op."""
+        return None
 
     def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         assert isinstance(w, torch.Tensor)
@@ -74,6 +80,29 @@ class KernelOps(TorchOps):
         # One dense weight at a time, reused by every layer: a fresh 10+ MB buffer per matmul costs
         # more in page faults than the decode itself.
         self._dense = torch.empty(0)
+
+    def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
+        """The C++ FusedDecoder (backend/csrc/decode_step.h) when every matrix is in GGUF blocks: one call
+        and one OpenMP team per decode step instead of ~10 Python calls per layer."""
+        mats = [weights["embed"], lm_head] + [weights[f"layers.{i}.{n}"] for i in range(config.num_layers)
+                                              for n in ("qkv", "o", "gate_up", "down")]
+        if not all(isinstance(w, QuantWeight) for w in mats):
+            return None
+        none = torch.empty(0)
+
+        def blocks(w: Weight) -> list[torch.Tensor]:
+            assert isinstance(w, QuantWeight)
+            return [w.qs, w.d, w.m if w.m is not None else none]
+
+        tensors = blocks(weights["embed"]) + [weights["norm"]] + blocks(lm_head)
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            bias = weights.get(p + "qkv_bias")
+            tensors += ([weights[p + "attn_norm"]] + blocks(weights[p + "qkv"])
+                        + [bias if isinstance(bias, torch.Tensor) else none] + blocks(weights[p + "o"])
+                        + [weights[p + "ffn_norm"]] + blocks(weights[p + "gate_up"]) + blocks(weights[p + "down"]))
+        return self.k.FusedDecoder(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                   tensors)
 
     def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

@@ -1,0 +1,251 @@
+// A whole decode step (every row of the batch one new token) in one call and one OpenMP team: the same
+// ops as backend/model.py's LlamaModel.forward, layer by layer, with a barrier between ops instead of a
+// Python call, a tensor allocation and a fork/join per op (~300 of them a step). The ops are the kernels
+// cpu_kernels.cpp binds one by one, split over threads the same way, so the logits are bit-identical to
+// the per-op path (tests/backend/test_fused_decode.py). backend/ops.py's KernelOps.fused_decoder builds it.
+#pragma once
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "layer_ops.h"
+#include "qlinear.h"
+
+namespace kvyard {
+
+struct LayerWeights {
+  const float* attn_norm;
+  QMatrix qkv;
+  const float* qkv_bias;  // nullptr when the model has none
+  QMatrix o;
+  const float* ffn_norm;
+  QMatrix gate_up;
+  QMatrix down;
+};
+
+// Per-thread scratch, reused across steps.
+struct ThreadScratch {
+  std::vector<float> xsum;   // block sums of a linear's input rows (Q4_1, few rows)
+  std::vector<float> wbuf;   // NT decoded weight rows (many rows)
+  std::vector<float> krot;   // one rotated K head
+  AttentionScratch attention;
+};
+
+class FusedDecoder {
+ public:
+  static constexpr int64_t TENSORS_PER_LAYER = 15;
+
+  // tensors: embed (qs, d, m), norm, lm_head (qs, d, m), then per layer attn_norm, qkv (qs, d, m), qkv_bias,
+  // o (qs, d, m), ffn_norm, gate_up (qs, d, m), down (qs, d, m). m and qkv_bias: empty when absent (Q8_0
+  // has no minimums). Kept here, so the pointers below stay valid.
+  FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::vector<at::Tensor> tensors)
+      : H_(n_heads), Hkv_(n_kv), d_(head_dim), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5))),  // as Python's d ** -0.5
+        tensors_(std::move(tensors)) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && H_ / Hkv_ <= 64, "bad head counts");
+    TORCH_CHECK(d_ == 32 || d_ == 64 || d_ == 96 || d_ == 128, "head_dim must be 32, 64, 96 or 128");
+    TORCH_CHECK(tensors_.size() >= 7 && (tensors_.size() - 7) % TENSORS_PER_LAYER == 0, "bad tensor list");
+    embed_ = matrix(0);
+    norm_ = vector_of(3, embed_.K);
+    lm_head_ = matrix(4);
+    D_ = embed_.K;
+    TORCH_CHECK(lm_head_.K == D_, "lm_head and embedding widths differ");
+    const int64_t L = (tensors_.size() - 7) / TENSORS_PER_LAYER;
+    for (int64_t l = 0; l < L; ++l) {
+      const size_t t = 7 + l * TENSORS_PER_LAYER;
+      LayerWeights w;
+      w.attn_norm = vector_of(t, D_);
+      w.qkv = matrix(t + 1);
+      w.qkv_bias = tensors_[t + 4].numel() ? vector_of(t + 4, w.qkv.N) : nullptr;
+      w.o = matrix(t + 5);
+      w.ffn_norm = vector_of(t + 8, D_);
+      w.gate_up = matrix(t + 9);
+      w.down = matrix(t + 12);
+      TORCH_CHECK(w.qkv.K == D_ && w.qkv.N == (H_ + 2 * Hkv_) * d_ && w.o.K == H_ * d_ && w.o.N == D_ &&
+                  w.gate_up.K == D_ && w.gate_up.N % 2 == 0 && w.down.K == w.gate_up.N / 2 && w.down.N == D_,
+                  "layer ", l, ": weight shapes do not fit the model");
+      layers_.push_back(w);
+    }
+  }
+
+  // ids, positions, slots: [B] int64 (every row decodes one token); table: [B, nblk] int64 KV blocks;
+  // lens: [B] keys each row sees; cos, sin: [P, d/2] float32 RoPE tables (indexed by position); cache:
+  // [L, 2, S, Hkv, d] float32 or float16; rows: [R] rows whose logits are wanted → logits [R, V] float32.
+  at::Tensor forward(const at::Tensor& ids_in, const at::Tensor& positions_in, const at::Tensor& slots_in,
+                     const at::Tensor& table_in, const at::Tensor& lens_in, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor cache, int64_t block_size, const at::Tensor& rows_in) {
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+    const at::Tensor slots = slots_in.to(at::kLong).contiguous(), table = table_in.to(at::kLong).contiguous();
+    const at::Tensor lens = lens_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
+    const int64_t B = ids.size(0), R = rows.size(0), L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(B > 0 && positions.size(0) == B && slots.size(0) == B && lens.size(0) == B && table.dim() == 2 &&
+                table.size(0) == B, "one id, position, slot, length and block-table row per decode row");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                sin.scalar_type() == at::kFloat && cos.size(1) == d_ / 2 && sin.sizes() == cos.sizes(),
+                "cos and sin must be contiguous float32 [P, head_dim/2]");
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == L && cache.size(1) == 2 &&
+                cache.size(3) == Hkv_ && cache.size(4) == d_ &&
+                (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kHalf),
+                "cache must be a contiguous float32/float16 [layers, 2, slots, kv heads, head_dim]");
+    const int64_t S = cache.size(2), nblk = table.size(1), P = cos.size(0);
+    const int64_t *ip = ids.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+    const int64_t *tp = table.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>(), *rp = rows.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < embed_.N, "token id out of range");
+      TORCH_CHECK(pp[b] >= 0 && pp[b] < P, "position out of range");
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "slot out of range");
+      TORCH_CHECK(lp[b] >= 1 && lp[b] <= nblk * block_size, "bad key count");
+      for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
+        TORCH_CHECK(tp[b * nblk + j] >= 0 && (tp[b * nblk + j] + 1) * block_size <= S, "block out of range");
+    }
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < B, "logits row out of range");
+
+    const int64_t W = layers_.empty() ? 0 : layers_[0].qkv.N, F2 = layers_.empty() ? 0 : layers_[0].gate_up.N;
+    x_.resize(B * D_);
+    h_.resize(B * D_);
+    tmp_.resize(B * D_);
+    qkv_.resize(B * W);
+    q_.resize(B * H_ * d_);
+    attn_.resize(B * H_ * d_);
+    gu_.resize(B * F2);
+    act_.resize(B * F2 / 2);
+    at::Tensor logits = at::empty({R, lm_head_.N}, cos.options());
+    const int team = at::get_num_threads();
+    if (static_cast<int>(scratch_.size()) < team) scratch_.resize(team);
+
+    auto run = [&](auto* kc0) {
+      using T = std::remove_pointer_t<decltype(kc0)>;
+      const int64_t layer_stride = 2 * S * Hkv_ * d_;  // elements per layer in the cache
+#pragma omp parallel num_threads(team)
+      {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        ThreadScratch& sc = scratch_[tid];
+        int64_t b0, b1;
+        split_range(B, tid, nt, b0, b1);
+        for (int64_t b = b0; b < b1; ++b) decode_row(embed_, ip[b], x_.data() + b * D_);
+#pragma omp barrier
+        for (int64_t l = 0; l < L; ++l) {
+          const LayerWeights& w = layers_[l];
+          T* kc = kc0 + l * layer_stride;
+          T* vc = kc + S * Hkv_ * d_;
+          for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.attn_norm, D_, eps_, h_.data() + b * D_);
+#pragma omp barrier
+          linear(h_.data(), B, w.qkv, w.qkv_bias, qkv_.data(), nullptr, sc, tid, nt);
+#pragma omp barrier
+          for (int64_t b = b0; b < b1; ++b) {
+            const float* c = cos.data_ptr<float>() + pp[b] * (d_ / 2);
+            const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
+            sc.krot.resize(d_);
+            rope_store_row(qkv_.data() + b * W, c, s, H_, Hkv_, d_, sp[b], q_.data() + b * H_ * d_, kc, vc,
+                           sc.krot.data());
+          }
+#pragma omp barrier
+          int64_t i0, i1;
+          split_range(B * Hkv_, tid, nt, i0, i1);
+          for (int64_t i = i0; i < i1; ++i)
+            attend(d_, q_.data(), kc, vc, tp, nblk, block_size, H_, Hkv_, i / Hkv_, i % Hkv_, lp[i / Hkv_],
+                   scale_, attn_.data(), sc.attention);
+#pragma omp barrier
+          linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
+#pragma omp barrier
+          for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.ffn_norm, D_, eps_, h_.data() + b * D_);
+#pragma omp barrier
+          linear(h_.data(), B, w.gate_up, nullptr, gu_.data(), nullptr, sc, tid, nt);
+#pragma omp barrier
+          silu(B, F2 / 2, tid, nt);
+#pragma omp barrier
+          linear(act_.data(), B, w.down, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
+#pragma omp barrier
+        }
+        int64_t r0, r1;
+        split_range(R, tid, nt, r0, r1);
+        for (int64_t r = r0; r < r1; ++r) rms_norm_row(x_.data() + rp[r] * D_, norm_, D_, eps_, h_.data() + r * D_);
+#pragma omp barrier
+        linear(h_.data(), R, lm_head_, nullptr, logits.data_ptr<float>(), nullptr, sc, tid, nt);
+      }
+    };
+    if (cache.scalar_type() == at::kHalf) run(reinterpret_cast<half_t*>(cache.data_ptr<at::Half>()));
+    else run(cache.data_ptr<float>());
+    return logits;
+  }
+
+ private:
+  QMatrix matrix(size_t i) const {
+    const at::Tensor &qs = tensors_[i], &d = tensors_[i + 1], &m = tensors_[i + 2];
+    TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kFloat && d.dim() == 2,
+                "weight ", i, ": contiguous codes and float32 [N, K/32] scales");
+    QMatrix w;
+    w.q4 = m.numel() > 0;
+    w.N = d.size(0);
+    w.K = d.size(1) * QK;
+    TORCH_CHECK(qs.size(0) == w.N && qs.size(1) == w.row_bytes(), "weight ", i, ": codes do not fit the scales");
+    TORCH_CHECK(!w.q4 || (m.is_contiguous() && m.scalar_type() == at::kFloat && m.sizes() == d.sizes()),
+                "weight ", i, ": minimums do not fit the scales");
+    w.qs = static_cast<const uint8_t*>(qs.data_ptr());
+    w.d = d.data_ptr<float>();
+    w.m = w.q4 ? m.data_ptr<float>() : nullptr;
+    return w;
+  }
+
+  const float* vector_of(size_t i, int64_t n) const {
+    const at::Tensor& t = tensors_[i];
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat && t.numel() == n, "tensor ", i,
+                ": a contiguous float32 vector of ", n);
+    return t.data_ptr<float>();
+  }
+
+  // This thread's share of y = x w^T (+ bias) for M rows, then x_res += y on the same outputs when
+  // x_res is given (the residual: (dot + bias) + residual, as the per-op path adds them).
+  static void linear(const float* x, int64_t M, const QMatrix& w, const float* bias, float* y, float* x_res,
+                     ThreadScratch& sc, int tid, int nt) {
+    const float* xsum = nullptr;
+    if (needs_block_sums(w, M)) {  // every thread needs every row's sums: a few µs, cheaper than a barrier
+      sc.xsum.resize(M * w.nb() * 8);
+      block_sums(x, w.K, 0, M, sc.xsum.data());
+      xsum = sc.xsum.data();
+    }
+    if (M > DECODE_ONCE_ROWS) sc.wbuf.resize(NT * w.K);
+    int64_t i0, i1;
+    split_range(linear_items(M, w.N), tid, nt, i0, i1);
+    const int64_t n_tiles = (w.N + NT - 1) / NT;
+    for (int64_t item = i0; item < i1; ++item) {
+      run_linear_item(item, x, M, w, xsum, y, w.N, sc.wbuf.data());
+      const int64_t mb = item / n_tiles, ntile = item % n_tiles;
+      const int64_t m1 = std::min(M, (mb + 1) * MB), n0 = ntile * NT, n1 = std::min(w.N, n0 + NT);
+      if (!bias && !x_res) continue;
+      for (int64_t m = mb * MB; m < m1; ++m)
+        for (int64_t n = n0; n < n1; ++n) {
+          float v = y[m * w.N + n];
+          if (bias) v += bias[n];
+          if (x_res) x_res[m * w.N + n] += v;
+          else y[m * w.N + n] = v;
+        }
+    }
+  }
+
+  // silu(gate) * up for B rows of gu_ → act_, in chunks of 256 columns spread over the team.
+  void silu(int64_t B, int64_t F, int tid, int nt) {
+    constexpr int64_t C = 256;
+    const int64_t chunks = (F + C - 1) / C;
+    int64_t i0, i1;
+    split_range(B * chunks, tid, nt, i0, i1);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, c0 = (i % chunks) * C, n = std::min(C, F - c0);
+      silu_mul_cols(gu_.data() + b * 2 * F, F, c0, n, act_.data() + b * F);
+    }
+  }
+
+  int64_t H_, Hkv_, d_;
+  float eps_, scale_;
+  std::vector<at::Tensor> tensors_;
+  QMatrix embed_, lm_head_;
+  const float* norm_ = nullptr;
+  int64_t D_ = 0;
+  std::vector<LayerWeights> layers_;
+  std::vector<float> x_, h_, tmp_, qkv_, q_, attn_, gu_, act_;  // [B, ...] activations of the step
+  std::vector<ThreadScratch> scratch_;
+};
+
+}  // namespace kvyard

@@ -1,0 +1,155 @@
+// The per-row operations of a decoder layer other than the linears (float32 activations): RMSNorm,
+// SiLU·up, RoPE + the K/V store into the paged cache, and single-query attention over the paged blocks.
+// Each works on one token row or one (row, KV head) item, so a caller can spread them over threads.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace kvyard {
+
+// One row: y = x * rsqrt(mean(x²) + eps) * w (the sum of squares in double, as before; D floats).
+inline void rms_norm_row(const float* x, const float* w, int64_t D, float eps, float* y) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / D) + eps);
+  for (int64_t i = 0; i < D; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+// Columns [c0, c0 + n) of one row of gate_up [2F] → silu(gate) * up into y [F] (c0 a multiple of 8, so a
+// row done in pieces rounds exactly as a row done whole); sigmoid from e^-|g|, which never overflows.
+inline void silu_mul_cols(const float* gu, int64_t F, int64_t c0, int64_t n, float* y) {
+  const float* up = gu + F;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = c0;
+  for (; i + 8 <= c0 + n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i);
+    const __m256 e = exp_ps(_mm256_or_ps(g, sign));  // e^-|g|
+    const __m256 num = _mm256_blendv_ps(one, e, g);  // g < 0: e^g / (1 + e^g); else 1 / (1 + e^-g)
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < c0 + n; ++i) y[i] = gu[i] / (1.0f + std::exp(-gu[i])) * up[i];
+}
+
+// One token row of qkv [(H + 2 Hkv) d]: rotates q and k (pairs (i, i + d/2), the Hugging Face layout),
+// writes q to q_out [H, d] and k, v into cache row `slot` (caches [S, Hkv, d]). cos, sin: [d/2].
+template <typename T>
+inline void rope_store_row(const float* row, const float* c, const float* s, int64_t n_heads, int64_t n_kv,
+                           int64_t d, int64_t slot, float* q_out, T* k_cache, T* v_cache, float* krot) {
+  const int64_t half = d / 2;
+  auto rotate = [&](const float* src, float* dst) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = src[i], b = src[i + half];
+      dst[i] = a * c[i] - b * s[i];
+      dst[i + half] = b * c[i] + a * s[i];
+    }
+  };
+  for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * d, q_out + h * d);
+  for (int64_t h = 0; h < n_kv; ++h) {
+    rotate(row + (n_heads + h) * d, krot);
+    store_row(krot, k_cache + (slot * n_kv + h) * d, d);
+  }
+  store_row(row + (n_heads + n_kv) * d, v_cache + slot * n_kv * d, n_kv * d);
+}
+
+// Scratch one thread reuses across attention items.
+struct AttentionScratch {
+  std::vector<float> scores;   // [group][keys rounded up to 8]
+  std::vector<int64_t> slots;  // cache row of each key
+  std::vector<float> partial;  // [group][d]: the V sums between key passes
+};
+
+// Decode attention for one (row b, KV head kvh) item straight from the paged cache (no gather): the
+// `group` query heads that share the KV head read each K and V row from memory once (the later heads
+// find it in L1). q: [B, H, d]; caches [S, Hkv, d]; table: [B, nblk]; n = keys row b sees; out: [B, H, d].
+// NV = d / 8, a constant so the sums stay in registers.
+template <int64_t NV, typename T>
+inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
+                        int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, float scale,
+                        float* out, AttentionScratch& s) {
+  constexpr int64_t d = NV * 8;
+  constexpr int64_t KB = 32;  // keys per V pass: their rows stay in L1 while each head of the group reads them
+  const int64_t group = H / Hkv, np = (n + 7) / 8 * 8;
+  s.scores.resize(group * np);
+  s.partial.assign(group * d, 0.f);
+  s.slots.resize(n);  // walked block by block (no division per key)
+  for (int64_t p = 0, j = 0; p < n; ++j)
+    for (int64_t o = 0, base = table[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
+      s.slots[p] = base + o;
+  for (int64_t p = 0; p < n; p += 8) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qh = q + (b * H + kvh * group + g) * d;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        __m256 a = _mm256_setzero_ps();
+        if (p + j < n) {
+          const T* k = kc + (s.slots[p + j] * Hkv + kvh) * d;
+          for (int64_t i = 0; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8(k + 8 * i), a);
+        }
+        acc[j] = a;
+      }
+      _mm256_storeu_ps(s.scores.data() + g * np + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+  }
+  float inv[64];  // 1 / softmax denominator per query head of the group (group ≤ 64)
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s.scores.data() + g * np;
+    float mx = sg[0];
+    for (int64_t p = 1; p < n; ++p) mx = std::max(mx, sg[p]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; p += 8) {
+      __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+      if (p + 8 > n) {  // zero the lanes past the last key
+        alignas(32) float lane[8];
+        _mm256_store_ps(lane, e);
+        for (int64_t j = n - p; j < 8; ++j) lane[j] = 0.f;
+        e = _mm256_load_ps(lane);
+      }
+      _mm256_storeu_ps(sg + p, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    inv[g] = 1.0f / hsum(vsum);
+  }
+  for (int64_t p0 = 0; p0 < n; p0 += KB) {
+    const int64_t p1 = std::min(n, p0 + KB);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sg = s.scores.data() + g * np;
+      float* part = s.partial.data() + g * d;
+      __m256 acc[NV];
+      for (int64_t i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(part + 8 * i);
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* v = vc + (s.slots[p] * Hkv + kvh) * d;
+        const __m256 wgt = _mm256_set1_ps(sg[p]);
+        for (int64_t i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(wgt, load8(v + 8 * i), acc[i]);
+      }
+      for (int64_t i = 0; i < NV; ++i) _mm256_storeu_ps(part + 8 * i, acc[i]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + (b * H + kvh * group + g) * d;
+    const __m256 vinv = _mm256_set1_ps(inv[g]);
+    for (int64_t i = 0; i < NV; ++i)
+      _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(s.partial.data() + g * d + 8 * i), vinv));
+  }
+}
+
+// attend_item with the head size as a run-time value (32, 64, 96 or 128); false for any other.
+template <typename T>
+inline bool attend(int64_t d, const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
+                   int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, float scale,
+                   float* out, AttentionScratch& s) {
+  switch (d) {
+    case 64: attend_item<8>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
+    case 128: attend_item<16>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
+    case 32: attend_item<4>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
+    case 96: attend_item<12>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
+    default: return false;
+  }
+}
+
+}  // namespace kvyard
