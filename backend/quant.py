@@ -1,7 +1,8 @@
 """Weights kept in the GGUF's own block formats (Q4_1, Q8_0), repacked once at load for the C++ kernels.
 
 A QuantWeight stands in for a dense [out, in] matrix: `dequantize()` gives the exact float32 matrix the
-reference computes with; backend/ops.py multiplies by it without ever materialising it per token."""
+reference computes with; backend/ops.py multiplies by it without ever materialising it per token. Scales
+and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights instead of 24."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ class QuantWeight:
     """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1)."""
     kind: str               # "q4_1" or "q8_0"
     qs: torch.Tensor        # [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K] int8
-    d: torch.Tensor         # [N, K/32] float32 scales
-    m: torch.Tensor | None  # [N, K/32] float32 minimums (Q4_1 only)
+    d: torch.Tensor         # [N, K/32] float16 scales
+    m: torch.Tensor | None  # [N, K/32] float16 minimums (Q4_1 only)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -36,8 +37,8 @@ class QuantWeight:
         if self.kind == "q4_1":
             lo, hi = (self.qs & 0x0F), (self.qs >> 4)
             q = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], dim=-1).float()  # [N, nb, 32]
-            return (q * self.d[..., None] + self.m[..., None]).view(n, k)  # type: ignore[index]
-        return (self.qs.view(n, -1, QK).float() * self.d[..., None]).view(n, k)
+            return (q * self.d.float()[..., None] + self.m.float()[..., None]).view(n, k)  # type: ignore[union-attr]
+        return (self.qs.view(n, -1, QK).float() * self.d.float()[..., None]).view(n, k)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """These output rows only (e.g. llama.cpp's Q/K row interleave undone)."""
@@ -57,13 +58,13 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
     nb = k // QK
     if kind == "q4_1":
         blocks = np.ascontiguousarray(raw).reshape(n, nb, Q4_1_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
-        m = blocks[..., 2:4].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb)
+        m = blocks[..., 2:4].copy().view(np.float16).reshape(n, nb)
         qs = blocks[..., 4:].reshape(n, nb * 16).copy()
         return QuantWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m))
     if kind == "q8_0":
         blocks = np.ascontiguousarray(raw).reshape(n, nb, Q8_0_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb)
         qs = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), None)
     raise ValueError(f"no kernel for the {kind} block format")

@@ -37,26 +37,31 @@ void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
     f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 }
 
+void check_scales(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2,
+              name, " must be a contiguous float16 [N, K/32] CPU tensor");
+}
+
 QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
-  check_cpu_f32(d, "d");
-  TORCH_CHECK(d.dim() == 2, "d must be [N, K/32]");
+  check_scales(d, "d");
   QMatrix w;
   w.q4 = q4;
   w.N = d.size(0);
   w.K = d.size(1) * QK;
+  TORCH_CHECK(w.K <= MAX_K, "rows of more than ", MAX_K, " weights are not supported");
   TORCH_CHECK(qs.is_contiguous() && qs.dim() == 2 && qs.size(0) == w.N && qs.size(1) == w.row_bytes(),
               "bad codes shape");
   if (q4) {
-    check_cpu_f32(mins, "mins");
+    check_scales(mins, "mins");
     TORCH_CHECK(mins.sizes() == d.sizes(), "mins must match d");
   }
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-  w.d = d.data_ptr<float>();
-  w.m = q4 ? mins.data_ptr<float>() : nullptr;
+  w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
+  w.m = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr<at::Half>()) : nullptr;
   return w;
 }
 
-// x: [M, K] float32; qs: [N, K/2] uint8 (Q4_1) or [N, K] int8 (Q8_0); d, mins: [N, K/32] float32.
+// x: [M, K] float32; qs: [N, K/2] uint8 (Q4_1) or [N, K] int8 (Q8_0); d, mins: [N, K/32] float16.
 // bias: [N] or empty; residual: [M, N] or empty (added to the result). → [M, N] float32.
 at::Tensor qlinear(const at::Tensor& x_in, const QMatrix& w, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& residual) {
@@ -100,7 +105,7 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
   const QMatrix w = as_matrix(qs, d, mins, q4);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t T = ids.size(0);
-  at::Tensor out = at::empty({T, w.K}, d.options());
+  at::Tensor out = at::empty({T, w.K}, d.options().dtype(at::kFloat));
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < w.N, "row id out of range");
   float* op = out.data_ptr<float>();

@@ -174,18 +174,19 @@ class FusedDecoder {
  private:
   QMatrix matrix(size_t i) const {
     const at::Tensor &qs = tensors_[i], &d = tensors_[i + 1], &m = tensors_[i + 2];
-    TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kFloat && d.dim() == 2,
-                "weight ", i, ": contiguous codes and float32 [N, K/32] scales");
+    TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2,
+                "weight ", i, ": contiguous codes and float16 [N, K/32] scales");
     QMatrix w;
     w.q4 = m.numel() > 0;
     w.N = d.size(0);
     w.K = d.size(1) * QK;
+    TORCH_CHECK(w.K <= MAX_K, "weight ", i, ": rows longer than ", MAX_K);
     TORCH_CHECK(qs.size(0) == w.N && qs.size(1) == w.row_bytes(), "weight ", i, ": codes do not fit the scales");
-    TORCH_CHECK(!w.q4 || (m.is_contiguous() && m.scalar_type() == at::kFloat && m.sizes() == d.sizes()),
+    TORCH_CHECK(!w.q4 || (m.is_contiguous() && m.scalar_type() == at::kHalf && m.sizes() == d.sizes()),
                 "weight ", i, ": minimums do not fit the scales");
     w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-    w.d = d.data_ptr<float>();
-    w.m = w.q4 ? m.data_ptr<float>() : nullptr;
+    w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
+    w.m = w.q4 ? reinterpret_cast<const half_t*>(m.data_ptr<at::Half>()) : nullptr;
     return w;
   }
 

@@ -1,9 +1,9 @@
 // Linear layers over weights kept in the GGUF's own block formats, float32 activations.
 //
-// Weights are repacked once at load (backend/quant.py):
-//   Q4_1: per 32 weights along K a float scale d, a float minimum m and 16 bytes of 4-bit codes;
+// Weights are repacked once at load (backend/quant.py), scales and minimums float16 as in the GGUF:
+//   Q4_1: per 32 weights along K a scale d, a minimum m and 16 bytes of 4-bit codes;
 //         byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble); w = d*q + m.
-//   Q8_0: per 32 weights a float scale d and 32 signed bytes; w = d*q.
+//   Q8_0: per 32 weights a scale d and 32 signed bytes; w = d*q.
 // A linear here computes the same numbers as F.linear over the float32 dequantization (the reference),
 // up to the order of the float additions, while reading 5-8x fewer bytes of weights per token.
 //
@@ -20,8 +20,8 @@ namespace kvyard {
 
 struct QMatrix {                 // one [N, K] weight in blocks of 32 along K
   const uint8_t* qs = nullptr;   // [N, K/2] (Q4_1) or [N, K] (Q8_0) codes
-  const float* d = nullptr;      // [N, K/32] scales
-  const float* m = nullptr;      // [N, K/32] minimums (Q4_1 only)
+  const half_t* d = nullptr;     // [N, K/32] float16 scales
+  const half_t* m = nullptr;     // [N, K/32] float16 minimums (Q4_1 only)
   int64_t N = 0, K = 0;
   bool q4 = true;
   int64_t nb() const { return K / QK; }
@@ -35,6 +35,7 @@ constexpr int64_t MB = 64;    // token rows per work item: its x stays in L2 whi
 // at 32-64 rows); up to it the decode to memory costs more than it saves (0.7-0.85x at 5-8 rows).
 constexpr int64_t DECODE_ONCE_ROWS = 16;
 constexpr int64_t TW = 4, TR = 3;  // register tile: weight rows x token rows (dot_tile)
+constexpr int64_t MAX_K = 32768;   // a row's scales are widened to floats on the stack: K/32 of them
 
 // 16 bytes of Q4_1 codes → 4 vectors of 8 floats in weight order 0-7, 8-15, 16-23, 24-31.
 inline void unpack_q4(const uint8_t* q, __m256 w[4]) {
@@ -146,8 +147,8 @@ inline void decode_row(const QMatrix& w, int64_t n, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
     if (w.q4) unpack_q4(w.qs + n * w.row_bytes() + b * 16, v);
     else unpack_q8(reinterpret_cast<const int8_t*>(w.qs) + n * w.row_bytes() + b * 32, v);
-    const __m256 scale = _mm256_set1_ps(w.d[n * nb + b]);
-    const __m256 shift = _mm256_set1_ps(w.q4 ? w.m[n * nb + b] : 0.f);
+    const __m256 scale = _mm256_set1_ps(half_to_float(w.d[n * nb + b]));
+    const __m256 shift = _mm256_set1_ps(w.q4 ? half_to_float(w.m[n * nb + b]) : 0.f);
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * QK + 8 * i, _mm256_fmadd_ps(v[i], scale, shift));
   }
 }
@@ -205,16 +206,17 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
                         int64_t n0, int64_t n1, float* y, int64_t ldy, float* wbuf) {
   const int64_t K = w.K, nb = w.nb(), rb = w.row_bytes();
   if (M <= DECODE_ONCE_ROWS) {
-    // Token tile outside, weight rows inside: the tile's x stays in L1 while the rows stream past it.
-    for (int64_t m = m0; m < m1; m += MT) {
-      const int rows = static_cast<int>(std::min<int64_t>(MT, m1 - m));
-      for (int64_t n = n0; n < n1; ++n) {
+    // Each weight row once, every token tile against it (at most 16 token rows: x stays in cache).
+    float d[MAX_K / QK], mins[MAX_K / QK];  // row n's scales and minimums as floats
+    for (int64_t n = n0; n < n1; ++n) {
+      halves_to_floats(w.d + n * nb, nb, d);
+      if (w.q4) halves_to_floats(w.m + n * nb, nb, mins);
+      for (int64_t m = m0; m < m1; m += MT) {
+        const int rows = static_cast<int>(std::min<int64_t>(MT, m1 - m));
         if (w.q4)
-          dot_row<true>(x + m * K, K, rows, w.qs + n * rb, w.d + n * nb, w.m + n * nb, xsum + m * nb * 8, nb,
-                        y + m * ldy + n, ldy);
+          dot_row<true>(x + m * K, K, rows, w.qs + n * rb, d, mins, xsum + m * nb * 8, nb, y + m * ldy + n, ldy);
         else
-          dot_row<false>(x + m * K, K, rows, w.qs + n * rb, w.d + n * nb, nullptr, nullptr, nb, y + m * ldy + n,
-                         ldy);
+          dot_row<false>(x + m * K, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, y + m * ldy + n, ldy);
       }
     }
     return;

@@ -59,6 +59,15 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+inline float half_to_float(half_t h) { return _cvtsh_ss(h); }
+
+// n float16 values → floats (8 at a time).
+inline void halves_to_floats(const half_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
 // [begin, end) of `n` items that thread `tid` of `nt` takes: contiguous, sizes differ by at most one.
 inline void split_range(int64_t n, int tid, int nt, int64_t& begin, int64_t& end) {
   begin = n * tid / nt;

@@ -76,6 +76,7 @@ def test_rms_norm_and_silu_mul() -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_rope_store_rotates_and_writes_the_cache(kv_dtype: torch.dtype) -> None:
+    torch.manual_seed(294)  # a seed where a float32 rounding difference crosses a float16 rounding boundary
     n_heads, n_kv, d, T = 6, 2, 64, 5
     qkv = torch.randn(T, (n_heads + 2 * n_kv) * d)
     angles = torch.rand(T, d // 2) * 6
@@ -85,7 +86,10 @@ def test_rope_store_rotates_and_writes_the_cache(kv_dtype: torch.dtype) -> None:
     q_ref = TorchOps().rope_store(qkv, cos, sin, caches[0], 0, slots, n_heads, n_kv)
     q_got = KernelOps(K).rope_store(qkv, cos, sin, caches[1], 0, slots, n_heads, n_kv)
     torch.testing.assert_close(q_got, q_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(caches[1].data, caches[0].data, rtol=1e-6, atol=1e-6)  # float16: same rounding
+    # The kernel's rotation may fuse a multiply-add (1 float32 ulp from torch's): a float16 cache then holds
+    # the same value or its neighbour, never more than one float16 step apart (2^-10 relative).
+    rtol = 1e-6 if kv_dtype == torch.float32 else 2 ** -10
+    torch.testing.assert_close(caches[1].data.float(), caches[0].data.float(), rtol=rtol, atol=1e-6)
     with pytest.raises(RuntimeError, match="slot out of range"):
         K.rope_store(qkv, cos, sin, caches[1].data[0, 0], caches[1].data[0, 1], slots + 100, n_heads, n_kv)
 
