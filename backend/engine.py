@@ -11,11 +11,11 @@ import torch
 from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
                                   ScoreResult, TokenOutput, WorkerStatus)
 from backend.model_runner import ModelRunner
-from backend.sampler import (MAX_TOP_LOGPROBS, Sample, SampleRow, SamplingParams, make_generator,
-                             sample)
+from backend.sampler import Sample, SampleRow, SamplingParams, make_generator, sample
 from backend.scheduler import Scheduler, ScheduledSeq
 from backend.sequence import Sequence, StopConditions
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS
 
 log = logging.getLogger("kvyard.engine")
 
@@ -84,8 +84,8 @@ class Engine:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
             return
-        if req.n < 1:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"n must be >= 1, got {req.n}", "n")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"n must be in [1, {MAX_N}], got {req.n}", "n")
         try:
             req.sampling.validate(self.vocab_size)
         except ValueError as exc:

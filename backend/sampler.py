@@ -7,7 +7,8 @@ from typing import Sequence
 
 import torch
 
-MAX_TOP_LOGPROBS = 20
+from kvyard.limits import MAX_TOP_LOGPROBS
+
 GREEDY_BELOW = 1e-5                      # temperatures under this sample greedily (as vLLM does)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
 

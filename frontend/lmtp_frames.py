@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from frontend.backend_client import GenerateParams, TokenLogprob
 from frontend.protocol import RepetitionPenalty
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import MAX_TOP_LOGPROBS
 
-MAX_TOP_LOGPROBS = 20   # the backend's limit (GenerateConfigPB.top_logprobs)
 COMMANDS = ("GENERATE", "SCORE", "MODEL_INFO")
 
 StreamId = StrictInt | str  # LMQL counts from 1 per connection; echoed back as given

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS
+
 # Integers travel in the backend proto's int32/int64 fields: a larger one is the client's 400 here,
 # never an encoding error (a 500) further down.
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
@@ -47,7 +49,7 @@ class GenerateConfig(BaseModel):
     random_seed: Int64 | None = None
     stop_words_str: list[str] | None = None        # extra stop strings
     stop_words_list: list[list[Int32]] | None = None  # extra stop token-id sequences
-    num_return_sequences: int | None = Field(default=None, ge=0, le=16)  # 0 or 1: one
+    num_return_sequences: int | None = Field(default=None, ge=0, le=MAX_N)  # 0 or 1: one
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # chat only; wins over the request's own
     timeout_ms: int | None = Field(default=None, ge=0, le=INT64_MAX)
@@ -78,7 +80,7 @@ class SamplingRequest(_Lenient):
     max_tokens: Int32 | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -156,7 +158,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -206,7 +208,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     max_tokens: Int32 | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 

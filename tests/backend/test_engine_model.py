@@ -19,6 +19,7 @@ from backend.sampler import MAX_TOP_LOGPROBS, SamplingParams
 from backend.scheduler import SchedulerOutput
 from backend.sequence import FinishReason, Sequence as Seq, StopConditions
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import MAX_N
 from kvyard.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
@@ -274,6 +275,12 @@ def test_validate_rejects_bad_input(make_engine: EngineFactory, model_config: An
         is ErrorCode.INVALID_ARGUMENT
     assert MAX_TOP_LOGPROBS == 20
     assert code_of(request("temp", [1, 2], sampling=SamplingParams(temperature=-0.5))) is ErrorCode.INVALID_ARGUMENT
+    # n past the frontend's cap: a direct gRPC caller may not fan one request out to hundreds of sequences.
+    many = request("many", [1, 2])
+    many.n = MAX_N + 1
+    assert code_of(many) is ErrorCode.INVALID_ARGUMENT
+    many.n = MAX_N
+    engine.validate(many)
     assert not engine.has_work  # validate never queues anything
 
 
