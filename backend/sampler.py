@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Sequence
 
 import torch
@@ -93,11 +94,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     logits = _apply_penalties_and_bias(logits, rows)
     want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # before temperature
-    tokens = logits.argmax(dim=-1)
-    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if drawn:
-        tokens[drawn] = _draw(logits[drawn], [rows[i] for i in drawn])
-    token_list = tokens.tolist()
+    token_list = _pick(logits, rows)
 
     out: list[Sample] = []
     for i, (row, token) in enumerate(zip(rows, token_list)):
@@ -133,6 +130,45 @@ def _apply_penalties_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -
             idx = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
             row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     return logits
+
+
+def _pick(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    """One token per row: greedy rows their argmax, the others a draw. On a CPU with the C++ kernels,
+    every row without a top_k/top_p/min_p filter goes through one kernel call (greedy or inverse CDF,
+    one pass over the row); filtered rows, and everything elsewhere, through _draw."""
+    kernels = _cpu_kernels(logits)
+    filtered = [i for i, r in enumerate(rows) if not r.params.greedy and _filters(r.params)]
+    if kernels is None or len(filtered) == len(rows):
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if drawn:
+            tokens[drawn] = _draw(logits[drawn], [rows[i] for i in drawn])
+        return tokens.tolist()
+    plain = [i for i in range(len(rows)) if i not in set(filtered)]
+    temps = torch.tensor([0.0 if rows[i].params.greedy else rows[i].params.temperature for i in plain])
+    u = torch.tensor([0.0 if rows[i].params.greedy else torch.rand(1, generator=rows[i].generator).item()
+                      for i in plain])
+    picked = kernels.sample_rows(logits if len(plain) == len(rows) else logits[plain], temps, u).tolist()
+    if min(picked) < 0:
+        raise ValueError("sampling met non-finite logits")
+    out = [0] * len(rows)
+    for i, token in zip(plain, picked):
+        out[i] = token
+    if filtered:
+        for i, token in zip(filtered, _draw(logits[filtered], [rows[i] for i in filtered]).tolist()):
+            out[i] = token
+    return out
+
+
+def _cpu_kernels(logits: torch.Tensor) -> ModuleType | None:
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    from backend import kernels
+    return kernels.load()
+
+
+def _filters(p: SamplingParams) -> bool:
+    return bool(p.top_k) or p.min_p > 0 or p.top_p < 1.0
 
 
 def _needs_history(p: SamplingParams) -> bool:

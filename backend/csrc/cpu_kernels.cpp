@@ -1,7 +1,7 @@
 // kvyard's CPU kernels (AVX2 + FMA + F16C) bound for Python: the decode-time hot path of backend/model.py.
 // The arithmetic lives in the headers beside this file, by stage (qlinear.h: linears over the GGUF's
 // blocks; layer_ops.h: norms, SiLU, RoPE + KV store, attention; decode_step.h: a whole decode step in
-// one call). This file checks the tensors, spreads the work over at::parallel_for and binds the ops.
+// one call; sampling.h: greedy and temperature draws). This file checks the tensors, spreads the work over at::parallel_for and binds the ops.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -11,6 +11,7 @@
 #include "decode_step.h"
 #include "layer_ops.h"
 #include "qlinear.h"
+#include "sampling.h"
 
 namespace {
 
@@ -221,6 +222,26 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   return out;
 }
 
+// logits: [R, V] float32; temps: [R] (0: greedy); u: [R] uniform draws in [0, 1) → [R] int64 token ids.
+at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, const at::Tensor& u_in) {
+  const at::Tensor logits = logits_in.contiguous(), temps = temps_in.contiguous(), u = u_in.contiguous();
+  check_cpu_f32(logits, "logits");
+  check_cpu_f32(temps, "temps");
+  check_cpu_f32(u, "u");
+  TORCH_CHECK(logits.dim() == 2 && temps.numel() == logits.size(0) && u.numel() == logits.size(0),
+              "one temperature and one draw per row");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float *lp = logits.data_ptr<float>(), *tp = temps.data_ptr<float>(), *up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(V);
+    for (int64_t r = r0; r < r1; ++r)
+      op[r] = tp[r] > 0.f ? draw_row(lp + r * V, V, tp[r], up[r], e.data()) : argmax_row(lp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 // Every kernel lets go of the GIL: the backend's asyncio thread (gRPC streaming) runs meanwhile.
@@ -235,6 +256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());
   m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks", call_guard<release>());
+  m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>>())
       .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>());

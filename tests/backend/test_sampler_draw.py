@@ -1,6 +1,7 @@
 """The batched sampler draws from the right distribution, honours its filters, and keeps seeds per row."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.sampler import SampleRow, SamplingParams, make_generator, sample
@@ -48,3 +49,41 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
     others = rows_for([SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.5)])
     mixed = [sample(logits, [mixed_row, *others])[0].token_id for _ in range(20)]
     assert mixed == alone
+
+
+def test_large_vocabulary_draws_follow_softmax() -> None:
+    """The one-pass kernel path (rows without filters, a vocabulary past its 8-wide and 64-wide steps):
+    the frequencies of the likely tokens and of the long tail follow softmax(logits / T)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 1003, generator=gen) * 1.5
+    logits[0, [5, 500, 1002]] += 6.0  # three likely tokens, one of them the last
+    params = [SamplingParams(temperature=0.9, seed=s) for s in range(64)]
+    rows = rows_for(params)
+    counts = torch.zeros(1003)
+    for _ in range(250):
+        for s in sample(logits.expand(64, -1).contiguous(), rows):
+            counts[s.token_id] += 1
+    freq = counts / counts.sum()
+    want = torch.softmax(logits[0] / 0.9, -1)
+    top = want.topk(10).indices
+    assert (freq[top] - want[top]).abs().max() < 0.015
+    tail = torch.ones(1003, dtype=torch.bool)
+    tail[top] = False
+    assert abs(freq[tail].sum() - want[tail].sum()) < 0.015
+
+
+def test_greedy_rows_beside_drawn_rows_take_the_argmax() -> None:
+    logits = torch.randn(3, 777, generator=torch.Generator().manual_seed(1))
+    rows = rows_for([SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()])
+    got = [s.token_id for s in sample(logits, rows)]
+    assert got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())
+
+
+def test_non_finite_logits_fail_the_draw() -> None:
+    """The engine isolates a row whose sampling raises (test_engine_isolation.py): a NaN or an infinite
+    logit must raise, never turn into some token."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(2, 100)
+        logits[1, 17] = bad
+        with pytest.raises(ValueError):
+            sample(logits, rows_for([SamplingParams(temperature=0.8, seed=1)] * 2))
