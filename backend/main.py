@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -39,8 +41,10 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     dtype = getattr(torch, cfg.dtype)
     model_cfg = load_model_config(cfg.checkpoint_path)
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
+    before = resident_mb()
     weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf")
     model = LlamaModel(model_cfg, weights)
+    loaded, load_peak = resident_mb(), peak_resident_mb()
     log.info("weights: %.0f MB as %s, %s", model.weight_bytes() / 2**20, cfg.weight_format,
              type(model.ops).__name__)
     kv_dtype = getattr(torch, cfg.kv_cache_dtype)
@@ -53,12 +57,29 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                         model_cfg.max_position_embeddings)
     log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MB, %s)", num_blocks, cfg.block_size,
              num_blocks * cfg.block_size, num_blocks * per_block / 2**20, cfg.kv_cache_dtype)
+    # What loading cost in memory, beside what it keeps: the benchmarks read this line.
+    log.info("resident: %.0f MB before the weights, %.0f MB after them (+%.0f MB for %.0f MB of weights, "
+             "+%.0f MB at the peak of loading), %.0f MB with the KV cache", before, loaded, loaded - before,
+             model.weight_bytes() / 2**20, load_peak - before, resident_mb())
     scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=cfg.block_size,
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
     eos = frozenset(t for t in (tokenizer.eos_token_id,) if t is not None)
     return EngineLoop(engine), eos, max_model_len
+
+
+def resident_mb() -> float:
+    """This process's resident set now (Linux; 0 elsewhere)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS")), 0.0)
+
+
+def peak_resident_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
 async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfig) -> T:

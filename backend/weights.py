@@ -1,6 +1,8 @@
 """Checkpoint → tensors named the way backend/model.py wants them (GGUF or safetensors)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import time
 from pathlib import Path
@@ -29,11 +31,23 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
     weights = _fuse(raw, config)
     out: dict[str, Tensor] = {name: t if isinstance(t, QuantWeight) else t.to(device=device, dtype=dtype).contiguous()
                               for name, t in weights.items()}
+    del raw, weights
+    _give_back_freed_memory()
     n_bytes = sum(t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in out.values())
     kept = sum(isinstance(t, QuantWeight) for t in out.values())
     log.info("loaded %d tensors (%.0f MB; %d kept in GGUF blocks) from %s in %.1f s as %s on %s",
              len(out), n_bytes / 2**20, kept, path, time.monotonic() - start, dtype, device)
     return out
+
+
+def _give_back_freed_memory() -> None:
+    """Loading frees ~1.5x the weights in temporaries (GGUF blocks repacked, q/k/v and gate/up stacked);
+    glibc keeps freed heap pages resident until trimmed. Without this the process stays ~45 MB larger."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
