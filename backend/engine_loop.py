@@ -240,17 +240,25 @@ class EngineLoop:
                 self._send(cmd, error)
 
     def _deliver(self, outputs: list[TokenOutput | ScoreResult]) -> None:
+        """Each request's outputs of this step into its queue: one wake-up per event loop, not per request
+        (each call_soon_threadsafe writes to the loop's self-pipe; 32 streams made 32 syscalls a step)."""
         grouped: dict[str, list[TokenOutput | ScoreResult]] = {}
         for out in outputs:
             grouped.setdefault(out.request_id, []).append(out)
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list]]] = {}
         for request_id, outs in grouped.items():
             add = self._sinks.get(request_id)
             if add is None:
                 continue
-            self._send(add, outs)
+            per_loop.setdefault(add.loop, []).append((add.sink, outs))
             add.unfinished -= sum(1 for o in outs if o.finish_reason is not None)
             if add.unfinished <= 0:
                 del self._sinks[request_id]
+        for loop, items in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # that event loop is closed: nobody is listening any more
 
     def _fail_alone(self) -> None:
         """Requests the step failed one by one (already aborted in the engine)."""
@@ -272,3 +280,8 @@ class EngineLoop:
             add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
         except RuntimeError:
             pass  # the caller's event loop is closed: nobody is listening any more
+
+
+def _put_all(items: list[tuple[asyncio.Queue, list]]) -> None:
+    for sink, outs in items:
+        sink.put_nowait(outs)
