@@ -242,6 +242,14 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, 
   return out;
 }
 
+// Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
+// For tests, which check both paths on a CPU that has both.
+bool use_avx512(bool on) {
+  const bool before = avx512_on();
+  avx512_on() = on && cpu_has_avx512();
+  return before;
+}
+
 }  // namespace
 
 // Every kernel lets go of the GIL: the backend's asyncio thread (gRPC streaming) runs meanwhile.
@@ -256,6 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());
   m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks", call_guard<release>());
+  m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>>())

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "qlinear512.h"
 #include "simd.h"
 
 namespace kvyard {
@@ -184,11 +185,13 @@ inline void dot_tile_rows(const float* x, int64_t ldx, int rows, const float* w,
   }
 }
 
-// Q4_1's minimum term needs, per token row and block, the 8-lane partial sums of x: xsum[m][b][8] for
-// rows [m0, m1) of x [M, K]. Only when the item path reads them (needs_block_sums).
+// Q4_1's minimum term needs sums of x per token row and block: the 8-lane partial sums xsum[m][b][8] (AVX2)
+// or the sums themselves xsum[m][b] (AVX-512), for rows [m0, m1) of x [M, K]. Only when the item path
+// reads them (needs_block_sums); size the buffer M * K/32 * 8 either way.
 inline bool needs_block_sums(const QMatrix& w, int64_t M) { return w.q4 && M <= DECODE_ONCE_ROWS; }
 
 inline void block_sums(const float* x, int64_t K, int64_t m0, int64_t m1, float* xsum) {
+  if (avx512_on()) return block_sums512(x, K, m0, m1, xsum);
   const int64_t nb = K / QK;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < nb; ++b) {
@@ -213,10 +216,16 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
       if (w.q4) halves_to_floats(w.m + n * nb, nb, mins);
       for (int64_t m = m0; m < m1; m += MT) {
         const int rows = static_cast<int>(std::min<int64_t>(MT, m1 - m));
-        if (w.q4)
-          dot_row<true>(x + m * K, K, rows, w.qs + n * rb, d, mins, xsum + m * nb * 8, nb, y + m * ldy + n, ldy);
-        else
-          dot_row<false>(x + m * K, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, y + m * ldy + n, ldy);
+        const float* xm = x + m * K;
+        float* out = y + m * ldy + n;
+        if (avx512_on()) {
+          if (w.q4) dot_row512<true>(xm, K, rows, w.qs + n * rb, d, mins, xsum + m * nb, nb, out, ldy);
+          else dot_row512<false>(xm, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, out, ldy);
+        } else if (w.q4) {
+          dot_row<true>(xm, K, rows, w.qs + n * rb, d, mins, xsum + m * nb * 8, nb, out, ldy);
+        } else {
+          dot_row<false>(xm, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, out, ldy);
+        }
       }
     }
     return;

@@ -49,16 +49,32 @@ def test_blocks_decode_to_ggufs_own_dequantization(gguf_tensors: dict, name: str
         assert torch.equal(out, expected)
 
 
+def has_avx512() -> bool:
+    before = K.use_avx512(True)
+    on = K.use_avx512(before)
+    return on
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request: pytest.FixtureRequest) -> str:
+    """Each linear test on both code paths the CPU offers: AVX2 everywhere, AVX-512 where present."""
+    if request.param == "avx512" and not has_avx512():
+        pytest.skip("this CPU has no AVX-512")
+    before = K.use_avx512(request.param == "avx512")
+    yield request.param
+    K.use_avx512(before)
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, DENSE_ROWS, DENSE_ROWS + 7])
-def test_block_linear_matches_dense_linear(kind: str, rows: int) -> None:
-    w = random_blocks(kind, 72, 96, seed=rows)
+def test_block_linear_matches_dense_linear(kind: str, rows: int, isa: str) -> None:
+    w = random_blocks(kind, 72, 96 if rows % 2 else 544, seed=rows)  # 3 and 17 blocks: tails of every width
     dense = w.dequantize()
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen)
+    x = torch.randn(rows, w.shape[1], generator=gen)
     bias, residual = torch.randn(72, generator=gen), torch.randn(rows, 72, generator=gen)
     ops, ref = KernelOps(K), TorchOps()
-    # Against the exact (float64) product, within float32's rounding of a 96-term sum: ~16 eps of the
+    # Against the exact (float64) product, within float32's rounding of a 96- or 544-term sum: ~16 eps of the
     # sum of |terms| (a wrong block or scale would be off by whole terms, orders of magnitude more).
     rounding = 1e-6 * (x.abs().double() @ dense.abs().double().T) + 1e-6
     want = ref.linear(x.double(), dense.double(), bias.double(), residual.double())
