@@ -156,7 +156,14 @@ async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationR
             yield out
     except grpc.aio.AioRpcError as exc:
         raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} failed: {exc.code().name}") from exc
-    except asyncio.InvalidStateError as exc:  # a write to a call that already failed (say, connection refused)
+    except asyncio.InvalidStateError as exc:
+        # A write to a call that already failed (say, connection refused), or, with the cluster token's
+        # interceptors, grpc's rendering of *our* cancellation (the client left, or the request timed out)
+        # caught while the call was set up. The latter must stay a cancellation: swallowed, this handler
+        # would go on holding the prompt's KV, and nothing cancels it a second time.
+        if (task := asyncio.current_task()) is not None and task.cancelling():
+            raise asyncio.CancelledError from exc
+        call.cancel()  # no-op on a finished call; else code() would wait for a status nobody sends
         raise RequestError(ErrorCode.UNAVAILABLE, f"decode backend {address} failed: {(await call.code()).name}"
                            ) from exc
     except TimeoutError as exc:
