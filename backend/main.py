@@ -42,11 +42,12 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     model_cfg = load_model_config(cfg.checkpoint_path)
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
     before = resident_mb()
-    weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf")
+    weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf",
+                           block_layout="n16" if cfg.activations == "int16" else "rows")
     model = LlamaModel(model_cfg, weights)
     loaded, load_peak = resident_mb(), peak_resident_mb()
-    log.info("weights: %.0f MB as %s, %s", model.weight_bytes() / 2**20, cfg.weight_format,
-             type(model.ops).__name__)
+    log.info("weights: %.0f MB as %s, %s, %s activations", model.weight_bytes() / 2**20, cfg.weight_format,
+             type(model.ops).__name__, cfg.activations)
     kv_dtype = getattr(torch, cfg.kv_cache_dtype)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
                                         model_cfg.head_dim, kv_dtype)

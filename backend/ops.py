@@ -17,9 +17,10 @@ from kvyard.model_config import ModelConfig
 
 Weight = torch.Tensor | QuantWeight
 
-# Above this many rows a linear dequantizes the weight into a scratch matrix and calls the BLAS
-# GEMM (prefill chunks): the block kernel re-decodes every block per 8 rows, the GEMM amortises one
-# decode over all of them. Measured crossover on a 2-core AVX2 machine (1536x576 and 3072x576
+# Above this many rows a linear over "rows"-layout blocks (float32 activations) dequantizes the weight
+# into a scratch matrix and calls the BLAS GEMM (prefill chunks): the block kernel re-decodes every block
+# per 8 rows, the GEMM amortises one decode over all of them. The int16 kernels ("n16" layout) run at
+# ~2x that GEMM's rate at any row count and always take the kernel. Measured crossover on a 2-core AVX2 machine (1536x576 and 3072x576
 # matrices): 64-128 rows; below it the kernel is up to 1.9x faster (16 rows).
 # Not for matrices above DENSE_MAX_NUMEL (the tied lm_head): decoding 28M weights per step costs
 # more than the kernel's slower arithmetic at any batch the engine runs.
@@ -114,7 +115,7 @@ class KernelOps(TorchOps):
         if isinstance(w, torch.Tensor):
             return super().linear(x, w, bias, residual)
         n, k = w.shape
-        if x.shape[0] > DENSE_ROWS and n * k <= DENSE_MAX_NUMEL:
+        if w.layout == "rows" and x.shape[0] > DENSE_ROWS and n * k <= DENSE_MAX_NUMEL:
             if self._dense.numel() < n * k:
                 self._dense = torch.empty(n * k)
             dense = self._dense[:n * k].view(n, k)

@@ -2,7 +2,11 @@
 
 A QuantWeight stands in for a dense [out, in] matrix: `dequantize()` gives the exact float32 matrix the
 reference computes with; backend/ops.py multiplies by it without ever materialising it per token. Scales
-and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights instead of 24."""
+and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights instead of 24.
+
+Two layouts of the same blocks: "rows" (each output row's blocks together, the GGUF's order) for the
+float32-activation kernels, and "n16" (groups of 16 output rows interleaved, backend/csrc/qlinear_vnni.h)
+for the int16-activation kernels on CPUs with AVX-512 VNNI; `to_n16()` converts once at load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,12 +24,19 @@ Q4_1_BYTES, Q8_0_BYTES = 20, 34
 class QuantWeight:
     """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1)."""
     kind: str               # "q4_1" or "q8_0"
-    qs: torch.Tensor        # [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K] int8
-    d: torch.Tensor         # [N, K/32] float16 scales
-    m: torch.Tensor | None  # [N, K/32] float16 minimums (Q4_1 only)
+    qs: torch.Tensor        # rows: [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K]
+                            # int8; n16: [N/16, K/32, 16 j, 16 n] uint8 or [N/16, K/32, 16 j, 16 n, 2] int8
+    d: torch.Tensor         # rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
+    m: torch.Tensor | None  # minimums (Q4_1 only), laid out as d
+
+    @property
+    def layout(self) -> str:
+        return "n16" if self.d.dim() == 3 else "rows"
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "n16":
+            return self.d.shape[0] * 16, self.d.shape[1] * QK
         return self.d.shape[0], self.d.shape[1] * QK
 
     def nbytes(self) -> int:
@@ -33,15 +44,46 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix [N, K] these blocks encode (what the reference path multiplies by)."""
-        n, k = self.shape
-        if self.kind == "q4_1":
-            lo, hi = (self.qs & 0x0F), (self.qs >> 4)
+        w = self.to_rows()
+        n, k = w.shape
+        if w.kind == "q4_1":
+            lo, hi = (w.qs & 0x0F), (w.qs >> 4)
             q = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], dim=-1).float()  # [N, nb, 32]
-            return (q * self.d.float()[..., None] + self.m.float()[..., None]).view(n, k)  # type: ignore[union-attr]
-        return (self.qs.view(n, -1, QK).float() * self.d.float()[..., None]).view(n, k)
+            return (q * w.d.float()[..., None] + w.m.float()[..., None]).view(n, k)  # type: ignore[union-attr]
+        return (w.qs.view(n, -1, QK).float() * w.d.float()[..., None]).view(n, k)
+
+    def to_n16(self) -> QuantWeight:
+        """The same blocks in groups of 16 output rows (N must be a multiple of 16)."""
+        assert self.layout == "rows" and self.shape[0] % 16 == 0
+        n, k = self.shape
+        g, nb = n // 16, k // QK
+
+        def scales(t: torch.Tensor) -> torch.Tensor:  # [N, nb] → [G, nb, 16]
+            return t.view(g, 16, nb).permute(0, 2, 1).contiguous()
+
+        if self.kind == "q4_1":
+            qs = self.qs.view(g, 16, nb, 16).permute(0, 2, 3, 1).contiguous()  # [G, nb, 16 j, 16 n]
+        else:  # k=j and k=j+16 side by side for each row n
+            qs = self.qs.view(g, 16, nb, 2, 16).permute(0, 2, 4, 1, 3).contiguous()  # [G, nb, 16 j, 16 n, 2]
+        return QuantWeight(self.kind, qs, scales(self.d), None if self.m is None else scales(self.m))
+
+    def to_rows(self) -> QuantWeight:
+        if self.layout == "rows":
+            return self
+        g, nb = self.d.shape[0], self.d.shape[1]
+
+        def scales(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(g * 16, nb)
+
+        if self.kind == "q4_1":
+            qs = self.qs.permute(0, 3, 1, 2).reshape(g * 16, nb * 16)
+        else:
+            qs = self.qs.permute(0, 3, 1, 4, 2).reshape(g * 16, nb * QK)
+        return QuantWeight(self.kind, qs, scales(self.d), None if self.m is None else scales(self.m))
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """These output rows only (e.g. llama.cpp's Q/K row interleave undone)."""
+        assert self.layout == "rows"
         return QuantWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
                            None if self.m is None else self.m[index].contiguous())
 
@@ -49,6 +91,7 @@ class QuantWeight:
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Stack along the output rows (fused q/k/v, gate/up)."""
         assert len({p.kind for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1
+        assert all(p.layout == "rows" for p in parts)
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
         return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 

@@ -25,12 +25,13 @@ Tensor = torch.Tensor | QuantWeight
 
 
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 keep_blocks: bool = False) -> dict[str, Tensor]:
+                 keep_blocks: bool = False, block_layout: str = "rows") -> dict[str, Tensor]:
+    """block_layout: how kept blocks are laid out, "rows" (float32-activation kernels) or "n16" (the
+    int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows")."""
     start = time.monotonic()
     raw = _read_gguf(path, config, keep_blocks) if is_gguf(path) else _read_safetensors(path)
     weights = _fuse(raw, config)
-    out: dict[str, Tensor] = {name: t if isinstance(t, QuantWeight) else t.to(device=device, dtype=dtype).contiguous()
-                              for name, t in weights.items()}
+    out: dict[str, Tensor] = {name: _placed(t, dtype, device, block_layout) for name, t in weights.items()}
     del raw, weights
     _give_back_freed_memory()
     n_bytes = sum(t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in out.values())
@@ -38,6 +39,12 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
     log.info("loaded %d tensors (%.0f MB; %d kept in GGUF blocks) from %s in %.1f s as %s on %s",
              len(out), n_bytes / 2**20, kept, path, time.monotonic() - start, dtype, device)
     return out
+
+
+def _placed(t: Tensor, dtype: torch.dtype, device: torch.device, block_layout: str) -> Tensor:
+    if not isinstance(t, QuantWeight):
+        return t.to(device=device, dtype=dtype).contiguous()
+    return t.to_n16() if block_layout == "n16" and t.shape[0] % 16 == 0 else t
 
 
 def _give_back_freed_memory() -> None:

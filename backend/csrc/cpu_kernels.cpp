@@ -12,58 +12,13 @@
 #include "layer_ops.h"
 #include "qlinear.h"
 #include "sampling.h"
+#include "tensors.h"
 
 namespace {
 
 using namespace kvyard;
 
-void check_cpu_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              name, " must be a contiguous float32 CPU tensor");
-}
-
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.scalar_type() == v_cache.scalar_type() &&
-              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "KV caches must be contiguous float32 or float16 CPU tensors");
-}
-
-// A cache tensor's rows as floats or float16 bits, for the templated kernels.
-template <typename F>
-void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
-  if (k_cache.scalar_type() == at::kHalf)
-    f(reinterpret_cast<half_t*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<half_t*>(v_cache.data_ptr<at::Half>()));
-  else
-    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-}
-
-void check_scales(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2,
-              name, " must be a contiguous float16 [N, K/32] CPU tensor");
-}
-
-QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
-  check_scales(d, "d");
-  QMatrix w;
-  w.q4 = q4;
-  w.N = d.size(0);
-  w.K = d.size(1) * QK;
-  TORCH_CHECK(w.K <= MAX_K, "rows of more than ", MAX_K, " weights are not supported");
-  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 2 && qs.size(0) == w.N && qs.size(1) == w.row_bytes(),
-              "bad codes shape");
-  if (q4) {
-    check_scales(mins, "mins");
-    TORCH_CHECK(mins.sizes() == d.sizes(), "mins must match d");
-  }
-  w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-  w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
-  w.m = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr<at::Half>()) : nullptr;
-  return w;
-}
-
-// x: [M, K] float32; qs: [N, K/2] uint8 (Q4_1) or [N, K] int8 (Q8_0); d, mins: [N, K/32] float16.
-// bias: [N] or empty; residual: [M, N] or empty (added to the result). → [M, N] float32.
+// x: [M, K] float32 → x @ W^T (+ bias) (+ residual): [M, N] float32.
 at::Tensor qlinear(const at::Tensor& x_in, const QMatrix& w, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& residual) {
   const at::Tensor x = x_in.contiguous();
@@ -75,15 +30,13 @@ at::Tensor qlinear(const at::Tensor& x_in, const QMatrix& w, const c10::optional
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> xsum;
-  if (needs_block_sums(w, M)) {
-    xsum.resize(M * w.nb() * 8);
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { block_sums(xp, w.K, m0, m1, xsum.data()); });
-  }
-  at::parallel_for(0, linear_items(M, w.N), 1, [&](int64_t i0, int64_t i1) {
+  std::vector<float> scratch(input_scratch(w, M));
+  LinearInput in = prepare_input(w, xp, M, 0, 0, scratch.data());  // the pointers; rows filled below
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { prepare_input(w, xp, M, m0, m1, scratch.data()); });
+  at::parallel_for(0, linear_items(M, w), 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> wbuf;
-    if (M > DECODE_ONCE_ROWS) wbuf.resize(NT * w.K);
-    for (int64_t item = i0; item < i1; ++item) run_linear_item(item, xp, M, w, xsum.data(), yp, w.N, wbuf.data());
+    if (!w.n16 && M > DECODE_ONCE_ROWS) wbuf.resize(NT * w.K);
+    for (int64_t item = i0; item < i1; ++item) run_linear_item(item, in, w, yp, w.N, wbuf.data());
   });
   if (bias && bias->defined()) y.add_(*bias);
   if (residual && residual->defined()) y.add_(*residual);
@@ -242,6 +195,8 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, 
   return out;
 }
 
+bool has_vnni() { return cpu_has_vnni(); }
+
 // Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
 // For tests, which check both paths on a CPU that has both.
 bool use_avx512(bool on) {
@@ -264,6 +219,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());
   m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks", call_guard<release>());
+  m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")

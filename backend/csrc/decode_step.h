@@ -12,6 +12,7 @@
 
 #include "layer_ops.h"
 #include "qlinear.h"
+#include "tensors.h"
 
 namespace kvyard {
 
@@ -27,7 +28,7 @@ struct LayerWeights {
 
 // Per-thread scratch, reused across steps.
 struct ThreadScratch {
-  std::vector<float> xsum;   // block sums of a linear's input rows (Q4_1, few rows)
+  std::vector<float> input;  // a linear's prepared input when this thread prepares all of it (1-2 rows)
   std::vector<float> wbuf;   // NT decoded weight rows (many rows)
   std::vector<float> krot;   // one rotated K head
   AttentionScratch attention;
@@ -111,6 +112,10 @@ class FusedDecoder {
     attn_.resize(B * H_ * d_);
     gu_.resize(B * F2);
     act_.resize(B * F2 / 2);
+    int64_t input_size = input_scratch(lm_head_, std::max<int64_t>(R, 1));
+    for (const LayerWeights& w : layers_)
+      for (const QMatrix* m : {&w.qkv, &w.o, &w.gate_up, &w.down}) input_size = std::max(input_size, input_scratch(*m, B));
+    input_.resize(input_size);
     at::Tensor logits = at::empty({R, lm_head_.N}, cos.options());
     const int team = at::get_num_threads();
     if (static_cast<int>(scratch_.size()) < team) scratch_.resize(team);
@@ -174,20 +179,7 @@ class FusedDecoder {
  private:
   QMatrix matrix(size_t i) const {
     const at::Tensor &qs = tensors_[i], &d = tensors_[i + 1], &m = tensors_[i + 2];
-    TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2,
-                "weight ", i, ": contiguous codes and float16 [N, K/32] scales");
-    QMatrix w;
-    w.q4 = m.numel() > 0;
-    w.N = d.size(0);
-    w.K = d.size(1) * QK;
-    TORCH_CHECK(w.K <= MAX_K, "weight ", i, ": rows longer than ", MAX_K);
-    TORCH_CHECK(qs.size(0) == w.N && qs.size(1) == w.row_bytes(), "weight ", i, ": codes do not fit the scales");
-    TORCH_CHECK(!w.q4 || (m.is_contiguous() && m.scalar_type() == at::kHalf && m.sizes() == d.sizes()),
-                "weight ", i, ": minimums do not fit the scales");
-    w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-    w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
-    w.m = w.q4 ? reinterpret_cast<const half_t*>(m.data_ptr<at::Half>()) : nullptr;
-    return w;
+    return as_matrix(qs, d, m, m.numel() > 0);
   }
 
   const float* vector_of(size_t i, int64_t n) const {
@@ -198,25 +190,29 @@ class FusedDecoder {
   }
 
   // This thread's share of y = x w^T (+ bias) for M rows, then x_res += y on the same outputs when
-  // x_res is given (the residual: (dot + bias) + residual, as the per-op path adds them).
-  static void linear(const float* x, int64_t M, const QMatrix& w, const float* bias, float* y, float* x_res,
-                     ThreadScratch& sc, int tid, int nt) {
-    const float* xsum = nullptr;
-    if (needs_block_sums(w, M)) {  // every thread needs every row's sums: a few µs, cheaper than a barrier
-      sc.xsum.resize(M * w.nb() * 8);
-      block_sums(x, w.K, 0, M, sc.xsum.data());
-      xsum = sc.xsum.data();
+  // x_res is given (the residual: (dot + bias) + residual, as the per-op path adds them). Called by every
+  // thread of the team: what the input needs (block sums, int16 rows) is prepared once into input_.
+  void linear(const float* x, int64_t M, const QMatrix& w, const float* bias, float* y, float* x_res,
+              ThreadScratch& sc, int tid, int nt) {
+    LinearInput in;
+    if (M <= 2) {  // one or two rows: each thread prepares them itself, cheaper than a barrier
+      sc.input.resize(input_scratch(w, M));
+      in = prepare_input(w, x, M, 0, M, sc.input.data());
+    } else {
+      int64_t m0, m1;
+      split_range(M, tid, nt, m0, m1);
+      in = prepare_input(w, x, M, m0, m1, input_.data());
+#pragma omp barrier
     }
-    if (M > DECODE_ONCE_ROWS) sc.wbuf.resize(NT * w.K);
+    if (!w.n16 && M > DECODE_ONCE_ROWS) sc.wbuf.resize(NT * w.K);
     int64_t i0, i1;
-    split_range(linear_items(M, w.N), tid, nt, i0, i1);
-    const int64_t n_tiles = (w.N + NT - 1) / NT;
+    split_range(linear_items(M, w), tid, nt, i0, i1);
     for (int64_t item = i0; item < i1; ++item) {
-      run_linear_item(item, x, M, w, xsum, y, w.N, sc.wbuf.data());
-      const int64_t mb = item / n_tiles, ntile = item % n_tiles;
-      const int64_t m1 = std::min(M, (mb + 1) * MB), n0 = ntile * NT, n1 = std::min(w.N, n0 + NT);
+      run_linear_item(item, in, w, y, w.N, sc.wbuf.data());
       if (!bias && !x_res) continue;
-      for (int64_t m = mb * MB; m < m1; ++m)
+      int64_t m0, m1, n0, n1;
+      item_bounds(item, M, w, m0, m1, n0, n1);
+      for (int64_t m = m0; m < m1; ++m)
         for (int64_t n = n0; n < n1; ++n) {
           float v = y[m * w.N + n];
           if (bias) v += bias[n];
@@ -246,6 +242,7 @@ class FusedDecoder {
   int64_t D_ = 0;
   std::vector<LayerWeights> layers_;
   std::vector<float> x_, h_, tmp_, qkv_, q_, attn_, gu_, act_;  // [B, ...] activations of the step
+  std::vector<float> input_;  // a linear's prepared input (block sums or int16 rows), shared by the team
   std::vector<ThreadScratch> scratch_;
 };
 

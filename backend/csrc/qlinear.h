@@ -12,19 +12,22 @@
 // Either way each output is computed by the same code in the same order, so the two agree bit for bit.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "qlinear512.h"
+#include "qlinear_vnni.h"
 #include "simd.h"
 
 namespace kvyard {
 
 struct QMatrix {                 // one [N, K] weight in blocks of 32 along K
-  const uint8_t* qs = nullptr;   // [N, K/2] (Q4_1) or [N, K] (Q8_0) codes
-  const half_t* d = nullptr;     // [N, K/32] float16 scales
-  const half_t* m = nullptr;     // [N, K/32] float16 minimums (Q4_1 only)
+  const uint8_t* qs = nullptr;   // rows: [N, K/2] (Q4_1) or [N, K] (Q8_0) codes; n16: qlinear_vnni.h's layout
+  const half_t* d = nullptr;     // rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
+  const half_t* m = nullptr;     // minimums (Q4_1 only), laid out as d
   int64_t N = 0, K = 0;
   bool q4 = true;
+  bool n16 = false;              // groups of 16 rows for the int16-activation kernels (AVX-512 VNNI)
   int64_t nb() const { return K / QK; }
   int64_t row_bytes() const { return q4 ? K / 2 : K; }
 };
@@ -36,7 +39,7 @@ constexpr int64_t MB = 64;    // token rows per work item: its x stays in L2 whi
 // at 32-64 rows); up to it the decode to memory costs more than it saves (0.7-0.85x at 5-8 rows).
 constexpr int64_t DECODE_ONCE_ROWS = 16;
 constexpr int64_t TW = 4, TR = 3;  // register tile: weight rows x token rows (dot_tile)
-constexpr int64_t MAX_K = 32768;   // a row's scales are widened to floats on the stack: K/32 of them
+constexpr int64_t MAX_K = MAX_BLOCKS * QK;  // a row's scales are widened to floats on the stack
 
 // 16 bytes of Q4_1 codes → 4 vectors of 8 floats in weight order 0-7, 8-15, 16-23, 24-31.
 inline void unpack_q4(const uint8_t* q, __m256 w[4]) {
@@ -144,6 +147,25 @@ inline void dot_row(const float* x, int64_t ldx, int rows, const uint8_t* qs, co
 // Row n of a quantized matrix as float32 into out (K floats).
 inline void decode_row(const QMatrix& w, int64_t n, float* out) {
   const int64_t nb = w.nb();
+  if (w.n16) {  // the row's codes are strided across its group (embedding lookups only: a few rows a step)
+    const int64_t g = n / G16, i = n % G16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t sb = (g * nb + b) * G16 + i;
+      const float d = half_to_float(w.d[sb]), m = w.q4 ? half_to_float(w.m[sb]) : 0.f;
+      for (int64_t j = 0; j < 16; ++j) {
+        if (w.q4) {
+          const uint8_t byte = w.qs[((g * nb + b) * 16 + j) * G16 + i];
+          out[b * QK + j] = std::fma(static_cast<float>(byte & 0x0F), d, m);
+          out[b * QK + j + 16] = std::fma(static_cast<float>(byte >> 4), d, m);
+        } else {
+          const int8_t* pair = reinterpret_cast<const int8_t*>(w.qs) + (((g * nb + b) * 16 + j) * G16 + i) * 2;
+          out[b * QK + j] = static_cast<float>(pair[0]) * d;
+          out[b * QK + j + 16] = static_cast<float>(pair[1]) * d;
+        }
+      }
+    }
+    return;
+  }
   __m256 v[4];
   for (int64_t b = 0; b < nb; ++b) {
     if (w.q4) unpack_q4(w.qs + n * w.row_bytes() + b * 16, v);
@@ -186,8 +208,7 @@ inline void dot_tile_rows(const float* x, int64_t ldx, int rows, const float* w,
 }
 
 // Q4_1's minimum term needs sums of x per token row and block: the 8-lane partial sums xsum[m][b][8] (AVX2)
-// or the sums themselves xsum[m][b] (AVX-512), for rows [m0, m1) of x [M, K]. Only when the item path
-// reads them (needs_block_sums); size the buffer M * K/32 * 8 either way.
+// or the sums themselves xsum[m][b] (AVX-512), for rows [m0, m1) of x [M, K].
 inline bool needs_block_sums(const QMatrix& w, int64_t M) { return w.q4 && M <= DECODE_ONCE_ROWS; }
 
 inline void block_sums(const float* x, int64_t K, int64_t m0, int64_t m1, float* xsum) {
@@ -202,15 +223,54 @@ inline void block_sums(const float* x, int64_t K, int64_t m0, int64_t m1, float*
     }
 }
 
+// What a linear reads of its input x [M, K]: the floats, and what is derived from them once per call
+// (prepare_input): the block sums (rows layout), or the int16 rows (n16 layout).
+struct LinearInput {
+  const float* x = nullptr;
+  int64_t M = 0;
+  const float* xsum = nullptr;
+  Int16Rows x16{};
+};
+
+// Floats of scratch prepare_input needs for M rows (0: none).
+inline int64_t input_scratch(const QMatrix& w, int64_t M) {
+  if (w.n16) return M * w.nb() * 18;  // 16 int16 pairs, a scale and a sum per block
+  return needs_block_sums(w, M) ? M * w.nb() * 8 : 0;
+}
+
+// Fills rows [m0, m1) of the scratch (so threads can share the work) and returns the input for all M rows.
+inline LinearInput prepare_input(const QMatrix& w, const float* x, int64_t M, int64_t m0, int64_t m1, float* scratch) {
+  LinearInput in;
+  in.x = x;
+  in.M = M;
+  const int64_t nb = w.nb();
+  if (w.n16) {
+    int32_t* q = reinterpret_cast<int32_t*>(scratch);
+    float* s = scratch + M * nb * 16;
+    float* sum = s + M * nb;
+    quantize_rows16(x, w.K, m0, m1, q, s, sum);
+    in.x16 = Int16Rows{q, s, sum, nb};
+  } else if (needs_block_sums(w, M)) {
+    block_sums(x, w.K, m0, m1, scratch);
+    in.xsum = scratch;
+  }
+  return in;
+}
+
 // One work item: y[m, n] = x[m] · w[n] for token rows [m0, m1) of x [M, K] (m1 - m0 ≤ MB) and output
 // rows [n0, n1) (≤ NT). xsum: block_sums of all M rows when needs_block_sums; wbuf: NT*K floats of
 // scratch when M > DECODE_ONCE_ROWS.
 inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const QMatrix& w, const float* xsum,
                         int64_t n0, int64_t n1, float* y, int64_t ldy, float* wbuf) {
   const int64_t K = w.K, nb = w.nb(), rb = w.row_bytes();
+  if (M <= DECODE_ONCE_ROWS && avx512_on()) {
+    if (w.q4) rows_item512<true>(x, K, m0, m1, w.qs, w.d, w.m, xsum, n0, n1, y, ldy);
+    else rows_item512<false>(x, K, m0, m1, w.qs, w.d, nullptr, nullptr, n0, n1, y, ldy);
+    return;
+  }
   if (M <= DECODE_ONCE_ROWS) {
     // Each weight row once, every token tile against it (at most 16 token rows: x stays in cache).
-    float d[MAX_K / QK], mins[MAX_K / QK];  // row n's scales and minimums as floats
+    float d[MAX_BLOCKS], mins[MAX_BLOCKS];  // row n's scales and minimums as floats
     for (int64_t n = n0; n < n1; ++n) {
       halves_to_floats(w.d + n * nb, nb, d);
       if (w.q4) halves_to_floats(w.m + n * nb, nb, mins);
@@ -218,10 +278,7 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
         const int rows = static_cast<int>(std::min<int64_t>(MT, m1 - m));
         const float* xm = x + m * K;
         float* out = y + m * ldy + n;
-        if (avx512_on()) {
-          if (w.q4) dot_row512<true>(xm, K, rows, w.qs + n * rb, d, mins, xsum + m * nb, nb, out, ldy);
-          else dot_row512<false>(xm, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, out, ldy);
-        } else if (w.q4) {
+        if (w.q4) {
           dot_row<true>(xm, K, rows, w.qs + n * rb, d, mins, xsum + m * nb * 8, nb, out, ldy);
         } else {
           dot_row<false>(xm, K, rows, w.qs + n * rb, d, nullptr, nullptr, nb, out, ldy);
@@ -233,6 +290,7 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
   // More rows: decode the item's weight rows once (w = d q + m), then register tiles of TW weight rows x
   // TR token rows over them.
   for (int64_t n = n0; n < n1; ++n) decode_row(w, n, wbuf + (n - n0) * K);
+  if (avx512_on()) return tiles_item512(x, K, m0, m1, wbuf, n1 - n0, y + n0, ldy);
   for (int64_t m = m0; m < m1; m += TR) {
     const int rows = static_cast<int>(std::min<int64_t>(TR, m1 - m));
     for (int64_t n = n0; n < n1; n += TW) {
@@ -249,14 +307,36 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
   }
 }
 
-// Items of a [M, N] output: (token block of ≤ MB rows) x (NT output rows), token blocks outermost.
-inline int64_t linear_items(int64_t M, int64_t N) { return ((M + MB - 1) / MB) * ((N + NT - 1) / NT); }
+// Items of a [M, N] output: (token block of ≤ MB rows) x (NT output rows, or groups of 16 for n16), output
+// tiles outermost: a thread's contiguous share of items then holds whole tiles with all their token
+// blocks (a last, short token block lands on every thread alike). item_bounds gives an item's range.
+// n16 items: one group of 16 outputs for a few token rows (as many items as possible to share out),
+// four groups for many (each chunk of token rows then meets four groups while it sits in L1).
+inline int64_t item_width(const QMatrix& w, int64_t M) { return w.n16 ? (M <= DECODE_ONCE_ROWS ? G16 : 4 * G16) : NT; }
 
-inline void run_linear_item(int64_t item, const float* x, int64_t M, const QMatrix& w, const float* xsum, float* y,
-                            int64_t ldy, float* wbuf) {
-  const int64_t n_tiles = (w.N + NT - 1) / NT, mb = item / n_tiles, nt = item % n_tiles;
-  linear_item(x, M, mb * MB, std::min(M, (mb + 1) * MB), w, xsum, nt * NT, std::min(w.N, (nt + 1) * NT), y, ldy,
-              wbuf);
+inline int64_t linear_items(int64_t M, const QMatrix& w) {
+  const int64_t width = item_width(w, M);
+  return ((M + MB - 1) / MB) * ((w.N + width - 1) / width);
+}
+
+inline void item_bounds(int64_t item, int64_t M, const QMatrix& w, int64_t& m0, int64_t& m1, int64_t& n0, int64_t& n1) {
+  const int64_t width = item_width(w, M), m_blocks = (M + MB - 1) / MB;
+  m0 = item % m_blocks * MB;
+  m1 = std::min(M, m0 + MB);
+  n0 = item / m_blocks * width;
+  n1 = std::min(w.N, n0 + width);
+}
+
+// y[m, n] for one item. wbuf: NT*K floats of scratch (rows layout, more than DECODE_ONCE_ROWS rows).
+inline void run_linear_item(int64_t item, const LinearInput& in, const QMatrix& w, float* y, int64_t ldy, float* wbuf) {
+  int64_t m0, m1, n0, n1;
+  item_bounds(item, in.M, w, m0, m1, n0, n1);
+  if (w.n16) {
+    if (w.q4) group_item16<true>(in.x16, m0, m1, w.qs, w.d, w.m, n0 / G16, n1 / G16, y, ldy);
+    else group_item16<false>(in.x16, m0, m1, w.qs, w.d, nullptr, n0 / G16, n1 / G16, y, ldy);
+    return;
+  }
+  linear_item(in.x, in.M, m0, m1, w, in.xsum, n0, n1, y, ldy, wbuf);
 }
 
 }  // namespace kvyard

@@ -6,11 +6,14 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
 
 namespace kvyard {
+
+constexpr int64_t MAX_BLOCKS = 1024;  // blocks per weight row: rows of up to 32768 weights
 
 inline bool cpu_has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -43,7 +46,7 @@ inline void unpack512(const uint8_t* q, __m512& w0, __m512& w1) {
 // y[m, n] for R token rows and one output row: Σ_b d_b (q_b · x_b) + Σ_b m_b S_b, where S_b = Σ x_b
 // (block_sums512). Each block is unpacked once for all R rows.
 template <bool Q4, int R>
-void dot_rows512(const float* x, int64_t ldx, const uint8_t* qs, const float* d, const float* mins,
+inline void dot_rows512(const float* x, int64_t ldx, const uint8_t* qs, const float* d, const float* mins,
                  const float* bsum, int64_t nb, float* out, int64_t ldo) {
   constexpr int U = R <= 2 ? 2 : 1;  // independent chains where one would wait on the FMA latency
   __m512 acc[U][R];
@@ -78,18 +81,88 @@ void dot_rows512(const float* x, int64_t ldx, const uint8_t* qs, const float* d,
   }
 }
 
+// The few-row part of one work item (qlinear.h's linear_item): output rows [n0, n1) for token rows
+// [m0, m1), MT token rows at a time; bsum: block_sums512 of all M rows. One call per item, so the
+// per-row work (widening the row's float16 scales) stays inlined with the dot products.
 template <bool Q4>
-void dot_row512(const float* x, int64_t ldx, int rows, const uint8_t* qs, const float* d, const float* mins,
-                const float* bsum, int64_t nb, float* out, int64_t ldo) {
+void rows_item512(const float* x, int64_t K, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* dh,
+                  const half_t* mh, const float* bsum, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int64_t MT8 = 8;
+  const int64_t nb = K / QK, rb = Q4 ? K / 2 : K;
+  alignas(64) float d[MAX_BLOCKS], mins[MAX_BLOCKS];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; b += 16) {  // this row's scales (and minimums) as floats
+      const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+      _mm512_store_ps(d + b, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dh + n * nb + b)));
+      if constexpr (Q4) _mm512_store_ps(mins + b, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mh + n * nb + b)));
+    }
+    for (int64_t m = m0; m < m1; m += MT8) {
+      const float* xm = x + m * K;
+      const float* bs = Q4 ? bsum + m * nb : nullptr;
+      float* out = y + m * ldy + n;
+      switch (std::min<int64_t>(MT8, m1 - m)) {
+        case 1: dot_rows512<Q4, 1>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 2: dot_rows512<Q4, 2>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 3: dot_rows512<Q4, 3>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 4: dot_rows512<Q4, 4>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 5: dot_rows512<Q4, 5>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 6: dot_rows512<Q4, 6>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        case 7: dot_rows512<Q4, 7>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+        default: dot_rows512<Q4, 8>(xm, K, qs + n * rb, d, mins, bs, nb, out, ldy); break;
+      }
+    }
+  }
+}
+
+// Many token rows over weights already decoded to float32 (wbuf, NW rows of K): a register tile of NW
+// weight rows x R token rows, 16 columns at a time (R + NW loads feed NW*R FMAs; 32 registers allow 4x6).
+template <int NW, int R>
+inline void tile512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[NW][R];
+  for (int j = 0; j < NW; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * ldx + k);
+    for (int j = 0; j < NW; ++j) {
+      const __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
+    }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int r = 0; r < R; ++r) out[r * ldo + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+template <int NW>
+inline void tile512_rows(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t K, float* out,
+                         int64_t ldo) {
   switch (rows) {
-    case 1: return dot_rows512<Q4, 1>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 2: return dot_rows512<Q4, 2>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 3: return dot_rows512<Q4, 3>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 4: return dot_rows512<Q4, 4>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 5: return dot_rows512<Q4, 5>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 6: return dot_rows512<Q4, 6>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    case 7: return dot_rows512<Q4, 7>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
-    default: return dot_rows512<Q4, 8>(x, ldx, qs, d, mins, bsum, nb, out, ldo);
+    case 1: return tile512<NW, 1>(x, ldx, w, ldw, K, out, ldo);
+    case 2: return tile512<NW, 2>(x, ldx, w, ldw, K, out, ldo);
+    case 3: return tile512<NW, 3>(x, ldx, w, ldw, K, out, ldo);
+    case 4: return tile512<NW, 4>(x, ldx, w, ldw, K, out, ldo);
+    case 5: return tile512<NW, 5>(x, ldx, w, ldw, K, out, ldo);
+    default: return tile512<NW, 6>(x, ldx, w, ldw, K, out, ldo);
+  }
+}
+
+// The many-row part of a work item: token rows [m0, m1) against nw ≤ 8 weight rows decoded in wbuf [nw, K].
+inline void tiles_item512(const float* x, int64_t K, int64_t m0, int64_t m1, const float* wbuf, int64_t nw, float* y,
+                          int64_t ldy) {
+  constexpr int64_t TR6 = 6, TW4 = 4;
+  for (int64_t m = m0; m < m1; m += TR6) {
+    const int rows = static_cast<int>(std::min<int64_t>(TR6, m1 - m));
+    for (int64_t j = 0; j < nw; j += TW4) {
+      const float* wr = wbuf + j * K;
+      float* out = y + m * ldy + j;
+      const float* xm = x + m * K;
+      switch (std::min<int64_t>(TW4, nw - j)) {
+        case 1: tile512_rows<1>(xm, K, rows, wr, K, K, out, ldy); break;
+        case 2: tile512_rows<2>(xm, K, rows, wr, K, K, out, ldy); break;
+        case 3: tile512_rows<3>(xm, K, rows, wr, K, K, out, ldy); break;
+        default: tile512_rows<4>(xm, K, rows, wr, K, K, out, ldy); break;
+      }
+    }
   }
 }
 

@@ -24,6 +24,17 @@ from kvyard.tokenizer import TextTokenizer
 
 CPU = torch.device("cpu")
 
+
+def _block_layouts() -> list[str]:
+    """The layouts GGUF blocks are served in here: "rows" (float32 activations) everywhere the kernels
+    run, and "n16" (int16 activations) where the CPU has AVX-512 VNNI."""
+    from backend import kernels
+    module = kernels.load()
+    return [] if module is None else ["rows", "n16"] if module.has_vnni() else ["rows"]
+
+
+BLOCK_LAYOUTS = _block_layouts()
+
 # The SmolLM2 ChatML template rendered by hand for one user turn (the template's default system prompt).
 CHAT_TEMPLATE = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -82,6 +82,62 @@ def test_block_linear_matches_dense_linear(kind: str, rows: int, isa: str) -> No
     assert ((ops.linear(x, w).double() - ref.linear(x.double(), dense.double())).abs() <= rounding).all()
 
 
+needs_vnni = pytest.mark.skipif(not K.has_vnni(), reason="this CPU has no AVX-512 VNNI (int16 kernels)")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_n16_layout_holds_the_same_blocks(kind: str) -> None:
+    w = random_blocks(kind, 48, 544, seed=5)
+    w16 = w.to_n16()
+    assert w16.layout == "n16" and w16.shape == w.shape and w16.nbytes() == w.nbytes()
+    back = w16.to_rows()
+    assert torch.equal(back.qs, w.qs) and torch.equal(back.d, w.d)
+    assert torch.equal(w16.dequantize(), w.dequantize())
+    if K.has_vnni():  # the embedding lookup reads rows out of the groups
+        rows = torch.tensor([0, 15, 16, 47])
+        mins = w16.m if w16.m is not None else w16.d
+        assert torch.equal(K.dequant_rows(w16.qs, w16.d, mins, rows, kind == "q4_1"), w.dequantize()[rows])
+
+
+def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """|error| of rounding each 32 activations to int16 with scale max|x|/32767: at most half a step per
+    value, times the weights it meets; plus float32's rounding of the sums."""
+    rows, k = x.shape
+    step = x.abs().view(rows, k // 32, 32).amax(-1) / 32767  # [M, nb]
+    w_block = dense.abs().view(dense.shape[0], k // 32, 32).sum(-1)  # [N, nb]
+    return 0.5 * step.double() @ w_block.double().T * 1.001 + 2e-6 * (x.abs().double() @ dense.abs().double().T)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
+def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
+    w = random_blocks(kind, 80, 96 if rows % 2 else 544, seed=rows).to_n16()
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.shape[1], generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[0, :7] = 0.0  # an all-zero stretch inside a block, and (K=96) a block of one sign
+    bias, residual = torch.randn(80, generator=gen), torch.randn(rows, 80, generator=gen)
+    ops, ref = KernelOps(K), TorchOps()
+    want = ref.linear(x.double(), dense.double(), bias.double(), residual.double())
+    bound = int16_rounding_bound(x, dense) + 1e-6 * want.abs()
+    assert ((ops.linear(x, w, bias, residual).double() - want).abs() <= bound).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
+    """The dot products are exact integers and the float part one fixed chain per output: a row's
+    result does not depend on how many rows share the call (1 to 130, across every chunking)."""
+    w = random_blocks(kind, 96, 544, seed=9).to_n16()
+    x = torch.randn(130, 544, generator=torch.Generator().manual_seed(9))
+    ops = KernelOps(K)
+    batched = ops.linear(x, w)
+    for size in (1, 2, 5, 12, 17, 64, 65):
+        assert torch.equal(ops.linear(x[:size], w), batched[:size]), size
+    assert torch.equal(torch.cat([ops.linear(x[i:i + 1], w) for i in range(0, 130, 7)]), batched[::7])
+
+
 def test_rms_norm_and_silu_mul() -> None:
     x, w = torch.randn(7, 96) * 3, torch.randn(96)
     ops, ref = KernelOps(K), TorchOps()

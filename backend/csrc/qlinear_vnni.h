@@ -1,0 +1,131 @@
+// Linears with 16-bit integer activations on AVX-512 VNNI (vpdpwssd: 32 multiply-adds per instruction,
+// twice float32's 16), over weights re-laid in groups of 16 output rows ("n16", backend/quant.py):
+//   Q4_1: codes [G][nb][16 j][16 n] bytes: byte (j, n) holds row 16g+n's weights k=j (low nibble) and
+//         k=j+16 (high nibble) of block b; scales and minimums [G][nb][16] float16.
+//   Q8_0: codes [G][nb][16 j][16 n][2] int8: row n's weights k=j and k=j+16; scales [G][nb][16].
+// A vector lane is an output row, so a block's 16 j steps accumulate 16 outputs at once with no
+// horizontal sums, for one token row as for sixty.
+//
+// Activations are rounded per token row and 32-wide block to int16 with their own scale s = max|x| / 32767
+// (error ≤ s/2 per value: ~1.5e-5 of the block's largest), and keep their exact float sum S for Q4_1's
+// minimums. Per row r, output n and block b the dot product Σ q·x_q is an exact 32-bit integer; the float
+// part is one chain per lane, acc = fma(float(dot_b), d_b * s_b, acc) then acc = fma(m_b, S_b, acc) for
+// b = 0, 1, ... So an output has the same bits whatever else shares the batch and however the rows are
+// chunked: batches equal runs alone, and the fused decode step equals the op-by-op path.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace kvyard {
+
+constexpr int64_t G16 = 16;  // output rows per group: one 512-bit vector of float32 results
+
+inline bool cpu_has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// M token rows rounded to int16 per block: q [M][nb][16] (x_j in the low half of word j, x_{j+16} in the
+// high half), s [M][nb] scales, sum [M][nb] exact float sums.
+struct Int16Rows {
+  const int32_t* q;
+  const float* s;
+  const float* sum;
+  int64_t nb;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum) {
+  const int64_t nb = K / QK;
+  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QK;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      s[m * nb + b] = amax / 32767.f;
+      sum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
+      const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
+      const __m512i pairs = _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
+      _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
+    }
+}
+
+// Step j of a block: the 16 rows' weights k=j and k=j+16 as int16 pairs, one per 32-bit lane.
+template <bool Q4>
+inline __m512i group_weights(const uint8_t* codes, int64_t b, int64_t j) {
+  if constexpr (Q4) {
+    const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 16)));
+    return _mm512_and_si512(_mm512_or_si512(by, _mm512_slli_epi32(by, 12)), _mm512_set1_epi32(0x000F000F));
+  } else {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (b * 16 + j) * 32)));
+  }
+}
+
+// y[r, 0..15] for R token rows of x (rows of ldq words and lds scales) against one group of 16 rows.
+template <bool Q4, int R>
+inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mins, int64_t nb, const int32_t* xq,
+                         const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < 16; ++j) {
+      const __m512i w = group_weights<Q4>(codes, b, j);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 16)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
+    if constexpr (Q4) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * 16)));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * lds + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Token rows [m0, m1) against groups [g0, g1): a chunk of rows against each group in turn, so the chunk's
+// int16 rows stay in L1 while the groups' codes (a few KB each) stay in L1 across chunks. The chunk size
+// changes the speed, never the bits.
+template <bool Q4>
+void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
+                  int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
+  for (int64_t m = m0; m < m1;) {
+    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const int32_t* xq = x.q + m * ldq;
+    const float* xs = x.s + m * nb;
+    const float* xsum = x.sum + m * nb;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* codes = qs + g * nb * code_bytes;
+      const half_t* dg = d + g * nb * 16;
+      const half_t* mg = Q4 ? mins + g * nb * 16 : nullptr;
+      float* out = y + m * ldy + g * G16;
+      switch (rows) {
+        case 12: group_rows16<Q4, 12>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 8: group_rows16<Q4, 8>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 4: group_rows16<Q4, 4>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 3: group_rows16<Q4, 3>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 2: group_rows16<Q4, 2>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        default: group_rows16<Q4, 1>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+      }
+    }
+    m += rows;
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace kvyard

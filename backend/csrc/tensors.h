@@ -1,0 +1,63 @@
+// Torch tensors as the kernels see them: checks and raw views (weights, caches, activations).
+#pragma once
+#include <torch/extension.h>
+
+#include "qlinear.h"
+#include "simd.h"
+
+namespace kvyard {
+
+inline void check_cpu_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+inline void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == v_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "KV caches must be contiguous float32 or float16 CPU tensors");
+}
+
+// A cache tensor's rows as floats or float16 bits, for the templated kernels.
+template <typename F>
+inline void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
+  if (k_cache.scalar_type() == at::kHalf)
+    f(reinterpret_cast<half_t*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<half_t*>(v_cache.data_ptr<at::Half>()));
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
+
+// A weight's tensors as the kernels see them. Rows layout: qs [N, K/2 or K], d and mins [N, K/32].
+// n16 layout (qlinear_vnni.h): qs [G, K/32, 16, 16] (Q4_1) or [G, K/32, 16, 16, 2] (Q8_0), d and mins
+// [G, K/32, 16]; only where the CPU has AVX-512 VNNI.
+inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
+  TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() && qs.is_contiguous(),
+              "weights must be contiguous CPU tensors with float16 scales");
+  QMatrix w;
+  w.q4 = q4;
+  w.n16 = qs.dim() > 2;
+  if (w.n16) {
+    TORCH_CHECK(cpu_has_vnni(), "the n16 weight layout needs AVX-512 VNNI");
+    TORCH_CHECK(d.dim() == 3 && d.size(2) == G16 && qs.size(0) == d.size(0) && qs.size(1) == d.size(1) &&
+                qs.size(2) == 16 && qs.size(3) == G16 && qs.dim() == (q4 ? 4 : 5), "bad n16 weight shapes");
+    w.N = d.size(0) * G16;
+    w.K = d.size(1) * QK;
+  } else {
+    TORCH_CHECK(d.dim() == 2, "d must be [N, K/32]");
+    w.N = d.size(0);
+    w.K = d.size(1) * QK;
+    TORCH_CHECK(qs.dim() == 2 && qs.size(0) == w.N && qs.size(1) == w.row_bytes(), "bad codes shape");
+  }
+  TORCH_CHECK(w.K <= MAX_K, "rows of more than ", MAX_K, " weights are not supported");
+  if (q4) {
+    TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == d.sizes(),
+                "mins must be float16 and match d");
+  }
+  w.qs = static_cast<const uint8_t*>(qs.data_ptr());
+  w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
+  w.m = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  return w;
+}
+
+}  // namespace kvyard
