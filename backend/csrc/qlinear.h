@@ -290,7 +290,6 @@ inline void linear_item(const float* x, int64_t M, int64_t m0, int64_t m1, const
   // More rows: decode the item's weight rows once (w = d q + m), then register tiles of TW weight rows x
   // TR token rows over them.
   for (int64_t n = n0; n < n1; ++n) decode_row(w, n, wbuf + (n - n0) * K);
-  if (avx512_on()) return tiles_item512(x, K, m0, m1, wbuf, n1 - n0, y + n0, ldy);
   for (int64_t m = m0; m < m1; m += TR) {
     const int rows = static_cast<int>(std::min<int64_t>(TR, m1 - m));
     for (int64_t n = n0; n < n1; n += TW) {

@@ -114,58 +114,6 @@ void rows_item512(const float* x, int64_t K, int64_t m0, int64_t m1, const uint8
   }
 }
 
-// Many token rows over weights already decoded to float32 (wbuf, NW rows of K): a register tile of NW
-// weight rows x R token rows, 16 columns at a time (R + NW loads feed NW*R FMAs; 32 registers allow 4x6).
-template <int NW, int R>
-inline void tile512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
-  __m512 acc[NW][R];
-  for (int j = 0; j < NW; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * ldx + k);
-    for (int j = 0; j < NW; ++j) {
-      const __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
-      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
-    }
-  }
-  for (int j = 0; j < NW; ++j)
-    for (int r = 0; r < R; ++r) out[r * ldo + j] = _mm512_reduce_add_ps(acc[j][r]);
-}
-
-template <int NW>
-inline void tile512_rows(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t K, float* out,
-                         int64_t ldo) {
-  switch (rows) {
-    case 1: return tile512<NW, 1>(x, ldx, w, ldw, K, out, ldo);
-    case 2: return tile512<NW, 2>(x, ldx, w, ldw, K, out, ldo);
-    case 3: return tile512<NW, 3>(x, ldx, w, ldw, K, out, ldo);
-    case 4: return tile512<NW, 4>(x, ldx, w, ldw, K, out, ldo);
-    case 5: return tile512<NW, 5>(x, ldx, w, ldw, K, out, ldo);
-    default: return tile512<NW, 6>(x, ldx, w, ldw, K, out, ldo);
-  }
-}
-
-// The many-row part of a work item: token rows [m0, m1) against nw ≤ 8 weight rows decoded in wbuf [nw, K].
-inline void tiles_item512(const float* x, int64_t K, int64_t m0, int64_t m1, const float* wbuf, int64_t nw, float* y,
-                          int64_t ldy) {
-  constexpr int64_t TR6 = 6, TW4 = 4;
-  for (int64_t m = m0; m < m1; m += TR6) {
-    const int rows = static_cast<int>(std::min<int64_t>(TR6, m1 - m));
-    for (int64_t j = 0; j < nw; j += TW4) {
-      const float* wr = wbuf + j * K;
-      float* out = y + m * ldy + j;
-      const float* xm = x + m * K;
-      switch (std::min<int64_t>(TW4, nw - j)) {
-        case 1: tile512_rows<1>(xm, K, rows, wr, K, K, out, ldy); break;
-        case 2: tile512_rows<2>(xm, K, rows, wr, K, K, out, ldy); break;
-        case 3: tile512_rows<3>(xm, K, rows, wr, K, K, out, ldy); break;
-        default: tile512_rows<4>(xm, K, rows, wr, K, K, out, ldy); break;
-      }
-    }
-  }
-}
-
 // Σ x over each block of rows [m0, m1): bsum[m][b] (the minimums' share needs them).
 inline void block_sums512(const float* x, int64_t K, int64_t m0, int64_t m1, float* bsum) {
   const int64_t nb = K / QK;
