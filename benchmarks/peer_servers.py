@@ -117,7 +117,7 @@ def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
     while any(_busy(port + k) for k in (1, 5)):
         port = free_port()
     env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
-           "LOG_LEVEL": "WARNING", **env_overrides}
+           "LOG_LEVEL": "INFO", **env_overrides}
     log = open(CACHE / "kvyard-peer.log", "w")
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

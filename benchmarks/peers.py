@@ -1,30 +1,41 @@
 """kvyard against what a user would run instead, on the same GGUF, in one run (`make bench-peers`).
 
-    .venv/bin/python benchmarks/peers.py [--only kvyard,llama,hf] [--quick] [--json out.json]
+    .venv/bin/python benchmarks/peers.py [--rounds 3] [--only kvyard,llama,hf] [--quick] [--json out.json]
 
 Peers: llama.cpp's llama-server (built once from the llama-cpp-python sdist into ~/.cache/kvyard, see
 benchmarks/peer_servers.py; `-t 2 -np 32 -c 16384` for the streams, a one-slot server for the long
-prompt) and kvyard (`python -m kvyard`, PDFUSION) through the HTTP API with the
-official openai client, and transformers' `generate` in-process (float32, same weights). Servers run one
-at a time so they never share the two cores. Workloads:
-  single   one chat stream, sequential requests, 96 output tokens (ignore_eos), tok/s
-  agg@32   32 concurrent chat requests, aggregate tok/s
-  ttft     p50 latency of a ~1,000-token prompt with max_tokens=1 (distinct prompts: no cache hits)
-Prints tok/s, TTFT and the ratios the engine-speed issue sets as targets, and each server's resident MB.
+prompt) and kvyard (`python -m kvyard`, PDFUSION, defaults) through the HTTP API with the official openai
+client, and transformers' `generate` in-process (float32, same weights).
+
+These shared 2-core machines drift by tens of percent within minutes, so the servers are measured side
+by side: all of them are started first (an idle server takes no CPU), then each round drives one server
+at a time through every workload, alternating which goes first; the table shows each server's median
+over the rounds and the spread of the per-round ratios. transformers runs after the servers have stopped.
+Workloads:
+  single   one chat request at a time ("Tell me a long story about robot number i."), 96 output tokens
+           (ignore_eos, temperature 0.8), 3 requests: tok/s, first token included
+  itl      the same streamed (SSE): inter-token latency p50, ms
+  agg@32   32 concurrent requests of the same kind: aggregate tok/s
+  ttft     a ~1,000-token prompt with max_tokens=1 (distinct prompts: no cache hits), machine otherwise
+           idle: latency p50, ms
+Prints resident memory too: kvyard's own account (before/after the weights, with the KV cache) and each
+server's resident size after the run.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer_servers import kvyard_server, llama_server, tree_rss_mb  # noqa: E402
+from peer_servers import CACHE, kvyard_server, llama_server, tree_rss_mb  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
 OUT_TOKENS = 96
@@ -35,7 +46,7 @@ def story(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Tell me a long story about robot number {i}."}]
 
 
-def chat_tokens(client, model: str, messages: list[dict[str, str]], max_tokens: int) -> int:
+def chat_tokens(client, model: str, messages: list[dict[str, str]], max_tokens: int) -> int:  # type: ignore[no-untyped-def]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.8,
                                        extra_body={"ignore_eos": True})
     return r.usage.completion_tokens
@@ -49,36 +60,47 @@ def client_for(base_url: str):  # type: ignore[no-untyped-def]
     return client, model
 
 
-def measure_streams(base_url: str, n_single: int, concurrency: int) -> dict[str, float]:
-    client, model = client_for(base_url)
+def measure_single(client, model: str, n: int, offset: int) -> float:  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    tokens = sum(chat_tokens(client, model, story(i), OUT_TOKENS) for i in range(1, n_single + 1))
-    single = tokens / (time.perf_counter() - t0)
+    tokens = sum(chat_tokens(client, model, story(offset + i), OUT_TOKENS) for i in range(n))
+    return tokens / (time.perf_counter() - t0)
 
+
+def measure_itl(client, model: str, offset: int) -> float:  # type: ignore[no-untyped-def]
+    """p50 gap between streamed chunks that carry text, over one 96-token stream."""
+    stamps = []
+    stream = client.chat.completions.create(model=model, messages=story(offset), max_tokens=OUT_TOKENS,
+                                            temperature=0.8, stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+    return 1000 * statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def measure_agg(client, model: str, concurrency: int, offset: int) -> float:  # type: ignore[no-untyped-def]
     with ThreadPoolExecutor(concurrency) as pool:
         t0 = time.perf_counter()
-        tokens = sum(pool.map(lambda i: chat_tokens(client, model, story(100 + i), OUT_TOKENS), range(concurrency)))
-        agg = tokens / (time.perf_counter() - t0)
-    return {"single": single, "agg": agg}
+        tokens = sum(pool.map(lambda i: chat_tokens(client, model, story(offset + i), OUT_TOKENS), range(concurrency)))
+        return tokens / (time.perf_counter() - t0)
 
 
-def measure_ttft(base_url: str, n_ttft: int) -> dict[str, float]:
-    client, model = client_for(base_url)
-    ttft = []
-    for i in range(n_ttft):
+def measure_ttft(client, model: str, n: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    ttft, prompt_tokens = [], 0
+    for i in range(n):
         prompt = f"Document {i} of {time.time_ns()}.\n{LONG_TEXT}\n{LONG_TEXT[:1200]}\nSummarise document {i}."
         t0 = time.perf_counter()
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=1, temperature=0)
         ttft.append(time.perf_counter() - t0)
-    return {"ttft_ms": 1000 * statistics.median(ttft), "prompt_tokens": r.usage.prompt_tokens}
+        prompt_tokens = r.usage.prompt_tokens
+    return 1000 * statistics.median(ttft), prompt_tokens
 
 
 def measure_transformers(gguf: Path, n_single: int, concurrency: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok.padding_side = "left"
 
     def run(batch: list[int]) -> float:
@@ -95,66 +117,97 @@ def measure_transformers(gguf: Path, n_single: int, concurrency: int) -> dict[st
     return {"single": single, "agg": run(list(range(100, 100 + concurrency)))}
 
 
-def report(res: dict[str, dict[str, float]], concurrency: int) -> None:
-    kv, ll, hf = res.get("kvyard", {}), res.get("llama", {}), res.get("hf", {})
+def kvyard_memory_line() -> str:
+    """What the backend logged about its resident memory (backend/main.py)."""
+    log = (CACHE / "kvyard-peer.log").read_text(errors="replace")
+    found = re.findall(r"resident: (.*)", log)
+    return found[-1] if found else "(not logged)"
 
-    def cell(d: dict[str, float], key: str, fmt: str = "{:.1f}") -> str:
-        return fmt.format(d[key]) if key in d else "—"
 
-    def ratio(a: dict[str, float], b: dict[str, float], key: str, target: float, lower_is_better: bool = False) -> str:
-        if key not in a or key not in b:
+def report(samples: dict[str, dict[str, list[float]]], hf: dict[str, float], concurrency: int) -> None:
+    kv, ll = samples.get("kvyard", {}), samples.get("llama", {})
+
+    def med(d: dict[str, list[float]], key: str) -> float | None:
+        return statistics.median(d[key]) if d.get(key) else None
+
+    def cell(v: float | None) -> str:
+        return "—" if v is None else f"{v:.1f}"
+
+    def ratio(key: str, target: float, lower_is_better: bool) -> str:
+        a, b = med(kv, key), med(ll, key)
+        if a is None or b is None:
             return "—"
-        r = a[key] / b[key]
+        r = a / b
+        per_round = [x / y for x, y in zip(kv[key], ll[key])]
         ok = r <= target if lower_is_better else r >= target
-        return f"{r:.2f}x {'met' if ok else 'MISSED'} ({'<=' if lower_is_better else '>='}{target})"
+        return (f"{r:.2f}x {'met' if ok else 'MISSED'} ({'<=' if lower_is_better else '>='}{target}; "
+                f"rounds {min(per_round):.2f}-{max(per_round):.2f})")
 
-    rows = [("single stream tok/s", "single", 1.0, 1.5, False),
-            (f"agg@{concurrency} tok/s", "agg", 2.0, 1.5, False),
-            ("TTFT p50 ~1k-token prompt, ms", "ttft_ms", 1.0, None, True)]
-    print(f"\n{'workload':34} {'kvyard':>9} {'llama-server':>13} {'transformers':>13}   kvyard/llama               kvyard/transformers")
-    for name, key, t_llama, t_hf, lower in rows:
-        print(f"{name:34} {cell(kv, key):>9} {cell(ll, key):>13} {cell(hf, key):>13}   "
-              f"{ratio(kv, ll, key, t_llama, lower):26} {ratio(kv, hf, key, t_hf) if t_hf else '—'}")
-    for name, d in (("kvyard", kv), ("llama-server", ll)):
-        if "rss_mb" in d:
-            print(f"{name} resident after the run: {d['rss_mb']:.0f} MB ({d.get('rss_detail', '')})")
-    if "prompt_tokens" in kv:
-        print(f"TTFT prompt: {kv['prompt_tokens']:.0f} tokens (kvyard's count)")
+    rows = [("single stream tok/s", "single", 1.0, False, "single"),
+            ("single stream ITL p50 ms (SSE)", "itl", 1.0, True, None),
+            (f"agg@{concurrency} tok/s", "agg", 2.0, False, "agg"),
+            ("TTFT p50 ~1k-token prompt, ms", "ttft", 1.0, True, None)]
+    n = max((len(v) for d in samples.values() for v in d.values()), default=0)
+    print(f"\nmedians over {n} rounds")
+    print(f"{'workload':32} {'kvyard':>8} {'llama-server':>13} {'transformers':>13}   "
+          f"{'kvyard/llama (target; per-round range)':44} kvyard/transformers")
+    for name, key, target, lower, hf_key in rows:
+        hf_val = hf.get(hf_key) if hf_key else None
+        kv_val = med(kv, key)
+        vs_hf = f"{kv_val / hf_val:.2f}x {'met' if kv_val / hf_val >= 1.5 else 'MISSED'} (>=1.5)" \
+            if kv_val is not None and hf_val else "—"
+        print(f"{name:32} {cell(kv_val):>8} {cell(med(ll, key)):>13} {cell(hf_val):>13}   "
+              f"{ratio(key, target, lower):44} {vs_hf}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="kvyard,llama,hf")
-    ap.add_argument("--quick", action="store_true", help="fewer requests, agg@8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one round, fewer requests, agg@8")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     only = set(args.only.split(","))
+    rounds = 1 if args.quick else args.rounds
     n_single, concurrency, n_ttft = (1, 8, 2) if args.quick else (3, 32, 5)
     gguf = embedded_model_path()
-    res: dict[str, dict[str, float]] = {}
-    if "llama" in only:
-        with llama_server(gguf) as (url, pid):
-            loaded = sum(tree_rss_mb(pid).values())
-            res["llama"] = measure_streams(url, n_single, concurrency)
-            res["llama"]["rss_detail"] = f"{loaded:.0f} MB right after load"  # type: ignore[assignment]
-            res["llama"]["rss_mb"] = sum(tree_rss_mb(pid).values())
-        with llama_server(gguf, slots=1, context=4096) as (url, pid):
-            res["llama"].update(measure_ttft(url, n_ttft))
-        print("llama-server:", res["llama"], flush=True)
-    if "kvyard" in only:
-        with kvyard_server({}) as (url, pid):
-            loaded = max(tree_rss_mb(pid).values())  # the backend: the largest of the launcher's processes
-            res["kvyard"] = measure_streams(url, n_single, concurrency)
-            res["kvyard"].update(measure_ttft(url, n_ttft))
-            res["kvyard"]["rss_mb"] = max(tree_rss_mb(pid).values())
-            res["kvyard"]["rss_detail"] = f"backend process; {loaded:.0f} MB right after load"  # type: ignore[assignment]
-        print("kvyard:", res["kvyard"], flush=True)
-    if "hf" in only:
-        res["hf"] = measure_transformers(gguf, n_single, concurrency)
-        print("transformers:", res["hf"], flush=True)
-    report(res, concurrency)
+    samples: dict[str, dict[str, list[float]]] = {}
+    extra: dict[str, str] = {}
+    with ExitStack() as stack:
+        servers: dict[str, tuple] = {}
+        if "llama" in only:
+            url, pid = stack.enter_context(llama_server(gguf))
+            ttft_url, _ = stack.enter_context(llama_server(gguf, slots=1, context=4096))
+            servers["llama"] = (client_for(url), client_for(ttft_url), pid)
+        if "kvyard" in only:
+            url, pid = stack.enter_context(kvyard_server({}))
+            kv_client = client_for(url)
+            servers["kvyard"] = (kv_client, kv_client, pid)
+            extra["kvyard memory"] = kvyard_memory_line()
+        names = list(servers)
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                (client, model), (ttft_client, ttft_model), _ = servers[name]
+                got = samples.setdefault(name, {})
+                got.setdefault("single", []).append(measure_single(client, model, n_single, 1 + 10 * r))
+                got.setdefault("itl", []).append(measure_itl(client, model, 5 + 10 * r))
+                got.setdefault("agg", []).append(measure_agg(client, model, concurrency, 100 + 100 * r))
+                ttft, prompt_tokens = measure_ttft(ttft_client, ttft_model, n_ttft)
+                got.setdefault("ttft", []).append(ttft)
+                extra["TTFT prompt"] = f"{prompt_tokens} tokens ({name}'s count)"
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()), flush=True)
+        for name, (_, _, pid) in servers.items():
+            rss = tree_rss_mb(pid)
+            extra[f"{name} resident after the run"] = (f"{max(rss.values()):.0f} MB largest process "
+                                                       f"({sum(rss.values()):.0f} MB all {len(rss)})")
+    hf = measure_transformers(gguf, n_single, concurrency) if "hf" in only else {}
+    if hf:
+        print("transformers:", {k: round(v, 1) for k, v in hf.items()}, flush=True)
+    report(samples, hf, concurrency)
+    for key, value in extra.items():
+        print(f"{key}: {value}")
     if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
+        args.json.write_text(json.dumps({"samples": samples, "transformers": hf, "extra": extra}, indent=2))
 
 
 if __name__ == "__main__":
