@@ -1,13 +1,13 @@
-"""Where a decode step's time goes: the model's ops timed one by one at batch 1/8/32 (context 300).
+"""Where a decode step's time goes, phase by phase, at batch 1/8/32 (context 300), as `make run` serves.
 
-    .venv/bin/python benchmarks/step_profile.py [--batches 1,8,32] [--ctx 300]
+    .venv/bin/python benchmarks/step_profile.py [--batches 1,8,32] [--ctx 300] [--activations auto|float32]
 
-Prints ms per step for each op kind of backend/ops.py (summed over the 30 layers), with the serving
-format make run uses (GGUF blocks + C++ kernels on an AVX2 CPU)."""
+A decode-only step runs in one C++ call (backend/csrc/decode_step.h); its phase timer sums thread 0's time
+between the barriers that separate the ops (waiting for the other thread included), summed over the 30
+layers. Prints ms per step for each phase, and the time outside them (Python, the runner's tensors)."""
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend import kernels  # noqa: E402
 from backend.attention import KVCache  # noqa: E402
 from backend.model import LlamaModel  # noqa: E402
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner  # noqa: E402
@@ -23,47 +24,48 @@ from backend.weights import load_weights  # noqa: E402
 from kvyard.model_config import load_model_config  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
-OPS = ("embed", "rms_norm", "linear", "rope_store", "attention", "silu_mul")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=300)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kv-dtype", default="float16", choices=("float32", "float16"))  # the serving default: float16
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--activations", default="auto", choices=("auto", "float32"),
+                    help="auto: int16 where the CPU has AVX-512 VNNI (the serving default), else float32")
     args = ap.parse_args()
+    module = kernels.load()
+    if module is None:
+        sys.exit("the C++ kernels are unavailable here: nothing to profile")
+    int16 = args.activations == "auto" and module.has_vnni()
     path = embedded_model_path()
     config = load_model_config(path)
-    model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True))
-    spent: collections.Counter[str] = collections.Counter()
-    for name in OPS:
-        fn = getattr(model.ops, name)
-
-        def timed(*a, _fn=fn, _name=name, **k):  # type: ignore[no-untyped-def]
-            t0 = time.perf_counter()
-            out = _fn(*a, **k)
-            spent[_name] += time.perf_counter() - t0
-            return out
-        setattr(model.ops, name, timed)
-    print(f"ops: {type(model.ops).__name__}, {torch.get_num_threads()} threads, context {args.ctx}")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7}  " + " ".join(f"{n:>10}" for n in OPS) + f" {'other':>7}")
+    model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True,
+                                            block_layout="n16" if int16 else "rows"))
+    if model.fused is None:
+        sys.exit("no fused decode step for these weights")
+    print(f"{torch.get_num_threads()} threads, {'int16' if int16 else 'float32'} activations, float16 KV cache, "
+          f"context {args.ctx}; ms per step")
+    names = None
     for batch in (int(b) for b in args.batches.split(",")):
         nblk = args.ctx // 16 + 2
-        cache = KVCache(config.num_layers, batch * nblk, 16, config.num_kv_heads, config.head_dim,
-                        getattr(torch, args.kv_dtype), torch.device("cpu"))
+        cache = KVCache(config.num_layers, batch * nblk, 16, config.num_kv_heads, config.head_dim, torch.float16,
+                        torch.device("cpu"))
         runner = ModelRunner(model, cache)
         chunks = [DirectChunk(DirectSeq([1] * (args.ctx + 1), list(range(b * nblk, (b + 1) * nblk))), args.ctx, 1)
                   for b in range(batch)]
         runner.run(chunks)
-        spent.clear()
+        model.fused.set_profiling(True)
         t0 = time.perf_counter()
         for _ in range(args.reps):
             runner.run(chunks)
         step = (time.perf_counter() - t0) / args.reps * 1000
-        parts = {n: spent[n] / args.reps * 1000 for n in OPS}
-        print(f"{batch:>5} {step:>8.1f} {batch / step * 1000:>7.0f}  " + " ".join(f"{parts[n]:>10.1f}" for n in OPS)
-              + f" {step - sum(parts.values()):>7.1f}")
+        phases = {k: v / args.reps * 1000 for k, v in model.fused.profile().items()}
+        model.fused.set_profiling(False)
+        if names is None:
+            names = sorted(phases, key=lambda k: -phases[k])
+            print(f"{'batch':>5} {'step':>6} {'tok/s':>6}  " + " ".join(f"{n:>10}" for n in names) + f" {'outside':>8}")
+        print(f"{batch:>5} {step:>6.1f} {batch / step * 1000:>6.0f}  " + " ".join(f"{phases[n]:>10.2f}" for n in names)
+              + f" {step - sum(phases.values()):>8.2f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 // one call; sampling.h: greedy and temperature draws). This file checks the tensors, spreads the work over at::parallel_for and binds the ops.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <vector>
@@ -224,5 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>>())
-      .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>());
+      .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>())
+      .def("set_profiling", &FusedDecoder::set_profiling, "time each phase of every step from now on (resets)")
+      .def("profile", &FusedDecoder::profile, "seconds per phase since set_profiling(True)");
 }

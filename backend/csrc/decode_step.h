@@ -8,6 +8,10 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <iterator>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "layer_ops.h"
@@ -37,6 +41,10 @@ struct ThreadScratch {
 class FusedDecoder {
  public:
   static constexpr int64_t TENSORS_PER_LAYER = 15;
+  // Where a step's time goes (benchmarks/step_profile.py): thread 0's time between barriers, summed.
+  enum Phase { EMBED, NORM, QKV, ROPE_STORE, ATTENTION, O, GATE_UP, SILU, DOWN, LM_HEAD, PHASES };
+  static constexpr const char* PHASE_NAMES[PHASES] = {"embed", "rms_norm", "qkv", "rope_store", "attention",
+                                                      "o", "gate_up", "silu_mul", "down", "lm_head"};
 
   // tensors: embed (qs, d, m), norm, lm_head (qs, d, m), then per layer attn_norm, qkv (qs, d, m), qkv_bias,
   // o (qs, d, m), ffn_norm, gate_up (qs, d, m), down (qs, d, m). m and qkv_bias: empty when absent (Q8_0
@@ -127,18 +135,22 @@ class FusedDecoder {
       {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         ThreadScratch& sc = scratch_[tid];
+        if (profiling_ && tid == 0) last_mark_ = omp_get_wtime();
         int64_t b0, b1;
         split_range(B, tid, nt, b0, b1);
         for (int64_t b = b0; b < b1; ++b) decode_row(embed_, ip[b], x_.data() + b * D_);
 #pragma omp barrier
+        mark(tid, EMBED);
         for (int64_t l = 0; l < L; ++l) {
           const LayerWeights& w = layers_[l];
           T* kc = kc0 + l * layer_stride;
           T* vc = kc + S * Hkv_ * d_;
           for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.attn_norm, D_, eps_, h_.data() + b * D_);
 #pragma omp barrier
+          mark(tid, NORM);
           linear(h_.data(), B, w.qkv, w.qkv_bias, qkv_.data(), nullptr, sc, tid, nt);
 #pragma omp barrier
+          mark(tid, QKV);
           for (int64_t b = b0; b < b1; ++b) {
             const float* c = cos.data_ptr<float>() + pp[b] * (d_ / 2);
             const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
@@ -147,28 +159,38 @@ class FusedDecoder {
                            sc.krot.data());
           }
 #pragma omp barrier
+          mark(tid, ROPE_STORE);
           int64_t i0, i1;
           split_range(B * Hkv_, tid, nt, i0, i1);
           for (int64_t i = i0; i < i1; ++i)
             attend(d_, q_.data(), kc, vc, tp, nblk, block_size, H_, Hkv_, i / Hkv_, i % Hkv_, lp[i / Hkv_],
                    scale_, attn_.data(), sc.attention);
 #pragma omp barrier
+          mark(tid, ATTENTION);
           linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
+          mark(tid, O);
           for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.ffn_norm, D_, eps_, h_.data() + b * D_);
 #pragma omp barrier
+          mark(tid, NORM);
           linear(h_.data(), B, w.gate_up, nullptr, gu_.data(), nullptr, sc, tid, nt);
 #pragma omp barrier
+          mark(tid, GATE_UP);
           silu(B, F2 / 2, tid, nt);
 #pragma omp barrier
+          mark(tid, SILU);
           linear(act_.data(), B, w.down, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
+          mark(tid, DOWN);
         }
         int64_t r0, r1;
         split_range(R, tid, nt, r0, r1);
         for (int64_t r = r0; r < r1; ++r) rms_norm_row(x_.data() + rp[r] * D_, norm_, D_, eps_, h_.data() + r * D_);
 #pragma omp barrier
+        mark(tid, NORM);
         linear(h_.data(), R, lm_head_, nullptr, logits.data_ptr<float>(), nullptr, sc, tid, nt);
+#pragma omp barrier
+        mark(tid, LM_HEAD);
       }
     };
     if (cache.scalar_type() == at::kHalf) run(reinterpret_cast<half_t*>(cache.data_ptr<at::Half>()));
@@ -176,7 +198,26 @@ class FusedDecoder {
     return logits;
   }
 
+  // On: every step adds its phases' seconds to profile(); off (the default): one branch per barrier.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    std::fill(std::begin(phase_s_), std::end(phase_s_), 0.0);
+  }
+
+  std::map<std::string, double> profile() const {
+    std::map<std::string, double> out;
+    for (int p = 0; p < PHASES; ++p) out[PHASE_NAMES[p]] = phase_s_[p];
+    return out;
+  }
+
  private:
+  void mark(int tid, Phase phase) {
+    if (!profiling_ || tid != 0) return;
+    const double now = omp_get_wtime();
+    phase_s_[phase] += now - last_mark_;
+    last_mark_ = now;
+  }
+
   QMatrix matrix(size_t i) const {
     const at::Tensor &qs = tensors_[i], &d = tensors_[i + 1], &m = tensors_[i + 2];
     return as_matrix(qs, d, m, m.numel() > 0);
@@ -244,6 +285,9 @@ class FusedDecoder {
   std::vector<float> x_, h_, tmp_, qkv_, q_, attn_, gu_, act_;  // [B, ...] activations of the step
   std::vector<float> input_;  // a linear's prepared input (block sums or int16 rows), shared by the team
   std::vector<ThreadScratch> scratch_;
+  bool profiling_ = false;
+  double phase_s_[PHASES] = {};
+  double last_mark_ = 0.0;
 };
 
 }  // namespace kvyard
