@@ -30,6 +30,7 @@ class StubServicer(pb_grpc.ModelRpcServiceServicer):
         self.error = error
         self.requests: list[pb.GenerateInputPB] = []
         self.cancelled = 0
+        self.cancelled_ids: list[str] = []  # request ids of the streams that stopped early
         # Load reports (GetWorkerStatus / GetCacheStatus); tests change them at any time.
         self.status: pb.WorkerStatusPB = sane_status()
         self.cached_keys: set[int] = set()
@@ -74,6 +75,7 @@ class StubServicer(pb_grpc.ModelRpcServiceServicer):
             # (parked at a yield): either way the stream stopped early.
             if not finished:
                 self.cancelled += 1
+                self.cancelled_ids.append(request.request_id)
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
                               context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
