@@ -1,6 +1,7 @@
 """kvyard against what a user would run instead, on the same GGUF, in one run (`make bench-peers`).
 
-    .venv/bin/python benchmarks/peers.py [--rounds 3] [--only kvyard,llama,hf] [--quick] [--json out.json]
+    .venv/bin/python benchmarks/peers.py [--rounds 3] [--only kvyard,llama,hf] [--kvyard-env KEY=VALUE ...]
+                                         [--quick] [--json out.json]
 
 Peers: llama.cpp's llama-server (built once from the llama-cpp-python sdist into ~/.cache/kvyard, see
 benchmarks/peer_servers.py; `-t 2 -np 32 -c 16384` for the streams, a one-slot server for the long
@@ -124,6 +125,12 @@ def kvyard_memory_line() -> str:
     return found[-1] if found else "(not logged)"
 
 
+def kvyard_settings_line() -> str:
+    """The backend's account of its weights and activations (backend/main.py)."""
+    found = re.findall(r"kvyard.backend: weights: (.*)", (CACHE / "kvyard-peer.log").read_text(errors="replace"))
+    return found[-1] if found else "(not logged)"
+
+
 def report(samples: dict[str, dict[str, list[float]]], hf: dict[str, float], concurrency: int) -> None:
     kv, ll = samples.get("kvyard", {}), samples.get("llama", {})
 
@@ -165,8 +172,11 @@ def main() -> None:
     ap.add_argument("--only", default="kvyard,llama,hf")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round, fewer requests, agg@8")
+    ap.add_argument("--kvyard-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for kvyard's role processes, e.g. ACTIVATIONS=float32")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    kvyard_env = dict(kv.split("=", 1) for kv in args.kvyard_env)
     only = set(args.only.split(","))
     rounds = 1 if args.quick else args.rounds
     n_single, concurrency, n_ttft = (1, 8, 2) if args.quick else (3, 32, 5)
@@ -180,10 +190,11 @@ def main() -> None:
             ttft_url, _ = stack.enter_context(llama_server(gguf, slots=1, context=4096))
             servers["llama"] = (client_for(url), client_for(ttft_url), pid)
         if "kvyard" in only:
-            url, pid = stack.enter_context(kvyard_server({}))
+            url, pid = stack.enter_context(kvyard_server(kvyard_env))
             kv_client = client_for(url)
             servers["kvyard"] = (kv_client, kv_client, pid)
             extra["kvyard memory"] = kvyard_memory_line()
+            extra["kvyard settings"] = kvyard_settings_line() + (f" ({', '.join(args.kvyard_env)})" if kvyard_env else "")
         names = list(servers)
         for r in range(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
