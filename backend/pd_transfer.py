@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from backend.attention import KVCache
+from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.engine_types import GenerationRequest, ImportPlan, KVLayout, TokenOutput
@@ -186,7 +187,8 @@ async def _expect(call: grpc.aio.StreamStreamCall, field: str) -> pb.RemoteDecod
 # ---- decode side -----------------------------------------------------------------------------
 
 async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferPB], eos: frozenset[int],
-                        max_model_len: int) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
+                        max_model_len: int, grammars: GrammarCompiler | None = None
+                        ) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
     request_id = ""
     plan: ImportPlan | None = None
     submitted = False
@@ -197,6 +199,12 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
         h = first.header
         request_id = h.request_id
         req, prompt_len = _decode_request(loop, h, eos, max_model_len)
+        # A constraint travels in generate_config: our own grammar state, past the first token the prefill
+        # side sampled under it, before any step of ours samples the second.
+        await compile_constraint(grammars, req)
+        if req.grammar is not None and not req.grammar.advance(h.first_token):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prefill side's first token {h.first_token} does "
+                               f"not follow the constraint: {req.grammar.error}")
         plan = await loop.call(lambda engine: engine.plan_import(req, prompt_len),
                                undo=lambda engine, p: p and engine.drop_import(p))
         if plan is None:

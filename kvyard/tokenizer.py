@@ -224,6 +224,10 @@ class TextTokenizer:
             raise ValueError(f"token id {token_id} has no piece")
         return piece
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (what grammar libraries such as llguidance build their token tables from)."""
+        return self._parse.to_str()
+
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, e.g. to turn a GGUF's tokenizer into a Hugging Face tokenizer dir."""
         self._parse.save(str(path))
