@@ -10,12 +10,17 @@ before the backend is called.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from frontend.protocol import ChatCompletionRequest, GuidedDecoding, NamedToolChoice
 from kvyard.constraint import JSON_STYLE, Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ToolParser
+
+# Every field that asks for a constraint. Dialects that take none (/generate, LMTP) refuse them rather
+# than answer unconstrained text.
+CONSTRAINT_FIELDS = frozenset(GuidedDecoding.model_fields)
 
 # Where a JSON schema nests schemas (everything else in it is data or annotations).
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -65,6 +70,14 @@ def chat_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> Con
     constraint = Constraint(ConstraintKind.LARK, parser.calls_grammar(calls, parallel, answer))
     _check(constraint, "tools")
     return constraint
+
+
+def refuse_constraints(names: Iterable[str], dialect: str) -> None:
+    """Raises RequestError(INVALID_ARGUMENT) when any of `names` asks for a constraint `dialect` cannot apply."""
+    asked = sorted(CONSTRAINT_FIELDS.intersection(names))
+    if asked:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{dialect} takes no constraints ({', '.join(asked)}): use "
+                           "/v1/completions, /v1/chat/completions or POST / for structured outputs", asked[0])
 
 
 def _given(req: GuidedDecoding) -> list[str]:
