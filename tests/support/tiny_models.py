@@ -249,9 +249,11 @@ def save_hf_dir(tiny: TinyModel, path: Path, *, max_shard_size: str | None = Non
     return path
 
 
-# GGUF tensor types of the layers, by role: exactly convertible to the kernels' blocks.
-CONVERTIBLE_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
-                     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
+# GGUF tensor types of the layers, by role: served as they are, or converted exactly (Q4_0 → Q4_1).
+EXACT_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
+               "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q8_0"}
+# ... Q4_K → Q4_1: the same codes, the scale products rounded to float16.
+Q4_K_TYPES = {**EXACT_TYPES, "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "attn_output": "Q4_K"}
 # ... and requantized to Q8_0 at load (and q/k/v mixed, so the fused qkv goes Q8_0 too).
 REQUANTIZED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q6_K", "attn_output": "F16",
                      "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "BF16", "token_embd": "Q6_K", "output": "F32"}
