@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,8 @@ class TextTokenizer:
         self.chat_template: str | None = chat_templates.get("default")
         self.add_bos_token = add_bos_token
         self.special_token_ids = special_token_ids
+        # SentencePiece-style pieces ('▁word', '<0xE4>') rather than byte-level ones ('Ġword').
+        self._spm = isinstance(tokenizer.model, models.BPE) and bool(tokenizer.model.byte_fallback)
         # Ids that end generation: eos, plus the model's end-of-turn ids (Llama 3's <|eot_id|>, <|eom_id|>;
         # a Hugging Face directory's generation_config.json eos_token_id list).
         self.stop_token_ids: frozenset[int] = stop_token_ids | frozenset(
@@ -255,9 +258,43 @@ class TextTokenizer:
             raise ValueError(f"token id {token_id} has no piece")
         return piece
 
+    def token_id(self, piece: str) -> int | None:
+        """The id of a vocabulary piece (e.g. "<|eot_id|>"), or None when the vocabulary lacks it."""
+        return self._parse.token_to_id(piece)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, when its piece spells them: a byte-level piece ('Ġworld'), a
+        SentencePiece one ('▁world', '<0xE4>'). None for special tokens and pieces that spell no bytes."""
+        piece = self.id_to_piece(token_id)
+        if token_id in self.special_token_ids:
+            return None
+        if self._spm:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    return None
+            return piece.replace("\u2581", " ").encode("utf-8")
+        table = _byte_level_alphabet()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return None
+
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, e.g. to turn a GGUF's tokenizer into a Hugging Face tokenizer dir."""
         self._parse.save(str(path))
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = dict.fromkeys(printable), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c if c is not None else b): b for b, c in chars.items()}
 
 
 def _opt_int(value: Any) -> int | None:
