@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from renderers.llama3 import LLAMA3_TEMPLATE  # the Llama 3 header format, as a model would ship it
+
 # ---- text -------------------------------------------------------------------------------------------
 
 _PIECES = [
@@ -154,16 +156,12 @@ def save_hf_tokenizer(spec: TokenizerSpec, path: Path, chat_template: str | None
 
 # ---- chat templates (written here for the tests; each family's turn format) -------------------------
 
-LLAMA3_TEMPLATE = (
-    "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] | trim }}<|eot_id|>{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
 CHATML_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MISTRAL_TEMPLATE = (
-    "{{- bos_token }}{%- for m in messages %}{%- if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-    "{%- else %}{{ m['content'] }}{{ eos_token }}{%- endif %}{%- endfor %}")
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
