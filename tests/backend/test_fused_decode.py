@@ -16,7 +16,7 @@ from backend.ops import TorchOps
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig
 from tests.backend.conftest import BLOCK_LAYOUTS, CPU
-from tests.backend.test_kernels import random_blocks
+from tests.backend.test_kernels import isa, random_blocks  # noqa: F401  (isa: a fixture)
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unavailable")
 
@@ -117,10 +117,10 @@ def test_fused_step_with_a_sliding_window(rows: int, layout: str) -> None:
 
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
-def test_fused_step_against_the_reference_ops(layout: str, window: int) -> None:
+def test_fused_step_against_the_reference_ops(layout: str, window: int, isa: str) -> None:
     """And against plain PyTorch over the dequantized weights, within float32 rounding (int16
     activations: within their rounding, 4e-4 of the logits here); with a window, against the
-    gathered-SDPA path's mask."""
+    gathered-SDPA path's mask; on the 256-bit and the AVX-512 attention passes."""
     model = tiny_qwen2_like(seed=3, layout=layout, window=window)
     dense = {k: v.dequantize() if hasattr(v, "dequantize") else v for k, v in model.w.items()}
     reference = LlamaModel(model.config, dense, ops=TorchOps())
