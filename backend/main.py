@@ -43,6 +43,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     model_cfg = load_model_config(cfg.checkpoint_path)
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
     before = resident_mb()
+    reset_peak_resident()  # reading the GGUF's vocabulary above peaks higher than the weights of a small model
     weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf",
                            block_layout="n16" if cfg.activations == "int16" else "rows")
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
@@ -72,15 +73,31 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
 
 def resident_mb() -> float:
     """This process's resident set now (Linux; 0 elsewhere)."""
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return 0.0
-    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS")), 0.0)
+    return _status_mb("VmRSS") or 0.0
 
 
 def peak_resident_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    """This process's most resident memory since it started or since reset_peak_resident(). VmHWM, not
+    ru_maxrss: that one carries over the parent's peak through fork and exec (a backend started by a
+    launcher that had loaded torch would report the launcher's size)."""
+    return _status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def _status_mb(key: str) -> float | None:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith(key + ":")), None)
+
+
+def reset_peak_resident() -> None:
+    """Start peak_resident_mb() over from the resident set now (Linux: clear_refs 5 resets the high-water
+    mark); elsewhere the peak keeps counting from the start, an upper bound."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfig) -> T:
