@@ -39,6 +39,9 @@ log = logging.getLogger("kvyard.weights")
 
 Tensor = torch.Tensor | QuantWeight
 CHUNK_ELEMENTS = 1 << 20  # weights converted per step: bounds the temporaries (float32: 4 MB)
+# Into GGUF blocks, a quarter of that: requantizing a chunk to Q8_0 holds ~5 float32 copies of it, ~18 MB
+# at 1M weights, which against 4-bit weights is 1.48x a 37 MB model's (benchmarks/load_weights.py).
+BLOCK_CHUNK_ELEMENTS = CHUNK_ELEMENTS // 4
 
 
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -89,7 +92,7 @@ def _load_one(source: _Source, parts: list[str], target: _Target, bar: _Progress
         kind = "q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"
         layout = "n16" if target.block_layout == "n16" and n % 16 == 0 else "rows"
         dest: Tensor = QuantWeight.empty(kind, n, k, layout)
-        rows_per_chunk = max(16, CHUNK_ELEMENTS // k // 16 * 16)
+        rows_per_chunk = max(16, BLOCK_CHUNK_ELEMENTS // k // 16 * 16)
         for r0, pieces in _row_chunks(shapes, rows_per_chunk):
             chunk = [source.read_blocks(parts[i], a, b, kind) for i, a, b in pieces]
             dest.write_rows(r0, chunk[0] if len(chunk) == 1 else QuantWeight.cat(chunk))
