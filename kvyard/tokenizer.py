@@ -112,12 +112,26 @@ class TextTokenizer:
         log.info("loaded tokenizer from %s: vocab %d in %.2fs", p, tok.vocab_size, time.perf_counter() - start)
         return tok
 
+    @staticmethod
+    def check_path(path: str | Path) -> None:
+        """What from_path would refuse, found without building the tokenizer (the launcher's one-line
+        error for a GGUF of an unknown tokenizer model or pre-tokenizer, or a directory without one)."""
+        p = Path(path).expanduser()
+        if not is_gguf(p):
+            if not (p.is_dir() and (p / "tokenizer.json").is_file()):
+                raise ModelFileError(f"not a .gguf file or a directory with tokenizer.json: {p}")
+            return
+        meta = _gguf_meta(p)
+        model_type = meta.get("tokenizer.ggml.model")
+        if model_type not in ("gpt2", "llama"):
+            raise ModelFileError(_unsupported_model(model_type, p))
+        pre_name = meta.get("tokenizer.ggml.pre", "gpt-2")
+        if model_type == "gpt2" and pre_name not in _PRE_TOKENIZERS:
+            raise ModelFileError(_unsupported_pre(pre_name, p))
+
     @classmethod
     def _from_gguf(cls, path: Path) -> TextTokenizer:
-        try:
-            meta = read_gguf_metadata(path)
-        except Exception as e:  # gguf raises assorted errors on a truncated or foreign file
-            raise ModelFileError(f"cannot read GGUF metadata from {path}: {e}") from e
+        meta = _gguf_meta(path)
         model_type = meta.get("tokenizer.ggml.model")
         try:
             tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -129,8 +143,7 @@ class TextTokenizer:
         elif model_type == "llama":
             tokenizer, add_bos = _gguf_sentencepiece_bpe(path, meta, tokens, token_types)
         else:
-            raise ModelFileError(f"unsupported GGUF tokenizer model {model_type!r} in {path}: 'gpt2' (byte-level "
-                                 "BPE) and 'llama' (SentencePiece BPE) are supported")
+            raise ModelFileError(_unsupported_model(model_type, path))
         control = [i for i, t in enumerate(token_types) if t == GGUF_TOKEN_CONTROL]
         # The ids already exist in the vocab, so adding them keeps their ids; normalized=False matches them
         # verbatim in the raw text. User-defined tokens (Qwen's <tool_call>) are matched whole too, but
@@ -297,6 +310,22 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c if c is not None else b): b for b, c in chars.items()}
 
 
+def _gguf_meta(path: Path) -> dict[str, Any]:
+    try:
+        return read_gguf_metadata(path)
+    except Exception as e:  # gguf raises assorted errors on a truncated or foreign file
+        raise ModelFileError(f"cannot read GGUF metadata from {path}: {e}") from e
+
+
+def _unsupported_model(model_type: Any, path: Path) -> str:
+    return (f"unsupported GGUF tokenizer model {model_type!r} in {path}: 'gpt2' (byte-level BPE) and 'llama' "
+            "(SentencePiece BPE) are supported")
+
+
+def _unsupported_pre(pre_name: Any, path: Path) -> str:
+    return f"unsupported GGUF pre-tokenizer {pre_name!r} in {path} (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})"
+
+
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -308,8 +337,7 @@ def _gguf_byte_level_bpe(path: Path, meta: dict[str, Any], tokens: list[str]) ->
     pre = _PRE_TOKENIZERS.get(pre_name)
     if pre is None:
         # Other pre-tokenizers use other regexes; guessing would give silently wrong ids.
-        raise ModelFileError(f"unsupported GGUF pre-tokenizer {pre_name!r} in {path} "
-                             f"(supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
+        raise ModelFileError(_unsupported_pre(pre_name, path))
     try:
         merges_raw: list[str] = meta["tokenizer.ggml.merges"]
     except KeyError as e:

@@ -128,13 +128,42 @@ def test_gguf_unknown_architecture(tmp_path: Path) -> None:
         load_model_config(tmp_path / "g.gguf")
 
 
+def launch_error(env: dict[str, str]) -> str:
+    """`python -m kvyard` with env: it must exit with code 2 and one error line, returned."""
+    done = subprocess.run([sys.executable, "-m", "kvyard"], env={**os.environ, "START_PORT": "1", "PYTHONPATH": str(REPO),
+                                                                  **env},
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvyard: error")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    return errors[0]
+
+
 def test_launcher_refuses_an_unsupported_model_in_one_line(tmp_path: Path) -> None:
     model = hf(tmp_path, rope_scaling={"rope_type": "longrope", "factor": 2.0})
     (model / "tokenizer.json").write_text("{}")
-    env = {**os.environ, "CHECKPOINT_PATH": str(model), "FRONTEND_SERVER_COUNT": "0", "START_PORT": "1",
-           "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "kvyard"], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if line.startswith("kvyard: error")]
-    assert len(errors) == 1 and "RoPE type 'longrope'" in errors[0], done.stderr
+    assert "RoPE type 'longrope'" in launch_error({"CHECKPOINT_PATH": str(model), "FRONTEND_SERVER_COUNT": "0"})
+
+
+def unknown_pre_tokenizer_gguf(path: Path) -> Path:
+    return gguf_file(path, tokenizer_model="gpt2", tokenizer_pre="deepseek-llm", token_list=["a", "b"],
+                     token_merges=["a b"])
+
+
+def test_unsupported_gguf_tokenizer_is_found_before_building_it(tmp_path: Path) -> None:
+    from kvyard.tokenizer import TextTokenizer
+    TextTokenizer.check_path(gguf_file(tmp_path / "ok.gguf", tokenizer_model="llama"))
+    with pytest.raises(ModelFileError, match="pre-tokenizer 'deepseek-llm'"):
+        TextTokenizer.check_path(unknown_pre_tokenizer_gguf(tmp_path / "pre.gguf"))
+    with pytest.raises(ModelFileError, match="tokenizer model 'bert'"):
+        TextTokenizer.check_path(gguf_file(tmp_path / "bert.gguf", tokenizer_model="bert"))
+    with pytest.raises(ModelFileError, match="tokenizer.json"):
+        TextTokenizer.check_path(tmp_path)
+
+
+@pytest.mark.parametrize("role", ["PDFUSION", "FRONTEND"])
+def test_launcher_refuses_an_unsupported_tokenizer_in_one_line(tmp_path: Path, role: str) -> None:
+    """The frontend (and the backend, for its stop ids) would build the tokenizer only once started:
+    the launch checks it first instead of a role dying with a traceback."""
+    path = unknown_pre_tokenizer_gguf(tmp_path / "m.gguf")
+    assert "pre-tokenizer 'deepseek-llm'" in launch_error({"CHECKPOINT_PATH": str(path), "ROLE_TYPE": role})
