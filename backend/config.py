@@ -7,7 +7,9 @@ from pathlib import Path
 
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_str
+from kvyard.model_config import load_model_config
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
+from kvyard.tokenizer import TextTokenizer
 
 DEFAULT_START_PORT = 8088
 
@@ -46,6 +48,8 @@ class BackendConfig:
         host = env_str(env, "HOST", INTERNAL_HOST)
         dtype = env_choice(env, "DTYPE", "bfloat16" if device == "cuda" else "float32",
                            ("float32", "bfloat16", "float16"))
+        load_model_config(checkpoint)  # an unsupported architecture or RoPE type fails the launch, by name
+        TextTokenizer.check_path(tokenizer)  # (its stop ids come from the tokenizer)
         weight_format = _weight_format(env, device, dtype, checkpoint)
         return cls(
             checkpoint_path=checkpoint,

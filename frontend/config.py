@@ -11,6 +11,7 @@ from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_int, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
+from kvyard.tokenizer import TextTokenizer
 
 DEFAULT_START_PORT = 8088
 
@@ -43,6 +44,7 @@ class FrontendConfig:
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
         start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or env.get("CHECKPOINT_PATH"))
+        TextTokenizer.check_path(tokenizer)  # an unsupported tokenizer fails the launch, by name
         backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{start_port + 1}")
         service = _model_service_config(env)
         fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
