@@ -67,7 +67,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
     eos = frozenset(t for t in (tokenizer.eos_token_id,) if t is not None)
-    return EngineLoop(engine), eos, max_model_len
+    return EngineLoop(engine, model_name=cfg.model_name), eos, max_model_len
 
 
 def resident_mb() -> float:

@@ -246,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"kvyard: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    # The flags become this process's environment, so every role process it starts reads the same.
-    os.environ.update(overrides)
     from kvyard.launch import start
-    setup_logging("launch")
-    return start(dict(os.environ), explain=lambda message: explain(message, overrides))
+    env = {**os.environ, **overrides}  # handed to every role process it starts
+    setup_logging("launch", env)
+    return start(env, explain=lambda message: explain(message, overrides))
