@@ -171,14 +171,20 @@ class LocalCluster:
         self.procs: dict[Part, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self._signals = 0
+        self.started = time.monotonic()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            for part in self.layout.parts:
+            # Frontends last, once there is something to route to: their first requests then find it.
+            for part in (self.layout.master, *self.layout.backends):
                 self._start(part)
-            if not self._wait_ready():
+            if not self._wait_ready([*self.layout.backends, self.layout.master]):
+                return 1
+            for part in self.layout.frontends:
+                self._start(part)
+            if not self._wait_ready(list(self.layout.frontends)):
                 return 1
             print(self.summary(), flush=True)
             return self._watch()
@@ -199,10 +205,10 @@ class LocalCluster:
     def _exited(self) -> Part | None:
         return next((p for p, proc in self.procs.items() if proc.poll() is not None), None)
 
-    def _wait_ready(self) -> bool:
-        """Every part healthy and every backend routable in the master."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        pending = list(self.layout.backends) + [self.layout.master, *self.layout.frontends]
+    def _wait_ready(self, parts: list[Part]) -> bool:
+        """These parts healthy and every backend routable in the master."""
+        deadline = self.started + self.ready_timeout_s
+        pending = parts
         expected = {b.grpc_address for b in self.layout.backends}
         with httpx.Client(timeout=2.0) as client:
             while not self.stopping.is_set():

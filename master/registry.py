@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from master.backend_poller import CacheUpdate, WorkerLoad
@@ -93,6 +93,8 @@ class Registry:
             log.info("backend %s (%s) added from %s", endpoint.name, endpoint.model, source)
             return True
         state.sources.add(source)
+        if source != SOURCE_REGISTERED:  # only a registration names the role; else the last poll told it
+            endpoint = replace(endpoint, role=state.endpoint.role)
         state.endpoint = endpoint  # a re-registration may carry a new model or port
         if source == SOURCE_REGISTERED:
             state.last_seen = max(state.last_seen, now)
@@ -126,6 +128,9 @@ class Registry:
             state.cache_keys.clear()  # it restarted: its old cache is gone, whatever the version says
             state.cache_version = -1
         state.status, state.last_ok, state.last_seen = status, now, now
+        if status.role != state.endpoint.role:  # a backend found by DNS or a static list says what it is
+            log.info("backend %s reports role %s", name, status.role)
+            state.endpoint = replace(state.endpoint, role=status.role)
         state.poll_latency_ms = (now - sent_at) * 1000
         state.error, state.definitive_error = None, False
         # What was routed well before this poll was sent is in the reported queue by now.

@@ -48,7 +48,7 @@ class Browser:
 
     def __enter__(self) -> Browser:
         try:
-            self._ws = connect(self._page_ws_url(), max_size=64 * 1024 * 1024)
+            self._ws = connect(self._page_ws_url(), max_size=64 * 1024 * 1024).__enter__()
         except BaseException:
             self.close()
             raise
