@@ -74,7 +74,9 @@ def test_every_serving_metric_carries_model_name_and_vllms_names_exist() -> None
     or a frontend serves has the label, and every name of the documented mapping is served."""
     backend = BackendMetrics(FakeStatus, "m", preemptions=lambda: 4)
     backend.queue_time.observe(0.25)
+    backend.count("GenerateStreamCall", "ok")
     frontend = FrontendMetrics("m")
+    frontend.count("/v1/chat/completions", 200)
     served: set[str] = set()
     for registry in (backend.registry, frontend.registry):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
