@@ -44,8 +44,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
     Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, MOCK_BACKEND or "
          "MOCK_MASTER", "net", "ROLE", cluster=False),
-    Flag("--host", "HOST", "bind address (frontend default 0.0.0.0, internal ports 127.0.0.1; a non-loopback "
-         "host for internal ports needs a cluster token)", "net", "ADDRESS", cluster=False),
+    Flag("--host", "HOST", "bind address (default 127.0.0.1; the image sets 0.0.0.0, which for internal ports "
+         "needs a cluster token)", "net", "ADDRESS", cluster=False),
     Flag("--port", "START_PORT", "the frontend's HTTP port (default 8088); backend gRPC is +1, backend HTTP +5",
          "net", "PORT", cluster=False),
     Flag("--api-key", "API_KEY", "require 'Authorization: Bearer <key>' on the public API", "net", "KEY"),
@@ -217,10 +217,18 @@ def explain(message: str, overrides: Mapping[str, str]) -> str:
     return message
 
 
+LOCAL_HOST = "127.0.0.1"  # where `kvyard` listens unless HOST / --host says otherwise (the image sets 0.0.0.0)
+
+
 def serve_env(argv: Sequence[str], environ: Mapping[str, str], prog: str = "kvyard") -> dict[str, str]:
-    """The environment `kvyard serve argv` runs with: `environ` with the flags written over it."""
+    """The environment `kvyard serve argv` runs with: `environ` with the flags written over it, and HOST
+    on loopback when neither sets it."""
     ns = serve_parser(prog).parse_args(list(argv))
-    return {**environ, **flag_env(ns)}
+    return with_local_host({**environ, **flag_env(ns)})
+
+
+def with_local_host(env: dict[str, str]) -> dict[str, str]:
+    return env if env.get("HOST") else {**env, "HOST": LOCAL_HOST}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,6 +255,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvyard: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     from kvyard.launch import start
-    env = {**os.environ, **overrides}  # handed to every role process it starts
+    env = with_local_host({**os.environ, **overrides})  # handed to every role process it starts
     setup_logging("launch", env)
     return start(env, explain=lambda message: explain(message, overrides))

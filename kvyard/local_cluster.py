@@ -242,7 +242,7 @@ class LocalCluster:
         model = self.shared.get("MODEL_NAME", "").split(",")[0]
         model_field = f'"model": "{model}", ' if model else ""
         key = self.shared.get("API_KEY")
-        auth = " -H 'Authorization: Bearer $API_KEY'" if key else ""
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if key else ""
         lines += ["", "  its parts share a cluster token generated for this launch (set CLUSTER_TOKEN to choose it)"
                   if self.token_generated else "  its parts share the cluster token you configured", "",
                   f"  curl {first}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
@@ -315,9 +315,17 @@ def _pump(name: str, stream: IO[bytes]) -> None:
     stream.close()
 
 
+def _find_prctl() -> object | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _find_prctl()  # looked up here: the child between fork and exec must not load libraries
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the cluster process dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # type: ignore[operator]  # PR_SET_PDEATHSIG

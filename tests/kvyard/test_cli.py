@@ -78,7 +78,9 @@ def test_a_flag_wins_over_its_variable_and_the_variable_alone_still_works() -> N
     env = serve_env(["--port", "9100", "--served-model-name", "small", "tiny"], environ)
     assert env["START_PORT"] == "9100" and env["KV_CACHE_MB"] == "64" and env["ROLE_TYPE"] == "FRONTEND"
     assert env["MODEL_NAME"] == "small,tiny"
-    assert serve_env([], environ) == environ
+    assert serve_env([], environ) == {**environ, "HOST": "127.0.0.1"}  # local commands listen on loopback
+    assert serve_env([], {"HOST": "0.0.0.0"})["HOST"] == "0.0.0.0"
+    assert serve_env(["--host", "::1"], {"HOST": "0.0.0.0"})["HOST"] == "::1"
     assert serve_env(["serve-me.gguf"], {})["CHECKPOINT_PATH"] == "serve-me.gguf"
 
 
