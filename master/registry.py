@@ -191,18 +191,20 @@ class Registry:
         state = self.backends[name]
         state.last_chosen = now
         state.routed_requests += 1
-        if state.endpoint.role != "DECODE":  # a decode backend gets its KV handed over, not looked up
+        # A decode backend gets its KV handed over, not looked up, and its half of a PD choice is the same
+        # request as the prefill half: its prompt and the request count once, on the prefill side.
+        if state.endpoint.role != "DECODE":
             state.routed_prompt_tokens += seq_len
             state.routed_hit_tokens += hit
+            self.stats.requests += 1
+            self.stats.hit_requests += hit > 0
+            self.stats.prompt_tokens += seq_len
+            self.stats.hit_tokens += hit
         state.routed.append(_Routed(now, seq_len - hit, seq_len - hit))
         expiry = now + self.cfg.pending_keys_ttl_s
         for key in keys:
             if key not in state.cache_keys:
                 state.pending[key] = expiry
-        self.stats.requests += 1
-        self.stats.hit_requests += hit > 0
-        self.stats.prompt_tokens += seq_len
-        self.stats.hit_tokens += hit
 
     # ---- the live view ----------------------------------------------------------------------
 

@@ -145,3 +145,15 @@ def test_per_backend_routing_counts_and_poll_latency() -> None:
     (summary,) = reg.summaries(1.2)
     assert (summary.routed_requests, summary.routed_prompt_tokens, summary.routed_hit_tokens) == (2, 60, 32)
     assert summary.poll_latency_ms == pytest.approx(4.0)
+
+
+def test_a_prefill_decode_pair_is_one_routed_request() -> None:
+    """The master records both halves of a PD choice; the totals (dashboard, /backends) count the request
+    and its prompt once, so the hit rate is the prefill side's, not halved by the decode hand-over."""
+    reg = registry_with(replace(A, role="PREFILL"), replace(B, role="DECODE"))
+    reg.record_choice(A.name, [1, 2], 40, 32, 1.0)
+    reg.record_choice(B.name, [], 40, 0, 1.0)
+    assert (reg.stats.requests, reg.stats.hit_requests, reg.stats.prompt_tokens, reg.stats.hit_tokens) == (1, 1, 40, 32)
+    prefill, decode = reg.summaries(1.0)
+    assert (prefill.routed_requests, prefill.routed_prompt_tokens, prefill.routed_hit_tokens) == (1, 40, 32)
+    assert (decode.routed_requests, decode.routed_prompt_tokens, decode.routed_hit_tokens) == (1, 0, 0)
