@@ -103,7 +103,9 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
                   "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG"):
         env.pop(wired, None)  # the cluster wires these itself
     if part.is_backend:
-        env.update(FRONTEND_SERVER_COUNT="0", MASTER_ADDRESS=layout.master_address)
+        env["MASTER_ADDRESS"] = layout.master_address
+        if part.role == "PDFUSION":  # the cluster's frontends are parts of their own
+            env["FRONTEND_SERVER_COUNT"] = "0"
         if part.role == "PREFILL":  # used when the master is unreachable and a frontend calls it directly
             decodes = [b for b in layout.backends if b.role == "DECODE"]
             prefills = [b for b in layout.backends if b.role == "PREFILL"]

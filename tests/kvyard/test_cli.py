@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvyard.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, serve_env
-from kvyard.local_cluster import plan
+from kvyard.local_cluster import check, part_env, plan
 from kvyard.model_path import embedded_model_path
 from tests.support.env_reads import role_reads
 from tests.support.procs import CLUSTER_TOKEN, REPO
@@ -125,3 +125,27 @@ def test_cluster_port_layout() -> None:
     ports = [p for part in lay.parts for p in ((part.start_port + 1, part.start_port + 5) if part.is_backend
                                                  else (part.start_port,))]
     assert len(ports) == len(set(ports))
+
+
+def test_a_split_cluster_is_wired_through_the_master() -> None:
+    """`kvyard cluster --backends 1 --prefill 2 --decode 1 --frontends 2`: every backend registers with the master, a
+    PREFILL one knows a DECODE one for when the master is away, frontends fall back to the non-DECODE
+    backends only; addresses from the caller's environment never leak in; each part's config builds, and
+    every variable the cluster sets is one its role reads."""
+    lay = plan(9000, frontends=2, pdfusion=1, prefill=2, decode=1)
+    model = str(embedded_model_path())
+    base = {"CLUSTER_TOKEN": CLUSTER_TOKEN, "CHECKPOINT_PATH": model, "KV_CACHE_MB": "64",
+            "MASTER_BACKENDS": "10.9.9.9:1", "DECODE_ADDRESS": "10.9.9.9:2", "BACKEND_ADDRESS": "10.9.9.9:3"}
+    check(lay, base, "127.0.0.1")
+    envs = {p.name: part_env(lay, p, base, "0.0.0.0") for p in lay.parts}
+    assert all(e["MASTER_ADDRESS"] == "127.0.0.1:9010" for n, e in envs.items() if n != "master")
+    assert "MASTER_BACKENDS" not in envs["master"]  # it learns them by registration
+    assert envs["prefill-1"]["DECODE_ADDRESS"] == envs["prefill-2"]["DECODE_ADDRESS"] == "127.0.0.1:9051"
+    assert "DECODE_ADDRESS" not in envs["decode-1"] and "DECODE_ADDRESS" not in envs["backend-1"]
+    assert envs["backend-1"]["FRONTEND_SERVER_COUNT"] == "0"  # the cluster's frontends are parts of their own
+    for name in ("frontend-1", "frontend-2"):
+        assert envs[name]["HOST"] == "0.0.0.0" and envs[name]["BACKEND_ADDRESS"] == "127.0.0.1:9021"
+        assert envs[name]["BACKEND_ADDRESSES"] == "127.0.0.1:9021,127.0.0.1:9031,127.0.0.1:9041"
+    assert {e["HOST"] for n, e in envs.items() if not n.startswith("frontend")} == {"127.0.0.1"}
+    for name, env in envs.items():
+        assert set(env) - set(base) <= role_reads(env), name  # what the cluster wires is used
