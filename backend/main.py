@@ -68,7 +68,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
-    return EngineLoop(engine), tokenizer.stop_token_ids, max_model_len
+    return EngineLoop(engine, model_name=cfg.model_name), tokenizer.stop_token_ids, max_model_len
 
 
 def resident_mb() -> float:
@@ -124,9 +124,9 @@ async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfi
         await asyncio.to_thread(thread.join)
 
 
-async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None:
+async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
-    turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
+    turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
     engine_loop, eos, max_model_len = await _in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address)
@@ -145,9 +145,9 @@ async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None
         tasks.append(asyncio.create_task(register_forever(cfg)))
     try:
         await stop.wait()
-        log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", drain_grace_s)
+        log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", cfg.drain_grace_s)
         await set_serving(health_servicer, False)
-        await server.stop(grace=drain_grace_s)
+        await server.stop(grace=cfg.drain_grace_s)
     finally:
         http.should_exit = True
         for task in tasks[1:]:
