@@ -212,7 +212,7 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
             raise RequestError(ErrorCode.OVERLOADED, "no free KV blocks for the hand-over right now")
         yield pb.RemoteDecodeReplyPB(need=pb.BlockRequestPB(indices=plan.need, skipped=plan.skipped))
         blocks = await _receive_blocks(loop.kv_layout, messages, plan)
-        targets = plan.seq.block_table  # type: ignore[attr-defined]
+        targets = plan.seq.block_table
         await loop.call(lambda engine: [write_block(engine.runner.cache, targets[i], data)
                                         for i, data in blocks.items()])
         yield pb.RemoteDecodeReplyPB(loaded=True)
