@@ -66,6 +66,9 @@ class WaitQueue(Generic[T, R]):
         """Offer room to every waiter in order; each one `assign` serves leaves the queue. → how many."""
         served = 0
         for waiter in list(self._waiters):
+            if waiter.future.done():  # cancelled, and its task has not run yet to leave
+                self._waiters.remove(waiter)
+                continue
             result = assign(waiter.item)
             if result is None:
                 continue
@@ -77,17 +80,19 @@ class WaitQueue(Generic[T, R]):
     async def wait(self, waiter: Waiter[T, R], timeout_s: float) -> R:
         """The waiter's assignment, or TimeoutError after `timeout_s`; either way it has left the queue.
         Cancelled (its client went away): it leaves the queue, and an assignment that raced in is given back."""
+        timer = asyncio.get_running_loop().call_later(max(0.0, timeout_s), self._expire, waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), max(0.0, timeout_s))
-        except TimeoutError:
-            self.remove(waiter)
-            if waiter.future.done():  # served in the same instant: take it rather than refuse
-                return waiter.future.result()
-            waiter.future.cancel()
-            raise
+            return await waiter.future
         except asyncio.CancelledError:
             self.remove(waiter)
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._give_back(waiter.future.result())
-            waiter.future.cancel()
+            f = waiter.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self._give_back(f.result())
             raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, waiter: Waiter[T, R]) -> None:
+        if waiter in self._waiters and not waiter.future.done():
+            self._waiters.remove(waiter)
+            waiter.future.set_exception(TimeoutError("no room within the wait limit"))

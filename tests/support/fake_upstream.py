@@ -43,6 +43,13 @@ class FakeUpstream:
     in_flight: int = 0
     closed_early: int = 0                     # streams the gateway closed before their end
     url: str = ""
+    server: AppThread | None = None
+
+    def stop(self) -> None:
+        """Stop serving: connections to its port are refused from now on."""
+        if self.server is not None:
+            self.server.__exit__(None, None, None)
+            self.server = None
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -96,14 +103,11 @@ def sse_reply(events: list[dict[str, Any]], pause_s: float = 0.0) -> Reply:
 def fake_upstreams(*models: list[str]) -> Iterator[list[FakeUpstream]]:
     """One FakeUpstream per model list, each on its own loopback port."""
     fakes = [FakeUpstream(list(m)) for m in models]
-    threads = [AppThread(f.app()) for f in fakes]
-    started: list[AppThread] = []
     try:
-        for fake, thread in zip(fakes, threads):
-            thread.__enter__()
-            started.append(thread)
-            fake.url = thread.url
+        for fake in fakes:
+            fake.server = AppThread(fake.app()).__enter__()
+            fake.url = fake.server.url
         yield fakes
     finally:
-        for thread in started:
-            thread.__exit__(None, None, None)
+        for fake in fakes:
+            fake.stop()
