@@ -186,6 +186,14 @@ def workload(args: argparse.Namespace, salt: int) -> list[list[dict[str, str]]]:
             for i in range(args.requests)]
 
 
+def _has_text(line: str) -> bool:
+    """An SSE line whose chunk carries generated text (not the role-only first chunk)."""
+    if not line.startswith("data: {"):
+        return False
+    choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
 def cache_counts(upstreams: list[str]) -> tuple[float, float]:
     queries = hits = 0.0
     for u in upstreams:
@@ -216,7 +224,7 @@ async def prefix_run(name: str, gateway: str, requests: list[list[dict[str, str]
                         continue
                     first = True
                     async for line in resp.aiter_lines():
-                        if first and line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                        if first and _has_text(line):
                             ttft.append(time.perf_counter() - t0)
                             first = False
             except httpx.HTTPError:
@@ -284,7 +292,7 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-words", type=int, default=300)
     ap.add_argument("--out-tokens", type=int, default=4)
-    ap.add_argument("--kv-cache-mb", type=int, default=64)
+    ap.add_argument("--kv-cache-mb", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     procs = Procs()

@@ -5,7 +5,7 @@ The seed's batching algorithm: an upstream is busy from dispatch until its respo
 choice is least-connection, or (GATEWAY_ROUTING=prefix, the default) the master's own policy
 (master.policy.choose_backend) fed with each upstream's approximate prefix tree: the estimated time
 to first token is the upstream's in-flight uncached prompt bytes plus this request's uncached bytes,
-so with no prefix hit anywhere it is least-work, a long shared prefix wins a slightly busier upstream,
+(until their first byte: then the prompt is computed), so with no prefix hit anywhere it is least-work, a long shared prefix wins a slightly busier upstream,
 and the master's imbalance guard overrides the cache when loads drift apart. When nothing is free the
 request waits (kvyard.wait_queue: bounded, by priority, then FIFO) and is dispatched the moment a
 lease is released or an upstream turns healthy; past WAIT_FOR or the bound it is a 429.
@@ -42,7 +42,7 @@ class Lease:
     ticket: Ticket
     reason: str            # least_connection, or the policy's: prefix_hit, shortest_ttft, imbalance
     hit_bytes: int         # prefix the upstream likely has cached
-    work: int              # uncached bytes counted as its in-flight work
+    work: int              # uncached bytes counted as queued work there until its first byte
     released: bool = False
 
 
@@ -102,6 +102,12 @@ class Dispatcher:
         u.last_chosen = now
         u.prefix.insert(list(ticket.keys))
         return Lease(u.url, ticket, reason, hit, work)
+
+    def started(self, lease: Lease) -> None:
+        """The upstream sent its first byte: its prompt is computed, so it no longer counts as queued work."""
+        u = self.table.upstreams[lease.upstream]
+        u.in_flight_bytes -= lease.work
+        lease.work = 0
 
     def release(self, lease: Lease) -> None:
         """The lease's response or stream ended (or it was never used): the upstream is free for the

@@ -149,6 +149,7 @@ class Proxy:
                     break
                 if first:
                     self.metrics.first_byte(lease.upstream, self.clock() - exchange.dispatched)
+                    self.dispatcher.started(lease)
                     first = False
                 yield chunk
         except TimeoutError:

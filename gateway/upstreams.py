@@ -34,7 +34,7 @@ class Upstream:
     healthy: bool = False                     # its last check passed and no request failed since
     error: str | None = None                  # why it is unhealthy
     in_flight: int = 0                        # requests dispatched here and not finished
-    in_flight_bytes: int = 0                  # their uncached prompt bytes (the policy's queued work)
+    in_flight_bytes: int = 0                  # uncached prompt bytes of those with no byte back yet (queued work)
     peak_in_flight: int = 0                   # the most it ever had at once
     served: int = 0                           # exchanges finished, any outcome
     failures: dict[str, int] = field(default_factory=dict)  # outcome → count (5xx, connection, timeout)

@@ -54,3 +54,12 @@ def test_pdfusion_launch_makes_its_own_cluster_token(tmp_path: Path) -> None:
     finally:
         proc.stop()
     assert "cluster token generated" in proc.log_path.read_text()
+
+
+def test_gateway_without_upstreams_exits_2_naming_the_setting() -> None:
+    full = {k: v for k, v in os.environ.items() if k not in ("UPSTREAMS",)}
+    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "kvyard"], env={**full, "ROLE_TYPE": "GATEWAY"}, cwd=Path(REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("kvyard: error:") and "UPSTREAMS" in proc.stderr

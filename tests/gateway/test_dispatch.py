@@ -261,6 +261,25 @@ def test_without_a_hit_prefix_routing_goes_to_the_least_loaded() -> None:
     assert other is not None and other.upstream != busy.upstream
 
 
+def test_a_prompt_counts_as_queued_work_only_until_its_first_byte() -> None:
+    clock = Clock()
+    d = make({"MAX_CONNECT_PER_UPSTREAM": "8"}, clock=clock)
+    cold = d.choose(ticket("unrelated " * 300))             # 3000 uncached bytes on X
+    assert cold is not None
+    x, y = cold.upstream, next(u for u in (A, B) if u != cold.upstream)
+    for u in (x, y):
+        d.table.upstreams[u].prefix.insert(list(ticket(SHARED).keys))  # both hold the prefix
+    clock.now += 1
+    waiting = d.choose(ticket(SHARED + "q1"))
+    assert waiting is not None and waiting.upstream == y     # X's queue is the cold prompt
+    d.release(waiting)
+    d.started(cold)                                          # X computed it and is streaming now
+    assert d.table.upstreams[x].in_flight_bytes == 0
+    clock.now += 1
+    lease = d.choose(ticket(SHARED + "q2"))
+    assert lease is not None and lease.upstream == x and lease.reason == "prefix_hit"  # tied; X less recent
+
+
 def test_imbalance_guard_overrides_the_cache() -> None:
     d = make({"MAX_CONNECT_PER_UPSTREAM": "64", "GATEWAY_IMBALANCE_ABS": "4"})
     d.table.upstreams[A].prefix.insert(list(ticket(SHARED).keys))  # only A has seen the long prefix
