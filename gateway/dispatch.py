@@ -4,9 +4,10 @@ The seed's batching algorithm: an upstream is busy from dispatch until its respo
 (MAX_CONNECT_PER_UPSTREAM requests at once); among free healthy upstreams serving the model the
 choice is least-connection, or (GATEWAY_ROUTING=prefix, the default) the master's own policy
 (master.policy.choose_backend) fed with each upstream's approximate prefix tree: the estimated time
-to first token is the upstream's in-flight uncached prompt bytes plus this request's uncached bytes,
-(until their first byte: then the prompt is computed), so with no prefix hit anywhere it is least-work, a long shared prefix wins a slightly busier upstream,
-and the master's imbalance guard overrides the cache when loads drift apart. When nothing is free the
+to first token is the uncached prompt bytes of the upstream's requests that have no byte back yet
+(by then their prompt is computed) plus this request's uncached bytes, so with no prefix hit anywhere
+it is least-work, a long shared prefix wins a slightly busier upstream, and the master's imbalance
+guard overrides the cache when loads drift apart. When nothing is free the
 request waits (kvyard.wait_queue: bounded, by priority, then FIFO) and is dispatched the moment a
 lease is released or an upstream turns healthy; past WAIT_FOR or the bound it is a 429.
 """

@@ -52,8 +52,8 @@ class ScheduleQueue:
             if own_deadline:
                 return _refusal("generate_timeout", ErrorCode.TIMEOUT, f"no backend serving '{request.model}' had room "
                                 f"within the request's generate_timeout of {timeout_ms} ms")
-            return _refusal("held_too_long", ErrorCode.OVERLOADED, f"no backend serving '{request.model}' had room within "
-                            f"{self.cfg.wait_s * 1000:.0f} ms (MASTER_QUEUE_WAIT_MS); retry shortly")
+            return _refusal("held_too_long", ErrorCode.OVERLOADED, f"no backend serving '{request.model}' had room "
+                            f"within {self.cfg.wait_s * 1000:.0f} ms (MASTER_QUEUE_WAIT_MS); retry shortly")
 
     def pump(self) -> int:
         """Decide again for every held request, in order (after a poll round)."""
