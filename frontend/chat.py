@@ -54,7 +54,7 @@ class ChatService:
 
     def check_model(self, model: str | None) -> None:
         # With a master, it knows every model the cluster serves and answers 404 for the rest.
-        if model and model != self.cfg.model_name and not self.cfg.master_address:
+        if model and not self.cfg.serves(model) and not self.cfg.master_address:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND,
                                f"The model '{model}' does not exist; this server serves "
                                f"'{self.cfg.model_name}'", "model")

@@ -51,7 +51,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
                        top_k: int = Query(0, ge=0, le=INT32_MAX),
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
-        if model and model != cfg.model_name and not cfg.master_address:
+        if model and not cfg.serves(model) and not cfg.master_address:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server "
                                f"serves '{cfg.model_name}'", "model")
         try:

@@ -46,7 +46,7 @@ class LmtpService:
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours). Without a master only our own name exists; with one, the
         master knows every served model and answers unknown ones with MODEL_NOT_FOUND."""
-        if not name or name == self.cfg.model_name:
+        if not name or self.cfg.serves(name):
             return None
         if not self.cfg.master_address:
             raise unknown_model(name, self.cfg.model_name)

@@ -90,6 +90,7 @@ class Router:
                 log.warning("backend %s unreachable for %s; trying another", route.address, request_id)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset()) -> Route:
+        model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             route = await self._ask_master(model, input_ids)
             if route is not None and route.address not in exclude:
@@ -155,8 +156,8 @@ class Router:
         return False
 
     async def models(self) -> list[str]:
-        """Every model the cluster serves, per the master (this frontend's own model first)."""
-        names = [self.cfg.model_name]
+        """Every model the cluster serves, per the master (this frontend's own model and its aliases first)."""
+        names = [self.cfg.model_name, *self.cfg.model_aliases]
         if self._master is not None:
             try:
                 resp = await self._master.get("/v1/models")

@@ -16,8 +16,10 @@ from frontend.errors import error_body, install_error_handlers
 from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
-from kvyard.metrics import HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
 from master.config import BackendEndpoint, MasterConfig
+from master.dashboard import PATHS as DASHBOARD_PATHS
+from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
 from master.hold import ScheduleQueue
 from master.policy import Decision, RouteRequest, choose_backend
@@ -27,7 +29,7 @@ from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candid
 
 # Open without the cluster token: probes, Prometheus, and read-only views a frontend or /metrics shows
 # anyway. Everything else (schedule, whose answer reveals cache hits, and registration) needs it.
-OPEN_PATHS = ("/health", "/status", "/metrics", "/backends", "/v1/models", "/rtp_llm/master")
+OPEN_PATHS = ("/health", "/status", "/metrics", "/backends", "/v1/models", "/rtp_llm/master", *DASHBOARD_PATHS)
 
 
 def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
@@ -35,7 +37,8 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     registry = registry or Registry(cfg)
     request_ids = itertools.count(1)
     metrics = MasterMetrics()
-    metrics.watch_backends(lambda: registry.loads(clock()))
+    metrics.watch_backends(lambda: registry.summaries(clock()))
+    history = DecisionHistory(registry)
 
     def decide(route: RouteRequest) -> Decision:
         """The policy on the current loads; a chosen backend counts the request at once."""
@@ -58,7 +61,8 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         add_static(registry, cfg, clock())
-        tasks = [asyncio.create_task(PollLoop(registry, clock).run()), asyncio.create_task(retry_held())]
+        tasks = [asyncio.create_task(PollLoop(registry, clock).run()), asyncio.create_task(history.run()),
+                 asyncio.create_task(retry_held())]
         if cfg.dns_targets:
             tasks.append(asyncio.create_task(watch_dns(registry, cfg, clock)))
         yield
@@ -73,6 +77,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, metrics.registry)
+    app.include_router(dashboard_routes(registry, history, clock))
 
     @app.post("/rtp_llm/schedule")
     async def schedule(req: ScheduleRequest, request: Request) -> dict[str, Any]:
@@ -81,14 +86,17 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
                                f"blocks but seq_len is only {req.seq_len} tokens", "block_cache_keys")
         route = RouteRequest(req.model, req.block_cache_keys, req.seq_len)
         # Held while every backend is busy; a frontend that gives up meanwhile leaves the queue.
-        decision = await cancel_on_disconnect(request, hold.schedule(route, req.request_priority, req.generate_timeout))
+        decision = await cancel_on_disconnect(request, hold.schedule(route, req.request_priority,
+                                                                     req.generate_timeout))
+        model = req.model if req.model in registry.models() else UNKNOWN_MODEL  # names from clients: unbounded
+        registry.stats.decisions[decision.reason] = registry.stats.decisions.get(decision.reason, 0) + 1
         if decision.chosen is None:
-            metrics.record_decision(decision.reason)
+            metrics.record_decision(decision.reason, model)
             registry.stats.rejected += 1
             raise RequestError(decision.error or ErrorCode.INTERNAL, decision.message,
                                "model" if decision.error is ErrorCode.MODEL_NOT_FOUND else None)
         chosen = decision.candidate(decision.chosen)
-        metrics.record_decision(decision.reason, req.seq_len, chosen.hit_cache_len)
+        metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status
         server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
