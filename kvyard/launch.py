@@ -62,7 +62,7 @@ def run_gateway(env: Mapping[str, str]) -> None:
     from gateway.config import GatewayConfig
     from gateway.main import serve_gateway
 
-    setup_logging("gateway")
+    setup_logging("gateway", env)
     asyncio.run(serve_gateway(GatewayConfig.from_env(env)))
 
 
