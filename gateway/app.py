@@ -1,5 +1,5 @@
 """The gateway's HTTP routes: any POST /v1/... is proxied by its `model`; /v1/models is every upstream's
-models; /health, /upstreams and /metrics describe the gateway itself.
+models; /health, /upstreams, /dashboard (a page polling /upstreams) and /metrics describe the gateway itself.
 
 Request path: this file reads the body and builds a Ticket (model, priority, prefix keys) →
 gateway/dispatch.py leases an upstream (or queues) → gateway/proxy.py sends the request's bytes and
@@ -12,10 +12,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import error_body, install_error_handlers
@@ -29,6 +30,7 @@ from kvyard.errors import ErrorCode, RequestError
 from kvyard.metrics import GatewayMetrics, HttpMetricsMiddleware, add_metrics_route
 
 PRIORITY_HEADER = "x-priority"
+DASHBOARD = Path(__file__).with_name("dashboard.html")
 
 
 def create_gateway_app(cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> FastAPI:
@@ -77,6 +79,10 @@ def create_gateway_app(cfg: GatewayConfig, clock: Callable[[], float] = time.mon
     async def upstreams() -> dict[str, Any]:
         return {"upstreams": table.view(clock()), "queued": len(dispatcher.queue),
                 "queued_models": [t.model for t in dispatcher.queue.items()]}
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD.read_text())
 
     async def health_route() -> Response:
         if table.any_healthy():

@@ -96,6 +96,17 @@ def test_models_are_the_union_and_an_unknown_model_is_404() -> None:
             assert not any(f.received for f in fakes)
 
 
+def test_the_dashboard_page_shows_the_upstreams_view() -> None:
+    with fake_upstreams(["a"]) as fakes:
+        with gateway(fakes) as client:
+            page = client.get("/dashboard")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert 'fetch("/upstreams"' in page.text and "<script" in page.text and "https://" not in page.text
+            view = client.get("/upstreams").json()   # the fields the page reads
+            assert {"url", "models", "healthy", "breaker", "in_flight", "peak_in_flight", "served", "failures",
+                    "prefix_blocks"} <= set(view["upstreams"][0]) and "queued" in view
+
+
 def test_requests_route_by_model() -> None:
     with fake_upstreams(["a"], ["b"]) as (ua, ub):
         with gateway([ua, ub]) as client:
