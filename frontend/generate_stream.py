@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
 from frontend.errors import stream_error_body
+from frontend.guided import refuse_constraints
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.protocol import INT32_MAX, INT64_MAX
@@ -51,6 +52,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
                        top_k: int = Query(0, ge=0, le=INT32_MAX),
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
+        refuse_constraints(request.query_params.keys(), "/generate")
         if model and not cfg.serves(model) and not cfg.master_address:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server "
                                f"serves '{cfg.model_name}'", "model")
