@@ -9,6 +9,7 @@ from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
+from kvyard.roles import Role
 from kvyard.tokenizer import TextTokenizer
 
 DEFAULT_START_PORT = 8088
@@ -35,7 +36,7 @@ class BackendConfig:
     master_address: str = ""     # MASTER_ADDRESS: the master to register with (host:port); "" = none
     model_name: str = ""         # MODEL_NAME: what it registers as serving
     advertise_host: str = ""     # ADVERTISE_HOST: address the master should dial; "" = the one it sees
-    role: str = "PDFUSION"       # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
+    role: Role = Role.PDFUSION   # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
     decode_address: str = ""     # DECODE_ADDRESS: PREFILL's decode backend when a request names none
     cluster_token: str = ""      # CLUSTER_TOKEN(_FILE): gRPC/HTTP callers must carry it; sent to master and decode
     drain_grace_s: float = 30.0  # DRAIN_GRACE_S: after SIGTERM, how long RPCs in flight may finish (as the frontend's)
@@ -72,7 +73,7 @@ class BackendConfig:
             master_address=env_str(env, "MASTER_ADDRESS", ""),
             model_name=env_names(env, "MODEL_NAME", default_model_name(checkpoint))[0],  # aliases: frontend
             advertise_host=env_str(env, "ADVERTISE_HOST", ""),
-            role=env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper(),
+            role=Role(env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper()),
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
             cluster_token=internal_token(env, host),
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),

@@ -19,6 +19,7 @@ from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.engine")
 
@@ -28,7 +29,7 @@ class Engine:
     `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int, role: str = "PDFUSION") -> None:
+                 max_model_len: int, role: Role = Role.PDFUSION) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.vocab_size = vocab_size

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from backend.sampler import Sample, SamplingParams
 from backend.sequence import FinishReason, Sequence, StopConditions
 from kvyard.constraint import Constraint
+from kvyard.roles import Role
 
 if TYPE_CHECKING:
     from backend.constraints import GrammarState
@@ -97,7 +98,7 @@ class ScoreResult:
 
 @dataclass(frozen=True)
 class WorkerStatus:
-    role: str
+    role: Role
     running: int
     waiting: int
     queued_prefill_tokens: int

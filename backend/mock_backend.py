@@ -26,6 +26,7 @@ from backend.grpc_server import start_grpc_server
 
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_str
+from kvyard.roles import Role
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -157,7 +158,7 @@ class MockServicer(pb_grpc.ModelRpcServiceServicer):
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
                               context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
-        return pb.WorkerStatusPB(role="PDFUSION", running=self.running, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
+        return pb.WorkerStatusPB(role=Role.PDFUSION, running=self.running, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
                                  total_blocks=MOCK_TOTAL_BLOCKS, block_size=16, step_latency_ms=1.0,
                                  prefill_tokens_per_s=1e6, alive=True, version=len(self.requests))
 

@@ -26,6 +26,7 @@ import httpx
 from kvyard.cli import USAGE_ERROR, UsageError, explain
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.cluster")
 
@@ -40,12 +41,12 @@ LOOPBACK = "127.0.0.1"
 class Part:
     """One process of the local cluster."""
     name: str            # "frontend-1", "master", "backend-2", "prefill-1", "decode-1"
-    role: str            # its ROLE_TYPE
+    role: Role           # its ROLE_TYPE
     start_port: int      # its START_PORT
 
     @property
     def is_backend(self) -> bool:
-        return self.role in ("PDFUSION", "PREFILL", "DECODE")
+        return self.role.is_backend
 
     @property
     def grpc_address(self) -> str:
@@ -83,7 +84,7 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) ->
                          "PREFILL backend hands every request to a DECODE one")
     if pdfusion + prefill == 0:
         raise UsageError("no backend: give --backends N (N >= 1) or --prefill P --decode D")
-    kinds = [("backend", "PDFUSION", pdfusion), ("prefill", "PREFILL", prefill), ("decode", "DECODE", decode)]
+    kinds = [("backend", Role.PDFUSION, pdfusion), ("prefill", Role.PREFILL, prefill), ("decode", Role.DECODE, decode)]
     backends: list[Part] = []
     for name, role, count in kinds:
         for i in range(count):
@@ -91,27 +92,27 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) ->
     last = backends[-1].start_port + 5
     if last > 65535:
         raise UsageError(f"--port {port} leaves no room for {len(backends)} backends (they need ports up to {last})")
-    return Layout(master=Part("master", "MASTER", port + MASTER_OFFSET),
+    return Layout(master=Part("master", Role.MASTER, port + MASTER_OFFSET),
                   backends=tuple(backends),
-                  frontends=tuple(Part(f"frontend-{i + 1}", "FRONTEND", port + i) for i in range(frontends)))
+                  frontends=tuple(Part(f"frontend-{i + 1}", Role.FRONTEND, port + i) for i in range(frontends)))
 
 
 def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host: str) -> dict[str, str]:
     """The environment of one part: the shared settings, then what its place in the cluster fixes."""
-    env = {**base, "ROLE_TYPE": part.role, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
+    env = {**base, "ROLE_TYPE": part.role.value, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
     for wired in ("MASTER_ADDRESS", "BACKEND_ADDRESS", "BACKEND_ADDRESSES", "DECODE_ADDRESS", "ADVERTISE_HOST",
                   "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG"):
         env.pop(wired, None)  # the cluster wires these itself
     if part.is_backend:
         env["MASTER_ADDRESS"] = layout.master_address
-        if part.role == "PDFUSION":  # the cluster's frontends are parts of their own
+        if part.role == Role.PDFUSION:  # the cluster's frontends are parts of their own
             env["FRONTEND_SERVER_COUNT"] = "0"
-        if part.role == "PREFILL":  # used when the master is unreachable and a frontend calls it directly
-            decodes = [b for b in layout.backends if b.role == "DECODE"]
-            prefills = [b for b in layout.backends if b.role == "PREFILL"]
+        if part.role == Role.PREFILL:  # used when the master is unreachable and a frontend calls it directly
+            decodes = [b for b in layout.backends if b.role == Role.DECODE]
+            prefills = [b for b in layout.backends if b.role == Role.PREFILL]
             env["DECODE_ADDRESS"] = decodes[prefills.index(part) % len(decodes)].grpc_address
-    elif part.role == "FRONTEND":
-        direct = [b.grpc_address for b in layout.backends if b.role != "DECODE"]
+    elif part.role == Role.FRONTEND:
+        direct = [b.grpc_address for b in layout.backends if b.role != Role.DECODE]
         env.update(HOST=frontend_host, MASTER_ADDRESS=layout.master_address, BACKEND_ADDRESS=direct[0],
                    BACKEND_ADDRESSES=",".join(direct))
     return env
@@ -277,8 +278,8 @@ class LocalCluster:
         """Frontends (they drain), then backends, then the master: each group stopped together."""
         grace = float(self.shared.get("DRAIN_GRACE_S") or 30)
         parts = self.layout.parts
-        groups = [[p for p in parts if p.role == "FRONTEND"], [p for p in parts if p.is_backend],
-                  [p for p in parts if p.role == "MASTER"]]
+        groups = [[p for p in parts if p.role == Role.FRONTEND], [p for p in parts if p.is_backend],
+                  [p for p in parts if p.role == Role.MASTER]]
         for group in groups:
             running = [self.procs[p] for p in group if p in self.procs and self.procs[p].poll() is None]
             for proc in running:

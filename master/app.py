@@ -17,6 +17,7 @@ from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from kvyard.roles import Role
 from master.config import BackendEndpoint, MasterConfig
 from master.dashboard import PATHS as DASHBOARD_PATHS
 from master.dashboard import DecisionHistory, dashboard_routes
@@ -25,7 +26,7 @@ from master.hold import ScheduleQueue
 from master.policy import Decision, RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
-from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candidates_view, debug_info
+from master.schemas import RegisterRequest, ScheduleRequest, candidates_view, debug_info
 
 # Open without the cluster token: probes, Prometheus, and read-only views a frontend or /metrics shows
 # anyway. Everything else (schedule, whose answer reveals cache hits, and registration) needs it.
@@ -99,13 +100,13 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status
-        server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
+        server = {"role": e.role.rtp_type, "server_ip": e.host, "http_port": e.http_port,
                   "grpc_port": e.grpc_port,
                   "debug_info": debug_info(chosen, st.running if st else 0, st.step_latency_ms if st else 0.0)}
         servers = [server]
         if decision.decode is not None:
             d = registry.backends[decision.decode].endpoint
-            servers.append({"role": ROLE_VALUES[d.role], "server_ip": d.host, "http_port": d.http_port,
+            servers.append({"role": d.role.rtp_type, "server_ip": d.host, "http_port": d.http_port,
                             "grpc_port": d.grpc_port, "debug_info": None})
         out: dict[str, Any] = {"server_status": servers, "cache_local": 0, "inter_request_id": next(request_ids)}
         if req.debug:
@@ -123,7 +124,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         if not host:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",
                                "server_ip")
-        endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, req.role)
+        endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, Role(req.role))
         registry.add(endpoint, SOURCE_REGISTERED, clock())
         return {"name": endpoint.name, "registered": True}
 

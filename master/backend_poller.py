@@ -7,17 +7,17 @@ from dataclasses import dataclass
 import grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.roles import BACKEND_ROLES, Role
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
-_ROLES = ("PDFUSION", "PREFILL", "DECODE")
 _MAX_KEY = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
     """A backend's load report, checked for sanity."""
-    role: str                    # "PDFUSION", "PREFILL" or "DECODE"
+    role: Role                   # a backend role: PDFUSION, PREFILL or DECODE
     running: int                 # sequences holding KV blocks
     waiting: int                 # sequences queued
     queued_prefill_tokens: int   # prompt tokens still to compute
@@ -88,7 +88,7 @@ class BackendPoller:
 def worker_load_from_pb(m: pb.WorkerStatusPB) -> WorkerLoad:
     """Raises StatusError(definitive) for a report no real backend would send."""
     problems = []
-    if m.role not in _ROLES:
+    if m.role not in BACKEND_ROLES:
         problems.append(f"role {m.role!r}")
     for name in ("running", "waiting", "queued_prefill_tokens", "free_blocks", "iterate_count", "cache_version"):
         if getattr(m, name) < 0:
@@ -101,7 +101,7 @@ def worker_load_from_pb(m: pb.WorkerStatusPB) -> WorkerLoad:
         problems.append(f"blocks free={m.free_blocks} total={m.total_blocks} size={m.block_size}")
     if problems:
         raise StatusError("garbage worker status: " + ", ".join(problems), definitive=True)
-    return WorkerLoad(role=m.role, running=m.running, waiting=m.waiting,
+    return WorkerLoad(role=Role(m.role), running=m.running, waiting=m.waiting,
                       queued_prefill_tokens=m.queued_prefill_tokens, step_latency_ms=m.step_latency_ms,
                       prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
                       total_blocks=m.total_blocks, block_size=m.block_size, iterate_count=m.iterate_count,

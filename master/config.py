@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_names, env_str
 from kvyard.model_path import EMBEDDED_MODEL_NAME
+from kvyard.roles import Role
 from master.hold import HoldConfig
 from master.policy import PolicyConfig
 
@@ -21,7 +22,7 @@ class BackendEndpoint:
     grpc_port: int       # its START_PORT + 1
     http_port: int       # its START_PORT + 5
     model: str           # the model name clients ask for
-    role: str = "PDFUSION"
+    role: Role = Role.PDFUSION
 
     @property
     def name(self) -> str:

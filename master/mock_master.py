@@ -21,6 +21,7 @@ from frontend.errors import install_error_handlers
 from kvyard.env import INTERNAL_HOST, env_int, env_str
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.mock_master")
 
@@ -68,7 +69,7 @@ def create_mock_master_app(cfg: MockMasterConfig) -> FastAPI:
         if cfg.models and model not in cfg.models:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist", "model")
         host, _, port = cfg.backends[next(turn) % len(cfg.backends)].rpartition(":")
-        return {"server_status": [{"role": 0, "server_ip": host, "http_port": int(port) + 4,
+        return {"server_status": [{"role": Role.PDFUSION.rtp_type, "server_ip": host, "http_port": int(port) + 4,
                                    "grpc_port": int(port), "debug_info": None}],
                 "cache_local": 0, "inter_request_id": len(app.state.schedule_requests)}
 

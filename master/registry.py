@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvyard.roles import Role
 from master.backend_poller import CacheUpdate, WorkerLoad
 from master.config import BackendEndpoint, MasterConfig
 from master.policy import BackendLoad
@@ -193,7 +194,7 @@ class Registry:
         state.routed_requests += 1
         # A decode backend gets its KV handed over, not looked up, and its half of a PD choice is the same
         # request as the prefill half: its prompt and the request count once, on the prefill side.
-        if state.endpoint.role != "DECODE":
+        if state.endpoint.role != Role.DECODE:
             state.routed_prompt_tokens += seq_len
             state.routed_hit_tokens += hit
             self.stats.requests += 1
