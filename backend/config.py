@@ -9,10 +9,10 @@ from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
+from kvyard.ports import backend_grpc_port, backend_http_port, start_port
 from kvyard.roles import Role
 from kvyard.tokenizer import TextTokenizer
 
-DEFAULT_START_PORT = 8088
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class BackendConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
-        start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
+        start = start_port(env)
         checkpoint = resolve_model_path(env.get("CHECKPOINT_PATH"))
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or str(checkpoint))
         device = env_choice(env, "DEVICE", _default_device(), ("cpu", "cuda"))
@@ -57,8 +57,8 @@ class BackendConfig:
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
             host=host,
-            grpc_port=start_port + 1,
-            http_port=start_port + 5,
+            grpc_port=backend_grpc_port(start),
+            http_port=backend_http_port(start),
             device=device,
             dtype=dtype,
             weight_format=weight_format,

@@ -26,6 +26,7 @@ import httpx
 from kvyard.cli import USAGE_ERROR, UsageError, explain
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
+from kvyard.ports import backend_grpc_port, backend_http_port
 from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.cluster")
@@ -50,11 +51,11 @@ class Part:
 
     @property
     def grpc_address(self) -> str:
-        return f"{LOOPBACK}:{self.start_port + 1}"
+        return f"{LOOPBACK}:{backend_grpc_port(self.start_port)}"
 
     @property
     def health_url(self) -> str:
-        port = self.start_port + 5 if self.is_backend else self.start_port
+        port = backend_http_port(self.start_port) if self.is_backend else self.start_port
         return f"http://{LOOPBACK}:{port}/health"
 
 
@@ -89,7 +90,7 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) ->
     for name, role, count in kinds:
         for i in range(count):
             backends.append(Part(f"{name}-{i + 1}", role, port + BACKEND_OFFSET + BACKEND_STRIDE * len(backends)))
-    last = backends[-1].start_port + 5
+    last = backend_http_port(backends[-1].start_port)
     if last > 65535:
         raise UsageError(f"--port {port} leaves no room for {len(backends)} backends (they need ports up to {last})")
     return Layout(master=Part("master", Role.MASTER, port + MASTER_OFFSET),
@@ -241,7 +242,7 @@ class LocalCluster:
             lines.append(f"  {f.name:<12} http://{host}:{f.start_port}  (OpenAI API)")
         lines.append(f"  {'master':<12} http://{lay.master_address}  (dashboard: http://{lay.master_address}/dashboard)")
         for b in lay.backends:
-            lines.append(f"  {b.name:<12} {b.role:<8} gRPC {b.grpc_address}  HTTP {LOOPBACK}:{b.start_port + 5}")
+            lines.append(f"  {b.name:<12} {b.role:<8} gRPC {b.grpc_address}  HTTP {LOOPBACK}:{backend_http_port(b.start_port)}")
         model = self.shared.get("MODEL_NAME", "").split(",")[0]
         model_field = f'"model": "{model}", ' if model else ""
         key = self.shared.get("API_KEY")
