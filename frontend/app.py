@@ -20,7 +20,6 @@ from frontend.chat_response import complete, render_info, sse
 from frontend.completions import SSE_HEADERS, completion_routes
 from frontend.config import FrontendConfig
 from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import error_body, install_error_handlers
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
@@ -29,6 +28,7 @@ from frontend.openapi_doc import install_openapi
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
 from kvyard.tokenizer import TextTokenizer

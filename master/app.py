@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import error_body, install_error_handlers
 from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
 from kvyard.roles import Role

@@ -17,9 +17,9 @@ import uvicorn
 from fastapi import Body, FastAPI
 from fastapi.responses import PlainTextResponse
 
-from frontend.errors import install_error_handlers
 from kvyard.env import INTERNAL_HOST, env_str
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.ports import backend_http_for_grpc, start_port
 from kvyard.roles import Role
