@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import fields
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend.backend_client import BackendOutput, TokenLogprob
+from frontend.backend_client import AuxInfo, BackendOutput, TokenLogprob
 from frontend.chat import ChatService, PreparedRequest
 from frontend.errors import stream_error_body
 from frontend.protocol import ChatCompletionRequest
@@ -139,15 +140,22 @@ def usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
 
 
 def aux_info(outputs: list[BackendOutput]) -> dict[str, Any]:
-    """RTP-LLM's aux_info from each sequence's latest backend output (several: summed / the longest)."""
+    """RTP-LLM's aux_info from each sequence's latest backend output, every AuxInfo field (times in ms);
+    several sequences: output_len summed, input_len/reuse_len the first's, the rest the largest."""
     if not outputs:
         return {}
-    return {"input_len": outputs[0].input_len, "reuse_len": outputs[0].reuse_len,
-            "output_len": sum(o.output_len for o in outputs),
-            "iter_count": max(o.iter_count for o in outputs),
-            "cost_time_ms": max(o.cost_time_us for o in outputs) / 1000,
-            "first_token_cost_time_ms": max(o.first_token_cost_time_us for o in outputs) / 1000,
-            "wait_time_ms": max(o.wait_time_us for o in outputs) / 1000}
+    out: dict[str, Any] = {}
+    for f in fields(AuxInfo):
+        values = [getattr(o.aux, f.name) for o in outputs]
+        value = sum(values) if f.name == "output_len" else values[0] if f.name in _SHARED else max(values)
+        if f.name.endswith("_us"):
+            out[f.name[:-3] + "_ms"] = value / 1000
+        else:
+            out[f.name] = value
+    return out
+
+
+_SHARED = ("input_len", "reuse_len")  # the request's prompt: the same for each of its sequences
 
 
 def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
