@@ -10,16 +10,15 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatService
 from frontend.chat_response import complete, render_info, sse
-from frontend.completions import SSE_HEADERS, completion_routes
+from frontend.completions import completion_routes
 from frontend.config import FrontendConfig
-from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import error_body, install_error_handlers
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
@@ -28,6 +27,7 @@ from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
+from frontend.respond import respond
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -68,10 +68,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         prep = await off_loop(chat.prepare, req)
         admission.hold(request.scope, prep.params.n)
         model = prep.model or cfg.model_name
-        if req.stream:
-            return StreamingResponse(sse(chat, req, prep, model), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, complete(chat, req, prep, model)))
+        return await respond(request, req.stream, lambda: sse(chat, req, prep, model),
+                             lambda: complete(chat, req, prep, model))
 
     @app.get("/v1/models")
     @app.get("/models")

@@ -15,7 +15,6 @@ from typing import Any
 
 from frontend.backend_client import AuxInfo, BackendOutput, TokenLogprob
 from frontend.chat import ChatService, PreparedRequest
-from frontend.errors import stream_error_body
 from frontend.protocol import ChatCompletionRequest
 from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.tokenizer import TextTokenizer
@@ -71,7 +70,7 @@ async def sse(chat: ChatService, req: ChatCompletionRequest, prep: PreparedReque
         body = {**base, "choices": choices, **extra}
         if include_usage:
             body["usage"] = usage_
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
     first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
@@ -79,38 +78,31 @@ async def sse(chat: ChatService, req: ChatCompletionRequest, prep: PreparedReque
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
     tokens: dict[int, int] = {}
-    try:
-        async for ev in chat.generate(prep):
-            tokens[ev.index] = ev.completion_tokens
-            calls = streams.get(ev.index)
-            if calls is not None:
-                deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
-            else:
-                deltas = [{"content": ev.text}] if ev.text else []
-            if not deltas and ev.finish_reason is None and not ev.logprobs:
-                continue  # e.g. half a UTF-8 character or a possible stop string held back
-            reason = ev.finish_reason
-            if reason == "stop" and calls is not None and calls.calls:
-                reason = "tool_calls"
-            deltas = deltas or [{}]
-            for k, delta in enumerate(deltas):
-                is_last = k == len(deltas) - 1
-                lp = None
-                if prep.params.return_logprobs:
-                    lp = {"content": logprob_entries(ev.logprobs, chat.tokenizer) if k == 0 else []}
-                extra = {}
-                if is_last and reason is not None and req.aux_info and ev.backend is not None:
-                    extra["aux_info"] = aux_info([ev.backend])
-                yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
-                              "finish_reason": reason if is_last else None}], **extra)
-    except Exception as exc:  # noqa: BLE001 (a bug too ends the stream properly)
-        # Headers are gone: the error travels as a data chunk, then [DONE].
-        yield f"data: {json.dumps(stream_error_body(exc))}\n\n"
-        yield "data: [DONE]\n\n"
-        return
+    async for ev in chat.generate(prep):
+        tokens[ev.index] = ev.completion_tokens
+        calls = streams.get(ev.index)
+        if calls is not None:
+            deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
+        else:
+            deltas = [{"content": ev.text}] if ev.text else []
+        if not deltas and ev.finish_reason is None and not ev.logprobs:
+            continue  # e.g. half a UTF-8 character or a possible stop string held back
+        reason = ev.finish_reason
+        if reason == "stop" and calls is not None and calls.calls:
+            reason = "tool_calls"
+        deltas = deltas or [{}]
+        for k, delta in enumerate(deltas):
+            is_last = k == len(deltas) - 1
+            lp = None
+            if prep.params.return_logprobs:
+                lp = {"content": logprob_entries(ev.logprobs, chat.tokenizer) if k == 0 else []}
+            extra = {}
+            if is_last and reason is not None and req.aux_info and ev.backend is not None:
+                extra["aux_info"] = aux_info([ev.backend])
+            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
-    yield "data: [DONE]\n\n"
 
 
 def render_info(chat: ChatService, prep: PreparedRequest) -> dict[str, Any]:

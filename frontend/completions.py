@@ -16,20 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.backend_client import TokenLogprob
 from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
-from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import stream_error_body
 from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
 from frontend.protocol import CompletionRequest
+from frontend.respond import respond
 from kvyard.errors import ErrorCode, RequestError
 from renderers import RenderedPrompt
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 @dataclass
 class _Job:
@@ -111,10 +106,8 @@ def completion_routes(chat: ChatService) -> APIRouter:
         request_id, jobs = await _prepare(chat, req, lambda n: request.app.state.admission.hold(request.scope, n))
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": req.model or chat.cfg.model_name}
-        if req.stream:
-            return StreamingResponse(_sse(chat, req, jobs, base), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, _complete(chat, req, jobs, base)))
+        return await respond(request, req.stream, lambda: _sse(chat, req, jobs, base),
+                             lambda: _complete(chat, req, jobs, base))
 
     return router
 
@@ -220,34 +213,28 @@ async def _sse(chat: ChatService, req: CompletionRequest, jobs: list[_Job],
         body = {**base, "choices": choices}
         if req.include_usage:
             body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return json.dumps(body, ensure_ascii=False)
 
     choices = {(j.number, s): _Choice(chat, req.logprobs is not None) for j in jobs for s in range(n)}
     tokens: dict[tuple[int, int], int] = {}
-    try:
-        for (number, s), choice in choices.items():
-            if req.echo:
-                lp = _echo(jobs[number], choice)
-                done = jobs[number].prep is None
-                yield chunk([{"index": number * n + s, "text": choice.text, "logprobs": lp,
-                              "finish_reason": "length" if done else None}])
-        running = [j for j in jobs if j.prep is not None]
-        if running:
-            async for k, ev in merged(chat, [j.prep for j in running if j.prep]):
-                key = (running[k].number, ev.index)
-                tokens[key] = ev.completion_tokens
-                if not ev.text and ev.finish_reason is None and not ev.logprobs:
-                    continue
-                lp = choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
-                yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp,
-                              "finish_reason": ev.finish_reason}])
-    except Exception as exc:  # noqa: BLE001 (headers are gone: an error chunk, then [DONE])
-        yield f"data: {json.dumps(stream_error_body(exc))}\n\n"
-        yield "data: [DONE]\n\n"
-        return
+    for (number, s), choice in choices.items():
+        if req.echo:
+            lp = _echo(jobs[number], choice)
+            done = jobs[number].prep is None
+            yield chunk([{"index": number * n + s, "text": choice.text, "logprobs": lp,
+                          "finish_reason": "length" if done else None}])
+    running = [j for j in jobs if j.prep is not None]
+    if running:
+        async for k, ev in merged(chat, [j.prep for j in running if j.prep]):
+            key = (running[k].number, ev.index)
+            tokens[key] = ev.completion_tokens
+            if not ev.text and ev.finish_reason is None and not ev.logprobs:
+                continue
+            lp = choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
+            yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp,
+                          "finish_reason": ev.finish_reason}])
     if req.include_usage:
         yield chunk([], _usage(jobs, sum(tokens.values())))
-    yield "data: [DONE]\n\n"
 
 
 def _n(req: CompletionRequest, jobs: list[_Job]) -> int:

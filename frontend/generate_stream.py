@@ -8,9 +8,7 @@ Failures before the first text are ordinary HTTP errors (the error table); after
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,11 +17,11 @@ from fastapi.responses import StreamingResponse
 
 from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
-from frontend.errors import stream_error_body
 from frontend.guided import refuse_constraints
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.protocol import INT32_MAX, INT64_MAX
+from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -32,13 +30,6 @@ from kvyard.tokenizer import TextTokenizer
 log = logging.getLogger("kvyard.frontend")
 
 DEFAULT_MAX_TOKENS = 128
-SSE_END = "event: end\n\n"
-_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what SSE itself treats as the end of a line
-
-
-def sse_message(text: str, event: str = "message") -> str:
-    """One SSE event; every line of `text` its own `data:` line, so a reader joins them back with \\n."""
-    return f"event: {event}\n" + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(text)) + "\n"
 
 
 def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client: MeteredRouter) -> APIRouter:
@@ -74,10 +65,9 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
                                 timeout_ms=int(cfg.request_timeout_s * 1000))
         chunks = _text(client, tokenizer, ids, params, list(cfg.stop_words), model or None)
         first = await anext(chunks, None)  # errors up to the first text still get their HTTP status
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if "text/event-stream" in request.headers.get("accept", ""):
-            return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
-        return StreamingResponse(_plain(first, chunks), media_type="text/plain; charset=utf-8", headers=headers)
+            return sse_response(_pieces(first, chunks), EVENT_SSE)
+        return StreamingResponse(_plain(_pieces(first, chunks)), media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)
 
     return router
 
@@ -102,28 +92,23 @@ async def _text(client: MeteredRouter, tokenizer: TextTokenizer, ids: list[int],
         await gen.aclose()
 
 
-async def _plain(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _pieces(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         if first is None:
             return
         yield first
         async for text in rest:
             yield text
-    except RequestError as exc:
-        log.warning("/generate failed mid-stream (%s); cutting the response short", exc.message)
-        raise
     finally:
         await rest.aclose()  # a client that went away aborts the backend call now, not at GC
 
 
-async def _sse(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _plain(pieces: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
-        if first is not None:
-            yield sse_message(first)
-            async for text in rest:
-                yield sse_message(text)
-    except Exception as exc:  # noqa: BLE001 (headers are gone: an error event, then end)
-        yield sse_message(json.dumps(stream_error_body(exc)), event="error")
+        async for text in pieces:
+            yield text
+    except RequestError as exc:
+        log.warning("/generate failed mid-stream (%s); cutting the response short", exc.message)
+        raise
     finally:
-        await rest.aclose()
-    yield SSE_END
+        await pieces.aclose()

@@ -13,17 +13,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.backend_client import BackendOutput
 from frontend.chat import ChatService, PreparedRequest
 from frontend.chat_response import aux_info
-from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
-from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import stream_error_body
+from frontend.completions import merged, prompt_ids, raw_prompt
 from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
 from frontend.protocol import RawRequest, SamplingRequest
+from frontend.respond import RTP_SSE, respond
 
 Key = tuple[int, int]   # (prompt number, sequence number)
 
@@ -68,9 +66,8 @@ def raw_routes(chat: ChatService) -> APIRouter:
     async def raw(req: RawRequest, request: Request) -> Any:
         state = _State(req, await off_loop(_prepare, chat, req))
         request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
-        if req.streaming:
-            return StreamingResponse(_events(chat, state), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, _collect(chat, state)))
+        return await respond(request, req.streaming, lambda: _events(chat, state), lambda: _collect(chat, state),
+                             RTP_SSE)
 
     return router
 
@@ -111,10 +108,6 @@ async def _updates(chat: ChatService, state: _State) -> AsyncIterator[tuple[Key,
 
 
 async def _events(chat: ChatService, state: _State) -> AsyncIterator[str]:
-    try:
-        async for key, new in _updates(chat, state):
-            body = state.body({key: new}) if state.req.incremental else state.body()
-            yield f"data:{json.dumps(body, ensure_ascii=False)}\n\n"
-    except Exception as exc:  # noqa: BLE001 (headers are gone: an error event, then [done])
-        yield f"data:{json.dumps(stream_error_body(exc))}\n\n"
-    yield "data:[done]\n\n"
+    async for key, new in _updates(chat, state):
+        body = state.body({key: new}) if state.req.incremental else state.body()
+        yield json.dumps(body, ensure_ascii=False)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.generate_stream import SSE_END, sse_message
+from frontend.respond import EVENT_SSE, sse_message
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
 from tests.support.scoring_stub import StubFrontend, stub_frontend
@@ -55,7 +55,7 @@ def test_sse_message_round_trips(text: str) -> None:
     assert raw.startswith("event: message\n") and raw.endswith("\n\n")
     assert "\n\n" not in raw[:-2]  # one event, however many lines
     assert parse_sse(raw) == [("message", text.replace("\r\n", "\n").replace("\r", "\n"))]
-    assert SSE_END == "event: end\n\n"
+    assert EVENT_SSE.end == "event: end\n\n"
 
 
 def test_plain_text_streams_as_generated(stub: StubFrontend) -> None:
