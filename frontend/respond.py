@@ -1,5 +1,6 @@
 """The last stage of every HTTP dialect: its wire events out as Server-Sent Events (headers, framing, the
-error tail) or as one JSON body, cancelled when the client goes away.
+error tail) or as one JSON body, cancelled when the client goes away; and RTP-LLM's aux_info, which the
+chat and `POST /` bodies share.
 
 A stream that fails after its 200 and headers are gone cannot change its status any more: the error
 travels as the dialect's own error event (frontend/errors.py's stream_error_body), then its end marker.
@@ -12,13 +13,14 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.backend_client import AuxInfo, BackendOutput
 from frontend.errors import stream_error_body
 from kvyard.errors import ErrorCode, RequestError
 
@@ -71,6 +73,25 @@ async def _framed(events: AsyncIterator[str], framing: SseFraming) -> AsyncItera
     finally:
         await events.aclose()  # a client that went away aborts the backend call now, not at GC
     yield framing.end
+
+
+def aux_info(outputs: list[BackendOutput]) -> dict[str, Any]:
+    """RTP-LLM's aux_info from each sequence's latest backend output, every AuxInfo field (times in ms);
+    several sequences: output_len summed, input_len/reuse_len the first's, the rest the largest."""
+    if not outputs:
+        return {}
+    out: dict[str, Any] = {}
+    for f in fields(AuxInfo):
+        values = [getattr(o.aux, f.name) for o in outputs]
+        value = sum(values) if f.name == "output_len" else values[0] if f.name in _SHARED else max(values)
+        if f.name.endswith("_us"):
+            out[f.name[:-3] + "_ms"] = value / 1000
+        else:
+            out[f.name] = value
+    return out
+
+
+_SHARED = ("input_len", "reuse_len")  # the request's prompt: the same for each of its sequences
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -3,7 +3,7 @@ kv_* ones too) survive the gRPC edge (frontend/backend_client.py) and the respon
 from __future__ import annotations
 
 from frontend.backend_client import _from_pb
-from frontend.chat_response import aux_info
+from frontend.respond import aux_info
 from proto import model_rpc_pb2 as pb
 
 
