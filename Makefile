@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers clean
+.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-gateway clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,10 @@ bench: setup
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup
 	$(PY) benchmarks/peers.py
+
+# The gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs least-connection routing.
+bench-gateway: setup
+	$(PY) benchmarks/gateway.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
