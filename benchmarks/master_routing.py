@@ -89,7 +89,7 @@ async def run_strategy(name: str, prompts: list[list[int]], router: Router, back
             async for outs in stream:
                 if first:
                     ttft.append(time.perf_counter() - t0)
-                    totals["reused"] += outs[0].reuse_len
+                    totals["reused"] += outs[0].aux.reuse_len
                     first = False
                 totals["out"] += sum(len(o.token_ids) for o in outs)
         except Exception as exc:  # noqa: BLE001 - counted and reported

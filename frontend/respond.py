@@ -5,26 +5,23 @@ chat and `POST /` bodies share.
 A stream that fails after its 200 and headers are gone cannot change its status any more: the error
 travels as the dialect's own error event (frontend/errors.py's stream_error_body), then its end marker.
 Starlette cancels a StreamingResponse whose client disconnects; a plain handler it would let run to the
-end, so respond() cancels that work itself, which closes the backend call and so aborts the request there
-and frees its KV."""
+end, so respond() cancels that work itself (frontend/disconnect.py, which the master and gateway use too),
+which closes the backend call and so aborts the request there and frees its KV."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.backend_client import AuxInfo, BackendOutput
+from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import stream_error_body
-from kvyard.errors import ErrorCode, RequestError
-
-T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what SSE itself treats as the end of a line
@@ -92,24 +89,3 @@ def aux_info(outputs: list[BackendOutput]) -> dict[str, Any]:
 
 
 _SHARED = ("input_len", "reuse_len")  # the request's prompt: the same for each of its sequences
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`await work`, unless the client disconnects first: then cancel it and raise CANCELLED."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        task.cancel()  # a no-op when it finished
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise RequestError(ErrorCode.CANCELLED, "the client disconnected")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read: the next ASGI message is http.disconnect, whenever the client leaves.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
