@@ -75,7 +75,7 @@ def raw_routes(chat: ChatService) -> APIRouter:
 
 
 def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
-    chat.check_model(req.model)
+    model = chat.model(req.model)
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
@@ -85,7 +85,7 @@ def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
         max_new = chat.budget(len(ids), cfg.max_new_tokens, "generate_config.max_new_tokens", "prompt")
         preps.append(PreparedRequest(f"{request_id}-{i}", raw_prompt(text, ids),
                                      chat.params(sampling, max_new, False, 0), chat.stop_strings(sampling),
-                                     req.model or None))
+                                     model))
     return preps
 
 
