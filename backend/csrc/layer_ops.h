@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention512.h"
 #include "simd.h"
 
 namespace kvyard {
@@ -65,8 +66,9 @@ struct AttentionScratch {
 
 // Decode attention for one (row b, KV head kvh) item straight from the paged cache (no gather): the
 // `group` query heads that share the KV head read each K and V row from memory once (the later heads
-// find it in L1). q: [B, H, d]; caches [S, Hkv, d]; table: [B, nblk]; n = keys row b sees; out: [B, H, d].
-// NV = d / 8, a constant so the sums stay in registers.
+// find it in L1; with AVX-512, attention512.h widens each row once for several heads). q: [B, H, d];
+// caches [S, Hkv, d]; table: [B, nblk]; n = keys row b sees; out: [B, H, d]. NV = d / 8, a constant so the
+// sums stay in registers.
 template <int64_t NV, typename T>
 inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
                         int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, float scale,
@@ -80,9 +82,11 @@ inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t*
   for (int64_t p = 0, j = 0; p < n; ++j)
     for (int64_t o = 0, base = table[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
       s.slots[p] = base + o;
-  for (int64_t p = 0; p < n; p += 8) {
+  const float* qg = q + (b * H + kvh * group) * d;  // the group's query heads, one after another
+  if (avx512_on()) scores512<NV / 2, T>(qg, kc, s.slots.data(), n, Hkv, kvh, scale, s.scores.data(), np, group);
+  for (int64_t p = 0; p < n && !avx512_on(); p += 8) {
     for (int64_t g = 0; g < group; ++g) {
-      const float* qh = q + (b * H + kvh * group + g) * d;
+      const float* qh = qg + g * d;
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) {
         __m256 a = _mm256_setzero_ps();
@@ -115,7 +119,8 @@ inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t*
     }
     inv[g] = 1.0f / hsum(vsum);
   }
-  for (int64_t p0 = 0; p0 < n; p0 += KB) {
+  if (avx512_on()) values512<NV / 2, T>(s.scores.data(), np, vc, s.slots.data(), n, Hkv, kvh, s.partial.data(), group);
+  for (int64_t p0 = 0; p0 < n && !avx512_on(); p0 += KB) {
     const int64_t p1 = std::min(n, p0 + KB);
     for (int64_t g = 0; g < group; ++g) {
       const float* sg = s.scores.data() + g * np;

@@ -15,18 +15,6 @@ namespace kvyard {
 
 constexpr int64_t MAX_BLOCKS = 1024;  // blocks per weight row: rows of up to 32768 weights
 
-inline bool cpu_has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return yes;
-}
-
-// Whether the linears take the 512-bit path: the CPU's answer unless a test turned it off (use_avx512).
-inline bool& avx512_on() {
-  static bool on = cpu_has_avx512();
-  return on;
-}
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 

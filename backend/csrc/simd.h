@@ -59,6 +59,18 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+inline bool cpu_has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// Whether the linears take the 512-bit path: the CPU's answer unless a test turned it off (use_avx512).
+inline bool& avx512_on() {
+  static bool on = cpu_has_avx512();
+  return on;
+}
+
 inline float half_to_float(half_t h) { return _cvtsh_ss(h); }
 
 // n float16 values → floats (8 at a time).

@@ -168,10 +168,12 @@ def test_rope_store_rotates_and_writes_the_cache(kv_dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (7, 1)])  # groups of 3, 4 and 7 query heads per KV head
+def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: torch.dtype,
+                                                       heads: tuple[int, int], isa: str) -> None:
     """Against gather + SDPA over the same cache (a float16 cache: the same float16 values, widened)."""
     torch.manual_seed(head_dim)
-    bs, n_heads, n_kv = 16, 9, 3
+    bs, (n_heads, n_kv) = 16, heads
     cache = KVCache(1, 64, bs, n_kv, head_dim, kv_dtype, torch.device("cpu"))
     cache.data.normal_()
     lens = torch.tensor([1, 7, 16, 17, 33, 200])   # block edges, partial blocks, one key

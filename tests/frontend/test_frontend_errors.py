@@ -318,27 +318,35 @@ def test_no_backend(tokenizer: TextTokenizer) -> None:
 
 # ---- errors after the stream started -------------------------------------------------------------
 
+def streams_ending_in_error(http: httpx.Client, code: str) -> list[list[dict]]:
+    """Streams chat, completions and POST / into the scripted failure: each must end with an error chunk
+    carrying `code` and then its end marker. Returns the chat and completions chunks before the error."""
+    before = []
+    for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
+                       ("/v1/completions", {"prompt": "x", "stream": True})]:
+        resp = http.post(path, json=body)
+        assert resp.status_code == 200
+        data = sse_data(resp.text)
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])
+        assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
+        assert error["error"]["code"] == code
+        before.append([json.loads(d) for d in data[:-2]])
+    raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
+    assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == code
+    return before
+
+
 @pytest.mark.parametrize(("kind", "code"), [("INTERNAL", "internal"), ("UNAVAILABLE", "unavailable"),
                                             ("TIMEOUT", "timeout")])
 def test_error_after_the_stream_started(http: httpx.Client, front: MockFrontend, mock: MockBackendThread,
                                         tokenizer: TextTokenizer, kind: str, code: str) -> None:
     with mock.scripted(MockScript(tuple(tokenizer.encode(TEXT)), error=kind, error_after=3)):
-        for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
-                           ("/v1/completions", {"prompt": "x", "stream": True})]:
-            resp = http.post(path, json=body)
-            assert resp.status_code == 200
-            data = sse_data(resp.text)
-            assert data[-1] == "[DONE]"
-            error = json.loads(data[-2])
-            assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
-            assert error["error"]["code"] == code
-            chunks = [json.loads(d) for d in data[:-2]]
+        for chunks in streams_ending_in_error(http, code):
             texts = [c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or ""
                      for c in chunks]
             assert "".join(texts) == "Hello there,"   # the three tokens before the failure
             assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
-        raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
-        assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == code
         with pytest.raises(openai.APIError):
             client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
             list(client.chat.completions.create(model="mock-model", messages=HI, stream=True))
@@ -349,17 +357,7 @@ def test_a_failure_that_is_not_a_request_error_still_ends_the_stream(http: httpx
     """A backend that answers a token id outside the vocabulary makes the detokenizer raise ValueError, not a
     RequestError: every stream used to drop its connection with no error chunk and no end marker."""
     with mock.scripted(MockScript((*tokenizer.encode(TEXT)[:3], 10**6, 2))):
-        for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
-                           ("/v1/completions", {"prompt": "x", "stream": True})]:
-            resp = http.post(path, json=body)
-            assert resp.status_code == 200
-            data = sse_data(resp.text)
-            assert data[-1] == "[DONE]"
-            error = json.loads(data[-2])
-            assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
-            assert error["error"]["code"] == "internal"
-        raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
-        assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == "internal"
+        streams_ending_in_error(http, "internal")
         events = http.post("/generate", content=b"x", headers={"accept": "text/event-stream"}).text
         assert "event: error\n" in events and events.endswith("event: end\n\n"), events
 

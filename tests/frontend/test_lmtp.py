@@ -248,6 +248,9 @@ def test_real_interleaved_streams_match_each_alone(pdfusion: Cluster, tokenizer:
     assert "Paris" in tokenizer.decode([t["token"] for t in alone[0]])
 
 
+SCORE_VS_DECODE = 0.02
+
+
 @pytest.mark.slow
 def test_real_score_matches_generate_and_score_call(pdfusion: Cluster, tokenizer: TextTokenizer) -> None:
     prompt = tokenizer.encode("The quick brown fox jumps over the")
@@ -265,7 +268,10 @@ def test_real_score_matches_generate_and_score_call(pdfusion: Cluster, tokenizer
     generated, scored, direct = run(go())
     assert [t["token"] for t in scored] == [t["token"] for t in generated]
     assert [t["logprob"] for t in scored] == pytest.approx(direct, abs=1e-6)
-    assert [t["logprob"] for t in scored] == pytest.approx([t["logprob"] for t in generated], abs=2e-3)
+    # Scoring prefills the answer in one chunk, generation decoded it a row at a time: in the CPU serving
+    # format (float16 KV cache, int16 activations) the two round differently. Measured on 384 positions
+    # of ordinary text, 2026-11-24: median 3.7e-4, p99 2.3e-3, max 8.4e-3 (float32 everything: 1.3e-5).
+    assert [t["logprob"] for t in scored] == pytest.approx([t["logprob"] for t in generated], abs=SCORE_VS_DECODE)
     assert [t["finish_reason"] for t in scored] == [None] * 5 + ["stop"]
     for item in generated:  # greedy: the sampled token is the most likely one, and a real log-probability
         assert item["logprob"] == pytest.approx(max(item["top_logprobs"].values()))
@@ -320,7 +326,10 @@ def test_real_lmql_client(pdfusion: Cluster, tokenizer: TextTokenizer) -> None:
     generated, scored = run(go())
     assert len(generated) == 5 and generated[-1]["finish_reason"] == "length"
     assert "Paris" in tokenizer.decode([t["token"] for t in generated])
-    assert [t["logprob"] for t in scored] == pytest.approx([t["logprob"] for t in generated], abs=2e-3)
+    # Scoring prefills the answer in one chunk, generation decoded it a row at a time: in the CPU serving
+    # format (float16 KV cache, int16 activations) the two round differently. Measured on 384 positions
+    # of ordinary text, 2026-11-24: median 3.7e-4, p99 2.3e-3, max 8.4e-3 (float32 everything: 1.3e-5).
+    assert [t["logprob"] for t in scored] == pytest.approx([t["logprob"] for t in generated], abs=SCORE_VS_DECODE)
 
 
 @pytest.mark.slow
