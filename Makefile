@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run test test-fast fuzz proto bench bench-peers clean
+.PHONY: setup run test test-fast fuzz proto bench bench-peers bench-routing clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ bench: setup
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup
 	$(PY) benchmarks/peers.py
+
+# kvyard's master vs SGLang's router (cache_aware, round_robin; installed once into its own venv under
+# ~/.cache/kvyard, never into .venv) over the same two backends, with and without KV pressure.
+bench-routing: setup
+	$(PY) benchmarks/master_routing.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
