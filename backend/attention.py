@@ -77,22 +77,29 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, o
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
 
 
-def attend_decode_gathered(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-    """Decode rows the portable way: gather each row's blocks, then SDPA. q: [B, H, d] → [B, H, d]."""
-    assert meta.decode_blocks is not None and meta.decode_key_mask is not None
+def attend_decode_gathered(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                           window: int = 0) -> torch.Tensor:
+    """Decode rows the portable way: gather each row's blocks, then SDPA. q: [B, H, d] → [B, H, d].
+    window > 0: each row sees only its last `window` keys (a sliding window, itself included)."""
+    assert meta.decode_blocks is not None and meta.decode_key_mask is not None and meta.decode_lens is not None
     k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     bs = cache.block_size
     n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
     kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
     vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
     kd, vd = kd.to(q.dtype), vd.to(q.dtype)  # a float16 cache under a float32 model: convert what was read
-    od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_key_mask, enable_gqa=True)
+    mask = meta.decode_key_mask  # [B, 1, 1, Kmax]
+    if window:
+        key_pos = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (key_pos >= (meta.decode_lens - window)[:, None, None, None])
+    od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
     return od.squeeze(2)
 
 
 def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
-                    out: torch.Tensor) -> None:
-    """Each multi-token chunk attends causally over its cached prefix and itself; rows into out."""
+                    out: torch.Tensor, window: int = 0) -> None:
+    """Each multi-token chunk attends causally over its cached prefix and itself; rows into out.
+    window > 0: query i sees only keys (start + i - window, start + i] (a sliding window)."""
     k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
@@ -102,11 +109,14 @@ def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: Attention
         kp = kp.transpose(0, 1).unsqueeze(0).to(q.dtype)                    # [1, Hkv, K, d]
         vp = vp.transpose(0, 1).unsqueeze(0).to(q.dtype)
         n_q, n_k = qp.shape[2], kp.shape[2]
-        if span.start == 0:
+        if span.start == 0 and (not window or n_q <= window):
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
             # Query i sits at position start+i and sees keys 0..start+i: the last row sees every key.
             q_pos = torch.arange(span.start, span.start + n_q, device=q.device)
-            mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
+            k_pos = torch.arange(n_k, device=q.device)[None, :]
+            mask = k_pos <= q_pos[:, None]
+            if window:
+                mask &= k_pos > q_pos[:, None] - window
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
         out[span.rows] = op.squeeze(0).transpose(0, 1)

@@ -47,10 +47,12 @@ class _Call:
 class EngineLoop:
     """The engine thread owns the Engine; asyncio code talks to it only through commands."""
 
-    def __init__(self, engine: Engine, metrics: BackendMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: BackendMetrics | None = None, model_name: str = "") -> None:
         self.engine = engine
         self.kv_layout: KVLayout = engine.runner.cache.layout()  # fixed: any thread may read it
-        self.metrics = metrics or BackendMetrics(self.worker_status)  # recorded here, served on /metrics
+        # Recorded here, served on /metrics; preemptions is a plain int the engine thread bumps.
+        self.metrics = metrics or BackendMetrics(self.worker_status, model_name,
+                                                 lambda: engine.scheduler.num_preemptions)
         self._commands: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._sinks: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -111,6 +113,7 @@ class EngineLoop:
                 if first and outs:
                     first = False
                     self.metrics.prompt(outs[0].aux.input_len, outs[0].aux.reuse_len)
+                    self.metrics.queue_time.observe(outs[0].aux.wait_time_us / 1e6)
                 timer.step(sum(1 for out in outs if isinstance(out, TokenOutput)))
                 unfinished -= sum(1 for out in outs if out.finish_reason is not None)
                 if unfinished <= 0:

@@ -50,8 +50,11 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils.cpp_extension import load as build
             # The venv's own ninja (the `ninja` package) when the shell never activated the venv.
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            module = build(name="kvyard_cpu_kernels", sources=[str(SOURCE)],
-                           extra_cflags=[*_FLAGS, f"-DKVYARD_SRC={_source_digest()}"],
+            # The digest in the name too: worktrees and checkouts of other versions share torch's extension
+            # cache, and one build directory per name would let them overwrite each other's module.
+            digest = _source_digest()
+            module = build(name=f"kvyard_cpu_kernels_{digest[:12]}", sources=[str(SOURCE)],
+                           extra_cflags=[*_FLAGS, f"-DKVYARD_SRC={digest}"],
                            extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as exc:  # a missing compiler must not take the backend down
             log.warning("C++ kernels unavailable (%s): pure-PyTorch path", exc)

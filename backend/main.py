@@ -34,7 +34,8 @@ T = TypeVar("T")
 
 
 def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int]:
-    """Returns the started-ready engine loop, the model's eos ids and the served context length."""
+    """Returns the started-ready engine loop, the ids that end generation (eos and the model's end-of-turn
+    ids) and the served context length."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = torch.device(cfg.device)
@@ -42,9 +43,12 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     model_cfg = load_model_config(cfg.checkpoint_path)
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
     before = resident_mb()
+    reset_peak_resident()  # reading the GGUF's vocabulary above peaks higher than the weights of a small model
     weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf",
                            block_layout="n16" if cfg.activations == "int16" else "rows")
-    model = LlamaModel(model_cfg, weights)
+    max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
+                        model_cfg.max_position_embeddings)
+    model = LlamaModel(model_cfg, weights, max_positions=max_model_len)
     loaded, load_peak = resident_mb(), peak_resident_mb()
     log.info("weights: %.0f MB as %s, %s, %s activations", model.weight_bytes() / 2**20, cfg.weight_format,
              type(model.ops).__name__, cfg.activations)
@@ -54,8 +58,6 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     num_blocks = max(1, cfg.kv_cache_mb * 1024 * 1024 // per_block)
     cache = KVCache(model_cfg.num_layers, num_blocks, cfg.block_size, model_cfg.num_kv_heads,
                     model_cfg.head_dim, kv_dtype, device)
-    max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
-                        model_cfg.max_position_embeddings)
     log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MB, %s)", num_blocks, cfg.block_size,
              num_blocks * cfg.block_size, num_blocks * per_block / 2**20, cfg.kv_cache_dtype)
     # What loading cost in memory, beside what it keeps: the benchmarks read this line.
@@ -66,21 +68,36 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
-    eos = frozenset(t for t in (tokenizer.eos_token_id,) if t is not None)
-    return EngineLoop(engine), eos, max_model_len
+    return EngineLoop(engine, model_name=cfg.model_name), tokenizer.stop_token_ids, max_model_len
 
 
 def resident_mb() -> float:
     """This process's resident set now (Linux; 0 elsewhere)."""
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return 0.0
-    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS")), 0.0)
+    return _status_mb("VmRSS") or 0.0
 
 
 def peak_resident_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    """This process's most resident memory since it started or since reset_peak_resident(). VmHWM, not
+    ru_maxrss: that one carries over the parent's peak through fork and exec (a backend started by a
+    launcher that had loaded torch would report the launcher's size)."""
+    return _status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def _status_mb(key: str) -> float | None:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith(key + ":")), None)
+
+
+def reset_peak_resident() -> None:
+    """Start peak_resident_mb() over from the resident set now (Linux: clear_refs 5 resets the high-water
+    mark); elsewhere the peak keeps counting from the start, an upper bound."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfig) -> T:
@@ -107,9 +124,9 @@ async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfi
         await asyncio.to_thread(thread.join)
 
 
-async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None:
+async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
-    turns health to NOT_SERVING and lets requests in flight finish for up to drain_grace_s."""
+    turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
     engine_loop, eos, max_model_len = await _in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address)
@@ -128,9 +145,9 @@ async def serve_backend(cfg: BackendConfig, drain_grace_s: float = 10.0) -> None
         tasks.append(asyncio.create_task(register_forever(cfg)))
     try:
         await stop.wait()
-        log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", drain_grace_s)
+        log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", cfg.drain_grace_s)
         await set_serving(health_servicer, False)
-        await server.stop(grace=drain_grace_s)
+        await server.stop(grace=cfg.drain_grace_s)
     finally:
         http.should_exit = True
         for task in tasks[1:]:

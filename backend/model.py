@@ -1,12 +1,14 @@
 """The Llama-family network (GQA, RoPE, RMSNorm, SwiGLU): flat token batch in, logits out."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
 from backend.ops import DENSE_ROWS, KernelOps, TorchOps, Weight
 from backend.quant import QuantWeight
-from kvyard.model_config import ModelConfig
+from kvyard.model_config import ModelConfig, RopeScaling
 
 
 def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
@@ -23,7 +25,10 @@ class LlamaModel:
     """Plain functions over a dict of weights (gpt-fast style): no nn.Module bookkeeping per step.
     A weight is a dense tensor or a QuantWeight (GGUF blocks, computed on by the C++ kernels)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Weight], ops: TorchOps | None = None) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], ops: TorchOps | None = None,
+                 max_positions: int | None = None) -> None:
+        """max_positions: the longest sequence served (RoPE tables are built that long; default the model's
+        context), e.g. MAX_SEQ_LEN's cap on a 128K-context model."""
         self.config = config
         self.w = weights
         self.lm_head = weights.get("lm_head", weights["embed"])  # tied when the checkpoint has none
@@ -33,7 +38,9 @@ class LlamaModel:
         self.ops = ops or default_ops(self.device, self.dtype)
         if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
             raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
-        self.cos, self.sin = _rope_tables(config, self.device)  # [P, d/2] each, float32
+        self.cos, self.sin = rope_tables(config, max_positions or config.max_position_embeddings,
+                                         self.device)  # [P, d/2] each, float32
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # 0: the whole context
         # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
         self.fused = self.ops.fused_decoder(config, weights, self.lm_head)
@@ -59,7 +66,7 @@ class LlamaModel:
             h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))                    # [T, (H+2Hkv)d]
             q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
-            attn = ops.attention(q, cache, i, meta)                                       # [T, H, d]
+            attn = ops.attention(q, cache, i, meta, self.windows[i])                      # [T, H, d]
             x = ops.linear(attn.reshape(attn.shape[0], -1), w[p + "o"], residual=x)
             h = ops.rms_norm(x, w[p + "ffn_norm"], c.rms_norm_eps)
             x = ops.linear(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual=x)
@@ -67,9 +74,76 @@ class LlamaModel:
         return ops.linear(x, self.lm_head).float()                     # [S, V]
 
 
-def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, d/2] (float32) of every position's rotation angles, RoPE scaling included
+    (yarn's attention factor multiplies both). Both the op-by-op path and the fused decode step index them
+    by position, so a position's keys rotate the same way whatever batch, chunk or prefix-cache hit
+    computes them. Computed in float64, rounded once."""
     half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
-    pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-    angles = torch.outer(pos, inv_freq)  # [P, d/2]
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))  # [d/2]
+    pos = torch.arange(positions, dtype=torch.float64)
+    rope, scale = config.rope_scaling, 1.0
+    if rope is None:
+        angles = torch.outer(pos, inv_freq)
+    elif rope.rope_type == "dynamic":
+        angles = _dynamic_ntk_angles(config, pos)
+    else:
+        if rope.rope_type == "linear":
+            inv_freq = inv_freq / rope.factor
+        elif rope.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(rope, inv_freq)
+        elif rope.rope_type == "yarn":
+            inv_freq, scale = _yarn_inv_freq(rope, inv_freq, config.rope_theta, config.head_dim), rope.attention_factor
+        else:
+            raise ValueError(f"RoPE type {rope.rope_type!r} has no tables")
+        angles = torch.outer(pos, inv_freq)  # [P, d/2]
+    return (angles.cos() * scale).float().to(device), (angles.sin() * scale).float().to(device)
+
+
+def _llama3_inv_freq(rope: RopeScaling, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent stretch: wavelengths beyond original/low_freq_factor are divided by
+    the factor, those below original/high_freq_factor kept, the band between blended smoothly. A GGUF
+    stores the resulting divisors instead (rope_freqs)."""
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
+    original = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    out = torch.where(wavelen > original / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+    between = (wavelen >= original / rope.high_freq_factor) & (wavelen <= original / rope.low_freq_factor)
+    return torch.where(between, blended, out)
+
+
+def _yarn_inv_freq(rope: RopeScaling, inv_freq: torch.Tensor, theta: float, dim: int) -> torch.Tensor:
+    """YaRN: high frequencies (more than beta_fast turns over the original context) extrapolate, low ones
+    (fewer than beta_slow turns) interpolate by the factor, a linear ramp over the dimensions between."""
+    def dim_at(turns: float) -> float:  # the dimension whose frequency turns `turns` times in the context
+        return dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_at(rope.beta_fast), dim_at(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-dimension ramp would divide by zero
+    # The ramp in float32, as the reference computes it: its values are what the blend is made of.
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).double()
+    extrapolate = 1 - ramp
+    return inv_freq / rope.factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def _dynamic_ntk_angles(config: ModelConfig, pos: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: past the original context, the base grows with the sequence length. A position's
+    rotation uses the base for a sequence that ends at it, so a key's rotation depends on its position
+    alone: the paged cache, chunked prefill and prefix-cache hits all see the keys a token-by-token
+    decode would have written (transformers computes exactly this when it decodes one token at a time;
+    its one-shot prefill of a prompt beyond the original context rotates every key with the prompt's
+    full-length base instead, which no cache can keep consistent as the sequence grows)."""
+    rope = config.rope_scaling
+    assert rope is not None
+    half, dim, original = config.head_dim // 2, config.head_dim, rope.original_max_position_embeddings
+    length = torch.clamp(pos + 1, min=original)  # [P]: the sequence a position ends
+    base = config.rope_theta * ((rope.factor * length / original) - (rope.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base[:, None] ** (torch.arange(0, half, dtype=torch.float64)[None, :] / half))  # [P, d/2]
+    return pos[:, None] * inv_freq

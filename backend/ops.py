@@ -65,11 +65,13 @@ class TorchOps:
         cache.data[layer, 1].index_copy_(0, slots, v.view(-1, n_kv, d).to(kv_dtype))
         return _rope(q.reshape(-1, n_heads, d), c, s)
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                  window: int = 0) -> torch.Tensor:
+        """q: [T, H, d] → [T, H, d]; window > 0: each query sees only its last `window` keys."""
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta)
-        attend_prefills(q, cache, layer, meta, out)
+            out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta, window)
+        attend_prefills(q, cache, layer, meta, out, window)
         return out
 
 
@@ -103,7 +105,7 @@ class KernelOps(TorchOps):
                         + [bias if isinstance(bias, torch.Tensor) else none] + blocks(weights[p + "o"])
                         + [weights[p + "ffn_norm"]] + blocks(weights[p + "gate_up"]) + blocks(weights[p + "down"]))
         return self.k.FusedDecoder(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                                   tensors)
+                                   tensors, [config.layer_window(i) for i in range(config.num_layers)])
 
     def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
@@ -136,19 +138,20 @@ class KernelOps(TorchOps):
         return self.k.rope_store(qkv, cos, sin, cache.data[layer, 0], cache.data[layer, 1], slots,
                                  n_heads, n_kv)
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                  window: int = 0) -> torch.Tensor:
         if meta.decode_rows is None:
             out = torch.empty_like(q)
         elif not meta.prefills and meta.decode_rows.shape[0] == q.shape[0]:
             # Every row decodes (the steady state): straight from the paged blocks, no gather.
             return self.k.decode_attention(q, cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
-                                           meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5)
+                                           meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5, window)
         else:
             out = torch.empty_like(q)
             out[meta.decode_rows] = self.k.decode_attention(
                 q[meta.decode_rows], cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
-                meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5)
-        attend_prefills(q, cache, layer, meta, out)
+                meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5, window)
+        attend_prefills(q, cache, layer, meta, out, window)
         return out
 
 

@@ -81,19 +81,62 @@ class QuantWeight:
             qs = self.qs.permute(0, 3, 1, 4, 2).reshape(g * 16, nb * QK)
         return QuantWeight(self.kind, qs, scales(self.d), None if self.m is None else scales(self.m))
 
-    def rows(self, index: torch.Tensor) -> QuantWeight:
+    # Load-time helpers below work through numpy: single-threaded copies of a few MB, where torch's
+    # OpenMP copies of such small tensors stall on a busy 2-core machine (measured 0.3 -> 12 ms each).
+
+    def rows(self, index: torch.Tensor | np.ndarray) -> QuantWeight:
         """These output rows only (e.g. llama.cpp's Q/K row interleave undone)."""
         assert self.layout == "rows"
-        return QuantWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
-                           None if self.m is None else self.m[index].contiguous())
+        idx = index.numpy() if isinstance(index, torch.Tensor) else index
+        return QuantWeight(self.kind, torch.from_numpy(self.qs.numpy()[idx]), torch.from_numpy(self.d.numpy()[idx]),
+                           None if self.m is None else torch.from_numpy(self.m.numpy()[idx]))
+
+    @staticmethod
+    def empty(kind: str, n: int, k: int, layout: str = "rows") -> QuantWeight:
+        """Room for an [n, k] matrix of `kind` blocks in `layout`, filled by write_rows."""
+        nb = k // QK
+        if layout == "n16":
+            g = n // 16
+            qs = torch.empty((g, nb, 16, 16) if kind == "q4_1" else (g, nb, 16, 16, 2), dtype=torch.uint8
+                             if kind == "q4_1" else torch.int8)
+            shape: tuple[int, ...] = (g, nb, 16)
+        else:
+            qs = torch.empty((n, k // 2) if kind == "q4_1" else (n, k), dtype=torch.uint8 if kind == "q4_1" else torch.int8)
+            shape = (n, nb)
+        m = torch.empty(shape, dtype=torch.float16) if kind == "q4_1" else None
+        return QuantWeight(kind, qs, torch.empty(shape, dtype=torch.float16), m)
+
+    def write_rows(self, row0: int, rows: QuantWeight) -> None:
+        """Copy `rows` ("rows" layout, same kind and width) into output rows [row0, row0 + len): in this
+        matrix's own layout (n16: row0 and the length multiples of 16, except at the end)."""
+        assert rows.layout == "rows" and rows.kind == self.kind and rows.shape[1] == self.shape[1]
+        n, nb = rows.shape[0], rows.shape[1] // QK
+        qs, d, m = rows.qs.numpy(), rows.d.numpy(), None if rows.m is None else rows.m.numpy()
+        if self.layout == "n16":  # the same re-layout as to_n16, straight into place
+            assert row0 % 16 == 0 and n % 16 == 0
+            g = n // 16
+            if self.kind == "q4_1":
+                qs = qs.reshape(g, 16, nb, 16).transpose(0, 2, 3, 1)
+            else:
+                qs = qs.reshape(g, 16, nb, 2, 16).transpose(0, 2, 4, 1, 3)
+            d = d.reshape(g, 16, nb).transpose(0, 2, 1)
+            m = None if m is None else m.reshape(g, 16, nb).transpose(0, 2, 1)
+            row0, n = row0 // 16, g
+        self.qs.numpy()[row0:row0 + n] = qs
+        self.d.numpy()[row0:row0 + n] = d
+        if self.m is not None:
+            self.m.numpy()[row0:row0 + n] = m
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Stack along the output rows (fused q/k/v, gate/up)."""
         assert len({p.kind for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1
         assert all(p.layout == "rows" for p in parts)
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
-        return QuantWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([t.numpy() for t in ts]))
+
+        m = None if parts[0].m is None else cat([p.m for p in parts])  # type: ignore[misc]
+        return QuantWeight(parts[0].kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), m)
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
@@ -111,3 +154,69 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
         qs = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), None)
     raise ValueError(f"no kernel for the {kind} block format")
+
+
+# ---- other GGUF block types, converted to the two the kernels compute on ------------------------------
+
+Q4_0_BYTES = 18          # f16 d, 16 bytes of nibbles: w = d * (q - 8)
+Q4_K_BYTES, QK_K = 144, 256  # per 256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+
+
+def serving_kind(gguf_type: str) -> str:
+    """The block format a GGUF tensor type is served in: Q4_0 and Q4_K convert to Q4_1 exactly (up to the
+    float16 rounding of Q4_K's scale products); every other type is requantized to Q8_0."""
+    return "q4_1" if gguf_type in ("q4_1", "q4_0", "q4_k") else "q8_0"
+
+
+def blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
+    """raw: [n, row bytes] uint8 rows of a Q4_1, Q8_0, Q4_0 or Q4_K tensor → the same weights in the
+    serving kind's blocks, "rows" layout."""
+    n = raw.shape[0]
+    if gguf_type in ("q4_1", "q8_0"):
+        return from_gguf_blocks(gguf_type, raw, n, k)
+    nb = k // QK
+    if gguf_type == "q4_0":  # the nibbles are laid out as Q4_1's; the minimum is -8 d, exact in float16
+        blocks = np.ascontiguousarray(raw).reshape(n, nb, Q4_0_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb)
+        qs = blocks[..., 2:].reshape(n, nb * 16).copy()
+        return QuantWeight("q4_1", torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(d * np.float16(-8)))
+    if gguf_type == "q4_k":
+        return _q4_1_from_q4_k(raw, n, k)
+    raise ValueError(f"no direct block conversion from {gguf_type}")
+
+
+def _q4_1_from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:
+    """Q4_K: each 256 weights are 8 runs of 32 with 6-bit scale sc and minimum m: w = d·sc·q − dmin·m.
+    A run is a Q4_1 block with scale d·sc and minimum −dmin·m (rounded to float16 as Q4_1 stores them)."""
+    nsb = k // QK_K
+    blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q4_K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)        # [n, nsb, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc_raw = blocks[..., 4:16].astype(np.uint8)                             # [n, nsb, 12]
+    q = blocks[..., 16:].reshape(n, nsb, 4, 32)                             # 4 pairs of runs, 32 bytes each
+    # The 6-bit scale and minimum of run j: j < 4 from the low six bits of bytes j and j + 4; j ≥ 4 from the
+    # nibbles of byte j + 4 plus the top two bits of bytes j − 4 and j.
+    sc = np.empty((n, nsb, 8), dtype=np.float32)
+    mn = np.empty((n, nsb, 8), dtype=np.float32)
+    sc[..., :4] = sc_raw[..., 0:4] & 63
+    mn[..., :4] = sc_raw[..., 4:8] & 63
+    sc[..., 4:] = (sc_raw[..., 8:12] & 0x0F) | ((sc_raw[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
+    scale = (d * sc).astype(np.float16).reshape(n, nsb * 8)
+    minimum = (-(dmin * mn)).astype(np.float16).reshape(n, nsb * 8)
+    # Run 2i is the low nibbles of pair i's 32 bytes, run 2i + 1 the high ones: codes [n, nsb, 8, 32].
+    codes = np.stack([q & 0x0F, q >> 4], axis=3).reshape(n, nsb, 8, 32)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8).reshape(n, nsb * 8 * 16)
+    return QuantWeight("q4_1", torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+def q8_0_from_float(x: torch.Tensor) -> QuantWeight:
+    """[n, k] float → Q8_0 blocks: per 32 values, scale = max|x| / 127 (rounded to float16 first, so the
+    codes are rounded against the scale actually stored) and codes round(x / scale)."""
+    n, k = x.shape
+    blocks = x.float().numpy().reshape(n, k // QK, QK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float16)  # [n, nb]
+    d32 = d.astype(np.float32)
+    inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 > 0)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return QuantWeight("q8_0", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), None)

@@ -73,6 +73,7 @@ class Scheduler:
         self.block_pool: BlockPool = BlockPool(config.num_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences are put back at the front
         self.running: list[Sequence] = []        # admission order: the last one is the first preempted
+        self.num_preemptions = 0                 # since start, for /metrics (read from other threads: an int)
         self._clock: Callable[[], float] = clock  # injectable so tests control timestamps
         self._version: int = 0
         self.held: dict[int, Sequence] = {}     # finished but holding blocks for a KV hand-over
@@ -125,6 +126,7 @@ class Scheduler:
         self.block_pool.free(seq)  # also zeroes num_computed_tokens
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:

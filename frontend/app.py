@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatService
@@ -38,7 +39,7 @@ from renderers import get_renderer
 
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admission | None = None) -> FastAPI:
     tokenizer = tokenizer.bounded(cfg.max_seq_len)  # huge texts refused by size before tokenizing
-    metrics = FrontendMetrics()
+    metrics = FrontendMetrics(cfg.model_name)
     client = MeteredRouter(cfg, metrics)
     chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser), client)
     admission = admission or Admission(cfg)
@@ -130,6 +131,15 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         for method in ("GET", "POST"):  # one route per method: each gets its own OpenAPI operation id
             app.add_api_route(path, health, methods=[method])
     app.add_api_route("/health_check", health, methods=["POST"])
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> RedirectResponse:
+        """The link to the cluster's live dashboard, which the master serves."""
+        if not cfg.master_address:
+            raise StarletteHTTPException(404, "no dashboard: this frontend has no master (MASTER_ADDRESS); the "
+                                              "live dashboard is the master's GET /dashboard")
+        base = cfg.master_address if "://" in cfg.master_address else f"http://{cfg.master_address}"
+        return RedirectResponse(f"{base.rstrip('/')}/dashboard", 307)
     app.add_api_route("/", health, methods=["GET"])
     install_openapi(app)
     return app

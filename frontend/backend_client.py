@@ -106,6 +106,12 @@ class BackendClient:
         self._metadata = grpc_metadata(token)  # the cluster token, on every call but the health check
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            # A name with many addresses (a k8s headless Service) is spread over, not pinned to its first.
+            ("grpc.lb_policy_name", "round_robin"),
+            # A backend that was down when first dialled (still loading) is tried again within a second once
+            # up, not after gRPC's default backoff, which grows to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from functools import lru_cache
 from typing import Any
 
 from frontend.backend_client import BackendOutput, TokenLogprob
@@ -157,23 +156,8 @@ def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list
             for lp in items]
 
 
-@lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = dict.fromkeys(printable), 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c if c is not None else b): b for b, c in chars.items()}
-
-
 def token_bytes(tokenizer: TextTokenizer, token_id: int) -> list[int]:
     """The token's own bytes: one of several tokens of a character is not valid UTF-8 by itself, and
     that is what OpenAI's `bytes` field is for (its `token` text shows U+FFFD then)."""
-    alphabet = _byte_level_alphabet()
-    piece = tokenizer.id_to_piece(token_id)
-    if token_id in tokenizer.special_token_ids or any(c not in alphabet for c in piece):
-        return list(tokenizer.decode([token_id]).encode("utf-8"))
-    return [alphabet[c] for c in piece]
+    raw = tokenizer.token_bytes(token_id)
+    return list(raw if raw is not None else tokenizer.decode([token_id]).encode("utf-8"))

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.cluster_auth import read_cluster_token
-from kvyard.env import env_int, env_str
+from kvyard.env import env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
+from kvyard.tokenizer import TextTokenizer
 
 DEFAULT_START_PORT = 8088
 
@@ -20,7 +21,7 @@ class FrontendConfig:
     host: str                         # bind address
     port: int                         # START_PORT
     tokenizer_path: Path              # GGUF or HF directory: tokenizer + chat template (no weights read)
-    model_name: str                   # the name clients pass as "model"
+    model_name: str                   # the name clients pass as "model" (MODEL_NAME's first)
     model_type: str | None            # MODEL_TYPE: picks the renderer (None = the model's own template)
     backend_address: str              # host:port of the backend's gRPC server
     max_seq_len: int                  # context length: prompt + completion must fit
@@ -38,19 +39,27 @@ class FrontendConfig:
     tool_call_parser: str | None = None  # TOOL_CALL_PARSER: overrides the renderer's tool-call format
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
     cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
+    model_aliases: tuple[str, ...] = ()  # MODEL_NAME's other names: clients may pass them for model_name
+
+    def serves(self, name: str) -> bool:
+        """`name` is this frontend's own model (its name or an alias)."""
+        return name == self.model_name or name in self.model_aliases
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
         start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or env.get("CHECKPOINT_PATH"))
+        TextTokenizer.check_path(tokenizer)  # an unsupported tokenizer fails the launch, by name
         backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{start_port + 1}")
         service = _model_service_config(env)
         fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
+        names = env_names(env, "MODEL_NAME", default_model_name(tokenizer))
         return cls(
             host=env_str(env, "HOST", "0.0.0.0"),
             port=start_port,
             tokenizer_path=tokenizer,
-            model_name=env_str(env, "MODEL_NAME", default_model_name(tokenizer)),
+            model_name=names[0],
+            model_aliases=names[1:],
             model_type=env.get("MODEL_TYPE") or None,
             backend_address=backend,
             max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or _model_context(tokenizer),

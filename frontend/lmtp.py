@@ -47,7 +47,8 @@ class LmtpService:
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours). Without a master only our own name exists; with one, the
         master knows every served model and answers unknown ones with MODEL_NOT_FOUND."""
-        return model_to_route(self.cfg, name)
+        model = model_to_route(self.cfg, name)
+        return None if model is None or self.cfg.serves(model) else model
 
     async def model_info(self, name: str | None) -> dict[str, Any]:
         model = self.model(name)

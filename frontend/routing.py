@@ -43,12 +43,14 @@ class Route:
 
 
 def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
-    """The model a request asks for; None for this frontend's own: no name, an empty one, its own, or
-    SGLang's placeholder (so a request without `model` works behind SGLang's router). Without a master only
-    our own model exists and any other name is a 404; with one, the master answers for every name."""
-    if not name or name == cfg.model_name or name == ROUTER_PLACEHOLDER_MODEL:
+    """The model a request asks for, as the client named it (an alias too, so the answer echoes it; the
+    Router maps aliases to our name); None for this frontend's own when the request names none: no name,
+    an empty one, or SGLang's placeholder (so a request without `model` works behind SGLang's router).
+    Without a master only our own names exist and any other is a 404; with one, the master answers for
+    every name."""
+    if not name or name == ROUTER_PLACEHOLDER_MODEL:
         return None
-    if not cfg.master_address:
+    if not cfg.serves(name) and not cfg.master_address:
         raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
                            f"'{cfg.model_name}'", "model")
     return name
@@ -104,6 +106,7 @@ class Router:
                 log.warning("backend %s unreachable for %s; trying another", route.address, request_id)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset()) -> Route:
+        model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             route = await self._ask_master(model, input_ids)
             if route is not None and route.address not in exclude:
@@ -166,8 +169,8 @@ class Router:
         return False
 
     async def models(self) -> list[str]:
-        """Every model the cluster serves, per the master (this frontend's own model first)."""
-        names = [self.cfg.model_name]
+        """Every model the cluster serves, per the master (this frontend's own model and its aliases first)."""
+        names = [self.cfg.model_name, *self.cfg.model_aliases]
         if self._master is not None:
             try:
                 resp = await self._master.get("/v1/models")

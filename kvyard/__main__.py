@@ -1,6 +1,6 @@
-"""`python -m kvyard`: start the roles named by ROLE_TYPE."""
+"""`python -m kvyard`: the command line (kvyard/cli.py); with no arguments, start the roles ROLE_TYPE names."""
 import sys
 
-from kvyard.launch import main
+from kvyard.cli import main
 
 sys.exit(main())

@@ -30,3 +30,16 @@ def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[s
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def env_names(env: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
+    """A comma-separated list of names (MODEL_NAME: the model's name, then its aliases); never empty."""
+    raw = env.get(name, "")
+    if not raw:
+        return (default,)
+    names = tuple(n.strip() for n in raw.split(","))
+    if any(not n for n in names):
+        raise ValueError(f"{name} must be names separated by commas, with none empty, got {raw!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} names one model twice: {raw!r}")
+    return names

@@ -1,16 +1,15 @@
-"""The one entry point (`python -m kvyard`, `kvyard`): ROLE_TYPE picks which role processes start."""
+"""Starts the role processes ROLE_TYPE names (`kvyard serve`, `python -m kvyard`; flags parsed in kvyard/cli.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import multiprocessing as mp
-import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
 from enum import Enum
 
-from kvyard.logs import setup_logging
+from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
 
 log = logging.getLogger("kvyard.launch")
@@ -38,7 +37,7 @@ def run_backend(env: Mapping[str, str]) -> None:
     from backend.config import BackendConfig
     from backend.main import serve_backend
 
-    setup_logging("backend")
+    setup_logging("backend", env)
     asyncio.run(serve_backend(BackendConfig.from_env(env)))
 
 
@@ -46,7 +45,7 @@ def run_frontend(env: Mapping[str, str]) -> None:
     from frontend.config import FrontendConfig
     from frontend.main import serve_frontend
 
-    setup_logging("frontend")
+    setup_logging("frontend", env)
     asyncio.run(serve_frontend(FrontendConfig.from_env(env)))
 
 
@@ -54,21 +53,21 @@ def run_master(env: Mapping[str, str]) -> None:
     from master.config import MasterConfig
     from master.main import serve_master
 
-    setup_logging("master")
+    setup_logging("master", env)
     asyncio.run(serve_master(MasterConfig.from_env(env)))
 
 
 def run_mock_backend(env: Mapping[str, str]) -> None:
     from backend.mock_backend import MockBackendConfig, serve_mock_backend
 
-    setup_logging("mock_backend")
+    setup_logging("mock_backend", env)
     asyncio.run(serve_mock_backend(MockBackendConfig.from_env(env)))
 
 
 def run_mock_master(env: Mapping[str, str]) -> None:
     from master.mock_master import MockMasterConfig, serve_mock_master
 
-    setup_logging("mock_master")
+    setup_logging("mock_master", env)
     asyncio.run(serve_mock_master(MockMasterConfig.from_env(env)))
 
 
@@ -110,18 +109,40 @@ def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
         MockMasterConfig.from_env(env)
 
 
+def drain_grace_s(env: Mapping[str, str]) -> float:
+    """DRAIN_GRACE_S, read the way the frontend and backend configs read it."""
+    from kvyard.env import env_int
+    return float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0))
+
+
 def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dict[str, str]) -> int:
-    """Start each role in its own process; when one exits, stop the rest and exit with its code."""
+    """Start each role in its own process; when one exits, stop the rest and exit with its code.
+
+    SIGTERM/SIGINT stop them in the reverse order of `targets`: the frontend first, which drains (its
+    requests in flight finish, up to DRAIN_GRACE_S) while the backend still serves them, then the backend.
+    A second signal kills whatever is left at once."""
+    grace = drain_grace_s(env)
     ctx = mp.get_context("spawn")
     procs = {name: ctx.Process(target=fn, args=(env,), name=name, daemon=False) for name, fn in targets.items()}
+    stop_order = list(reversed(procs.values()))
     for p in procs.values():
         p.start()
+    signalled = False
 
     def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping %s", signum, ", ".join(procs))
-        for p in procs.values():
-            if p.is_alive():
-                p.terminate()
+        nonlocal signalled
+        if signalled:
+            log.info("signal %d again: killing %s", signum, ", ".join(procs))
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+            return
+        signalled = True
+        first = next((p for p in stop_order if p.is_alive()), None)
+        log.info("signal %d: stopping %s (up to %.0f s to drain each)", signum,
+                 ", ".join(p.name for p in stop_order), grace)
+        if first is not None:
+            first.terminate()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -129,30 +150,32 @@ def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dic
         from multiprocessing.connection import wait
         wait([p.sentinel for p in procs.values()])
     finally:
-        for p in procs.values():
+        for p in stop_order:  # one at a time: the backend outlives the frontend's drain
             if p.is_alive():
                 p.terminate()
-        for p in procs.values():
-            p.join(timeout=10)
+            p.join(timeout=grace + 10)
             if p.is_alive():
                 p.kill()
+                p.join()
     codes = {name: p.exitcode for name, p in procs.items()}
     log.info("role processes exited: %s", codes)
     first_bad = next((c for c in codes.values() if c not in (0, None, -signal.SIGTERM)), 0)
     return abs(first_bad or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging("launch")
-    env = dict(os.environ)
+def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
+    """Start the role(s) ROLE_TYPE names in `env` (the environment with the CLI's flags applied); 2 for a
+    bad configuration, after one error line (`explain` names the flag that set a variable)."""
     try:
         role = parse_role(env.get("ROLE_TYPE"))
+        check_log_level(env)
+        configured = env
         env = with_cluster_token(role, env)
         _check_configs(role, env)
     except (ValueError, ModelFileError) as exc:
-        print(f"kvyard: error: {exc}", file=sys.stderr)
+        print(f"kvyard: error: {explain(str(exc))}", file=sys.stderr)
         return 2
-    generated = env.get("CLUSTER_TOKEN", "") != os.environ.get("CLUSTER_TOKEN", "")
+    generated = env.get("CLUSTER_TOKEN", "") != configured.get("CLUSTER_TOKEN", "")
     log.info("starting ROLE_TYPE=%s%s", role.name, ", its backend and frontend sharing a cluster token generated "
              "for this launch (no CLUSTER_TOKEN set)" if generated else "")
     if role is RoleType.FRONTEND:
@@ -166,3 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if role in (RoleType.PREFILL, RoleType.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (kvyard/cli.py): flags over the environment, `serve` and `cluster`."""
+    from kvyard.cli import main as cli_main
+    return cli_main(argv)

@@ -1,8 +1,13 @@
-"""Prometheus metrics for every role: one CollectorRegistry per app, vLLM-style names, GET /metrics.
+"""Prometheus metrics for every role: one CollectorRegistry per app, vLLM's names, GET /metrics.
 
 Frontend and backend record the same request metrics (TTFT, inter-token and end-to-end latency, prompt
-and generated tokens, prefix-cache queries/hits); the backend adds engine gauges read at scrape time,
-the master counts its routing decisions and shows each backend's load.
+and generated tokens, prefix-cache queries/hits); the backend adds engine gauges read at scrape time
+(running, waiting, KV use, preemptions, step latency) and its requests' queue time; the master counts its
+routing decisions and shows each backend's load, latency and routed prefix hits.
+
+Every serving metric carries `model_name`, as vLLM's do: the name is `kvyard:` where vLLM has `vllm:`,
+the rest of the name and its meaning the same (README "Metrics" has the mapping), so a dashboard or
+autoscaler written for vLLM reads these after replacing the prefix.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # vLLM's buckets, so existing dashboards read these the same way.
@@ -24,34 +29,57 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class ServingMetrics:
-    """Request-level metrics of one app (frontend or backend), in a registry of its own."""
+MODEL = ["model_name"]
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+# kvyard's name → vLLM's (prefix aside, the same names and meanings; README "Metrics" shows this table).
+VLLM_EQUIVALENTS = {
+    "kvyard:num_requests_running": "vllm:num_requests_running",
+    "kvyard:num_requests_waiting": "vllm:num_requests_waiting",
+    "kvyard:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "kvyard:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "kvyard:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "kvyard:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "kvyard:request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "kvyard:num_preemptions": "vllm:num_preemptions",
+    "kvyard:prompt_tokens": "vllm:prompt_tokens",
+    "kvyard:generation_tokens": "vllm:generation_tokens",
+    "kvyard:prefix_cache_queries": "vllm:prefix_cache_queries",
+    "kvyard:prefix_cache_hits": "vllm:prefix_cache_hits",
+}
+QUEUE_BUCKETS = E2E_BUCKETS  # vLLM uses its request-latency buckets for queue time
+
+
+class ServingMetrics:
+    """Request-level metrics of one app (frontend or backend) serving `model_name`, in a registry of its own."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        r, m = self.registry, model_name
         self.requests = Counter("kvyard:requests", "Requests by endpoint and status (frontend: the HTTP "
-                                "status; backend: ok or the error kind)", ["endpoint", "status"], registry=r)
+                                "status; backend: ok or the error kind)", ["endpoint", "status", "model_name"],
+                                registry=r)
         self.ttft = Histogram("kvyard:time_to_first_token_seconds", "Time from request to its first token",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              MODEL, buckets=TTFT_BUCKETS, registry=r).labels(m)
         self.itl = Histogram("kvyard:inter_token_latency_seconds", "Time between a request's output steps",
-                             buckets=ITL_BUCKETS, registry=r)
+                             MODEL, buckets=ITL_BUCKETS, registry=r).labels(m)
         self.e2e = Histogram("kvyard:e2e_request_latency_seconds", "Time from request to its last token",
-                             buckets=E2E_BUCKETS, registry=r)
+                             MODEL, buckets=E2E_BUCKETS, registry=r).labels(m)
         self.prompt_tokens = Counter("kvyard:prompt_tokens", "Prompt tokens of requests that started "
-                                     "generating", registry=r)
-        self.generation_tokens = Counter("kvyard:generation_tokens", "Tokens generated", registry=r)
+                                     "generating", MODEL, registry=r).labels(m)
+        self.generation_tokens = Counter("kvyard:generation_tokens", "Tokens generated", MODEL,
+                                         registry=r).labels(m)
         self.prefix_cache_queries = Counter("kvyard:prefix_cache_queries", "Prompt tokens looked up in the "
-                                            "prefix cache", registry=r)
+                                            "prefix cache", MODEL, registry=r).labels(m)
         self.prefix_cache_hits = Counter("kvyard:prefix_cache_hits", "Prompt tokens served from the prefix "
-                                         "cache", registry=r)
+                                         "cache", MODEL, registry=r).labels(m)
         self._queried = 0
         self._hit = 0
-        Gauge("kvyard:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start",
-              registry=r).set_function(lambda: self._hit / self._queried if self._queried else 0.0)
+        Gauge("kvyard:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start", MODEL,
+              registry=r).labels(m).set_function(lambda: self._hit / self._queried if self._queried else 0.0)
 
     def count(self, endpoint: str, status: str | int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+        self.requests.labels(endpoint, str(status), self.model_name).inc()
 
     def prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A request's prompt was computed, `cached_tokens` of it from the prefix cache."""
@@ -101,35 +129,53 @@ class EngineGauges(Protocol):
     waiting: int
     free_blocks: int
     total_blocks: int
+    step_latency_ms: float
+    prefill_tokens_per_s: float
 
 
 class BackendMetrics(ServingMetrics):
-    """ServingMetrics plus the engine's running/waiting/KV gauges, read from `status()` at each scrape."""
+    """ServingMetrics plus the engine's gauges, read from `status()` at each scrape, its preemptions (a
+    running count read from `preemptions()`), and each request's time in the queue."""
 
-    def __init__(self, status: Callable[[], EngineGauges], registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry)
-        self.registry.register(_CallbackCollector(lambda: _engine_families(status())))
+    def __init__(self, status: Callable[[], EngineGauges], model_name: str,
+                 preemptions: Callable[[], int] = lambda: 0, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(model_name, registry)
+        self.queue_time = Histogram("kvyard:request_queue_time_seconds", "Time a request waited before its "
+                                    "first engine step", MODEL, buckets=QUEUE_BUCKETS,
+                                    registry=self.registry).labels(model_name)
+        self.registry.register(_CallbackCollector(lambda: _engine_families(status(), preemptions(), model_name)))
 
 
 class FrontendMetrics(ServingMetrics):
     """ServingMetrics plus this frontend's requests in flight: waiting for a first token, or streaming."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry)
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(model_name, registry)
         self.running = Gauge("kvyard:num_requests_running", "Requests streaming tokens through this "
-                             "frontend", registry=self.registry)
+                             "frontend", MODEL, registry=self.registry).labels(model_name)
         self.waiting = Gauge("kvyard:num_requests_waiting", "Requests sent to a backend, waiting for "
-                             "their first token", registry=self.registry)
+                             "their first token", MODEL, registry=self.registry).labels(model_name)
 
 
 class BackendView(Protocol):
-    """One backend as the master sees it (master.policy.BackendLoad has these fields)."""
+    """One backend as the master sees it (master.registry.BackendSummary has these fields)."""
     name: str
+    model: str
+    role: str
     healthy: bool
     running: int
     waiting: int
     free_blocks: int
     total_blocks: int
+    step_latency_ms: float
+    prefill_tokens_per_s: float
+    poll_latency_ms: float
+    routed_requests: int
+    routed_prompt_tokens: int
+    routed_hit_tokens: int
+
+
+UNKNOWN_MODEL = "unknown"  # the model_name of decisions for a model no backend serves (unbounded names)
 
 
 class MasterMetrics:
@@ -141,23 +187,26 @@ class MasterMetrics:
                                 ["endpoint", "status"], registry=self.registry)
         self.routing_decisions = Counter("kvyard:master_routing_decisions", "Schedule calls by the policy's "
                                          "reason (prefix_hit, shortest_ttft, imbalance, or why none)",
-                                         ["reason"], registry=self.registry)
+                                         ["reason", "model_name"], registry=self.registry)
         self.prefix_cache_queries = Counter("kvyard:prefix_cache_queries", "Prompt tokens of routed "
-                                            "requests", registry=self.registry)
+                                            "requests", MODEL, registry=self.registry)
         self.prefix_cache_hits = Counter("kvyard:prefix_cache_hits", "Of those, tokens the chosen backend "
-                                         "was expected to have cached", registry=self.registry)
+                                         "was expected to have cached", MODEL, registry=self.registry)
 
     def count(self, endpoint: str, status: str | int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def record_decision(self, reason: str, prompt_tokens: int = 0, hit_tokens: int = 0) -> None:
-        """One /rtp_llm/schedule answer; tokens only when a backend was chosen."""
-        self.routing_decisions.labels(reason).inc()
-        self.prefix_cache_queries.inc(prompt_tokens)
-        self.prefix_cache_hits.inc(hit_tokens)
+    def record_decision(self, reason: str, model_name: str = UNKNOWN_MODEL, prompt_tokens: int = 0,
+                        hit_tokens: int = 0) -> None:
+        """One /rtp_llm/schedule answer; `model_name` only when the cluster serves it, tokens only when a
+        backend was chosen."""
+        self.routing_decisions.labels(reason, model_name).inc()
+        if prompt_tokens:
+            self.prefix_cache_queries.labels(model_name).inc(prompt_tokens)
+            self.prefix_cache_hits.labels(model_name).inc(hit_tokens)
 
     def watch_backends(self, backends: Callable[[], Iterable[BackendView]]) -> None:
-        """Publish every backend's running/waiting/KV gauges and health, read at each scrape."""
+        """Publish every backend's load, latency, routed prefix hits and health, read at each scrape."""
         self.registry.register(_CallbackCollector(lambda: _backend_families(backends())))
 
 
@@ -211,26 +260,55 @@ def _kv_usage(free_blocks: int, total_blocks: int) -> float:
     return 1.0 - free_blocks / total_blocks if total_blocks else 0.0
 
 
-def _engine_families(st: EngineGauges) -> list[Metric]:
-    return [GaugeMetricFamily("kvyard:num_requests_running", "Sequences holding KV blocks", st.running),
-            GaugeMetricFamily("kvyard:num_requests_waiting", "Sequences queued, new or preempted", st.waiting),
-            GaugeMetricFamily("kvyard:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full; cached "
-                              "but unreferenced blocks count as free)", _kv_usage(st.free_blocks, st.total_blocks))]
+def _engine_families(st: EngineGauges, preemptions: int, model: str) -> list[Metric]:
+    families = [
+        GaugeMetricFamily("kvyard:num_requests_running", "Sequences holding KV blocks", labels=MODEL),
+        GaugeMetricFamily("kvyard:num_requests_waiting", "Sequences queued, new or preempted", labels=MODEL),
+        GaugeMetricFamily("kvyard:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full; cached but "
+                          "unreferenced blocks count as free)", labels=MODEL),
+        CounterMetricFamily("kvyard:num_preemptions", "Sequences preempted (KV dropped, recomputed later) "
+                            "to make room", labels=MODEL),
+        GaugeMetricFamily("kvyard:step_latency_seconds", "Recent engine step time (moving average)",
+                          labels=MODEL),
+        GaugeMetricFamily("kvyard:prefill_tokens_per_second", "Recent prefill throughput (moving average)",
+                          labels=MODEL)]
+    values = (st.running, st.waiting, _kv_usage(st.free_blocks, st.total_blocks), preemptions,
+              st.step_latency_ms / 1000, st.prefill_tokens_per_s)
+    for family, value in zip(families, values):
+        family.add_metric([model], value)
+    return families
 
 
 def _backend_families(backends: Iterable[BackendView]) -> list[Metric]:
-    running = GaugeMetricFamily("kvyard:num_requests_running", "Each backend's running sequences (last poll)",
-                                labels=["backend"])
-    waiting = GaugeMetricFamily("kvyard:num_requests_waiting", "Each backend's queued sequences (last poll)",
-                                labels=["backend"])
-    kv = GaugeMetricFamily("kvyard:kv_cache_usage_perc", "Each backend's KV use, 0..1 (last poll)",
-                           labels=["backend"])
-    healthy = GaugeMetricFamily("kvyard:backend_healthy", "1 when the backend can be routed to",
-                                labels=["backend"])
+    labels = ["backend", "model_name", "role"]
+    gauges = {
+        "running": GaugeMetricFamily("kvyard:num_requests_running", "Each backend's running sequences (last "
+                                     "poll)", labels=labels),
+        "waiting": GaugeMetricFamily("kvyard:num_requests_waiting", "Each backend's queued sequences (last "
+                                     "poll)", labels=labels),
+        "kv": GaugeMetricFamily("kvyard:kv_cache_usage_perc", "Each backend's KV use, 0..1 (last poll)",
+                                labels=labels),
+        "healthy": GaugeMetricFamily("kvyard:backend_healthy", "1 when the backend can be routed to",
+                                     labels=labels),
+        "step": GaugeMetricFamily("kvyard:backend_step_latency_seconds", "Each backend's recent engine step "
+                                  "time (its moving average, last poll)", labels=labels),
+        "prefill": GaugeMetricFamily("kvyard:backend_prefill_tokens_per_second", "Each backend's recent "
+                                     "prefill throughput (last poll)", labels=labels),
+        "poll": GaugeMetricFamily("kvyard:backend_poll_latency_seconds", "Round trip of the master's last "
+                                  "status poll of each backend", labels=labels),
+        "routed": CounterMetricFamily("kvyard:backend_routed_requests", "Requests the master routed to each "
+                                      "backend", labels=labels),
+        "queries": CounterMetricFamily("kvyard:backend_prefix_cache_queries", "Prompt tokens routed to each "
+                                       "backend", labels=labels),
+        "hits": CounterMetricFamily("kvyard:backend_prefix_cache_hits", "Of those, tokens its prefix cache "
+                                    "held when routed", labels=labels),
+    }
     for b in backends:
-        running.add_metric([b.name], b.running)
-        waiting.add_metric([b.name], b.waiting)
-        kv.add_metric([b.name], _kv_usage(b.free_blocks, b.total_blocks))
-        healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
-    return [running, waiting, kv, healthy]
-
+        key = [b.name, b.model, b.role]
+        values = {"running": b.running, "waiting": b.waiting, "kv": _kv_usage(b.free_blocks, b.total_blocks),
+                  "healthy": 1.0 if b.healthy else 0.0, "step": b.step_latency_ms / 1000,
+                  "prefill": b.prefill_tokens_per_s, "poll": b.poll_latency_ms / 1000,
+                  "routed": b.routed_requests, "queries": b.routed_prompt_tokens, "hits": b.routed_hit_tokens}
+        for name, family in gauges.items():
+            family.add_metric(key, values[name])
+    return list(gauges.values())

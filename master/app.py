@@ -17,8 +17,10 @@ from frontend.errors import error_body, install_error_handlers
 from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
-from kvyard.metrics import HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
 from master.config import BackendEndpoint, MasterConfig
+from master.dashboard import PATHS as DASHBOARD_PATHS
+from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
 from master.policy import RouteRequest, choose_backend
 from master.poll_loop import PollLoop
@@ -29,7 +31,7 @@ log = logging.getLogger("kvyard.master")
 
 # Open without the cluster token: probes, Prometheus, and read-only views a frontend or /metrics shows
 # anyway. Everything else (schedule, whose answer reveals cache hits, and registration) needs it.
-OPEN_PATHS = ("/health", "/status", "/metrics", "/backends", "/v1/models", "/rtp_llm/master")
+OPEN_PATHS = ("/health", "/status", "/metrics", "/backends", "/v1/models", "/rtp_llm/master", *DASHBOARD_PATHS)
 
 
 def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
@@ -37,12 +39,13 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     registry = registry or Registry(cfg)
     request_ids = itertools.count(1)
     metrics = MasterMetrics()
-    metrics.watch_backends(lambda: registry.loads(clock()))
+    metrics.watch_backends(lambda: registry.summaries(clock()))
+    history = DecisionHistory(registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         add_static(registry, cfg, clock())
-        tasks = [asyncio.create_task(PollLoop(registry, clock).run())]
+        tasks = [asyncio.create_task(PollLoop(registry, clock).run()), asyncio.create_task(history.run())]
         if cfg.dns_targets:
             tasks.append(asyncio.create_task(watch_dns(registry, cfg, clock)))
         yield
@@ -57,6 +60,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, metrics.registry)
+    app.include_router(dashboard_routes(registry, history, clock))
 
     @app.post("/rtp_llm/schedule")
     async def schedule(req: ScheduleRequest) -> dict[str, Any]:
@@ -66,8 +70,10 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         now = clock()
         decision = choose_backend(RouteRequest(req.model, req.block_cache_keys, req.seq_len),
                                   registry.loads(now), cfg.policy)
+        model = req.model if req.model in registry.models() else UNKNOWN_MODEL  # names from clients: unbounded
+        registry.stats.decisions[decision.reason] = registry.stats.decisions.get(decision.reason, 0) + 1
         if decision.chosen is None:
-            metrics.record_decision(decision.reason)
+            metrics.record_decision(decision.reason, model)
             registry.stats.rejected += 1
             raise RequestError(decision.error or ErrorCode.INTERNAL, decision.message,
                                "model" if decision.error is ErrorCode.MODEL_NOT_FOUND else None)
@@ -77,7 +83,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
                 "t": round(now, 3), "first_key": req.block_cache_keys[0] if req.block_cache_keys else None,
                 "blocks": len(req.block_cache_keys), "seq_len": req.seq_len, "reason": decision.reason,
                 "candidates": candidates_view(decision)}))
-        metrics.record_decision(decision.reason, req.seq_len, chosen.hit_cache_len)
+        metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
         registry.record_choice(decision.chosen, req.block_cache_keys, req.seq_len, chosen.hit_cache_len, now)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status

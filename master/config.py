@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvyard.cluster_auth import internal_token
-from kvyard.env import INTERNAL_HOST, env_int, env_str
+from kvyard.env import INTERNAL_HOST, env_int, env_names, env_str
 from kvyard.model_path import EMBEDDED_MODEL_NAME
 from master.policy import PolicyConfig
 
@@ -57,7 +57,7 @@ class MasterConfig:
     def from_env(cls, env: Mapping[str, str]) -> MasterConfig:
         port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
         host = env_str(env, "HOST", INTERNAL_HOST)
-        model = env_str(env, "MODEL_NAME", EMBEDDED_MODEL_NAME)
+        model = env_names(env, "MODEL_NAME", EMBEDDED_MODEL_NAME)[0]  # aliases are the frontends' business
         advertise = env_str(env, "ADVERTISE_HOST", "127.0.0.1" if host == "0.0.0.0" else host)
         expire_ms = env_int(env, "MASTER_EXPIRE_MS", 3000, minimum=100)
         return cls(

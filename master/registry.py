@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from master.backend_poller import CacheUpdate, WorkerLoad
@@ -39,6 +39,31 @@ class BackendState:
     recent: OrderedDict[int, float] = field(default_factory=OrderedDict)  # working set: key of a prompt
                                            # routed here → when, oldest first; kept working_set_s
     last_chosen: float = 0.0
+    poll_latency_ms: float = 0.0           # round trip of the last good status poll
+    routed_requests: int = 0               # requests routed to it since the master started
+    routed_prompt_tokens: int = 0          # their prompt tokens (not counted for DECODE backends)
+    routed_hit_tokens: int = 0             # of those, tokens its cache held when routed
+
+
+@dataclass(frozen=True)
+class BackendSummary:
+    """One backend for the dashboard and /metrics (kvyard.metrics.BackendView)."""
+    name: str
+    model: str
+    role: str
+    healthy: bool
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    step_latency_ms: float
+    prefill_tokens_per_s: float
+    poll_latency_ms: float
+    routed_requests: int
+    routed_prompt_tokens: int
+    routed_hit_tokens: int
+    cached_blocks: int
+    error: str | None
 
 
 @dataclass
@@ -49,6 +74,7 @@ class RoutingStats:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     rejected: int = 0          # schedule calls answered with an error
+    decisions: dict[str, int] = field(default_factory=dict)  # schedule calls by the policy's reason
 
 
 class Registry:
@@ -69,6 +95,8 @@ class Registry:
             log.info("backend %s (%s) added from %s", endpoint.name, endpoint.model, source)
             return True
         state.sources.add(source)
+        if source != SOURCE_REGISTERED:  # only a registration names the role; else the last poll told it
+            endpoint = replace(endpoint, role=state.endpoint.role)
         state.endpoint = endpoint  # a re-registration may carry a new model or port
         if source == SOURCE_REGISTERED:
             state.last_seen = max(state.last_seen, now)
@@ -102,6 +130,10 @@ class Registry:
             state.cache_keys.clear()  # it restarted: its old cache is gone, whatever the version says
             state.cache_version = -1
         state.status, state.last_ok, state.last_seen = status, now, now
+        if status.role != state.endpoint.role:  # a backend found by DNS or a static list says what it is
+            log.info("backend %s reports role %s", name, status.role)
+            state.endpoint = replace(state.endpoint, role=status.role)
+        state.poll_latency_ms = (now - sent_at) * 1000
         state.error, state.definitive_error = None, False
         # What was routed well before this poll was sent is in the reported queue by now.
         while state.routed and state.routed[0].at < sent_at - self.cfg.routed_grace_s:
@@ -163,6 +195,16 @@ class Registry:
         part of the backend's working set for working_set_s."""
         state = self.backends[name]
         state.last_chosen = now
+        state.routed_requests += 1
+        # A decode backend gets its KV handed over, not looked up, and its half of a PD choice is the same
+        # request as the prefill half: its prompt and the request count once, on the prefill side.
+        if state.endpoint.role != "DECODE":
+            state.routed_prompt_tokens += seq_len
+            state.routed_hit_tokens += hit
+            self.stats.requests += 1
+            self.stats.hit_requests += hit > 0
+            self.stats.prompt_tokens += seq_len
+            self.stats.hit_tokens += hit
         state.routed.append(_Routed(now, seq_len - hit, seq_len - hit))
         expiry = now + self.cfg.pending_keys_ttl_s
         for key in keys:
@@ -170,15 +212,25 @@ class Registry:
                 state.pending[key] = expiry
             state.recent[key] = now
             state.recent.move_to_end(key)
-        self.stats.requests += 1
-        self.stats.hit_requests += hit > 0
-        self.stats.prompt_tokens += seq_len
-        self.stats.hit_tokens += hit
 
     # ---- the live view ----------------------------------------------------------------------
 
     def models(self) -> list[str]:
         return sorted({s.endpoint.model for s in self.backends.values()})
+
+    def summaries(self, now: float) -> list[BackendSummary]:
+        out = []
+        for name, s in sorted(self.backends.items()):
+            st = s.status
+            out.append(BackendSummary(
+                name=name, model=s.endpoint.model, role=s.endpoint.role, healthy=self.healthy(s, now),
+                running=st.running if st else 0, waiting=st.waiting if st else 0,
+                free_blocks=st.free_blocks if st else 0, total_blocks=st.total_blocks if st else 0,
+                step_latency_ms=st.step_latency_ms if st else 0.0,
+                prefill_tokens_per_s=st.prefill_tokens_per_s if st else 0.0, poll_latency_ms=s.poll_latency_ms,
+                routed_requests=s.routed_requests, routed_prompt_tokens=s.routed_prompt_tokens,
+                routed_hit_tokens=s.routed_hit_tokens, cached_blocks=len(s.cache_keys), error=s.error))
+        return out
 
     def view(self, now: float) -> dict[str, Any]:
         backends = []

@@ -178,6 +178,7 @@ class BasicRenderer(ChatRenderer):
     the tool parser's text describing them goes into the system prompt, earlier calls are written the way
     the model writes them, and tool results become user turns (ToolParser.format_result)."""
     name = "basic"
+    fallback_template = FALLBACK_TEMPLATE  # when the model ships no template: the family's turn format
 
     def render(self, request: RenderRequest) -> RenderedPrompt:
         template, source, template_text = self._template(request)
@@ -211,10 +212,14 @@ class BasicRenderer(ChatRenderer):
         except Exception as exc:  # noqa: BLE001 - whatever a template raises is the template's failure
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"chat template failed: {type(exc).__name__}: {exc}"
                                ) from exc
-        stop_words = [tok.eos_token] if tok.eos_token else []
+        stop_words = self.stop_words()
         return RenderedPrompt(prompt=prompt, input_ids=tok.encode(prompt, parse_special=True),
                               stop_words=stop_words, renderer=self.name, template_source=source,
                               tools_in_prompt=in_prompt)
+
+    def stop_words(self) -> list[str]:
+        """Strings that end the answer (the backend stops on the ids too)."""
+        return [self.tokenizer.eos_token] if self.tokenizer.eos_token else []
 
     def _template(self, request: RenderRequest) -> tuple[jinja2.Template, str, str]:
         named = self.tokenizer.chat_templates
@@ -236,7 +241,7 @@ class BasicRenderer(ChatRenderer):
             return compile_template(text), f"template_key:{TOOL_USE_TEMPLATE_KEY}", text
         if self.tokenizer.chat_template:
             return compile_template(self.tokenizer.chat_template), "model", self.tokenizer.chat_template
-        return compile_template(FALLBACK_TEMPLATE), "fallback", FALLBACK_TEMPLATE
+        return compile_template(self.fallback_template), "fallback", self.fallback_template
 
     def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        tool_choice: Any) -> list[dict[str, Any]]:

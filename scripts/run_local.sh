@@ -7,7 +7,7 @@ export START_PORT="$PORT"
 # Only this machine can reach it (HOST=0.0.0.0 opens the API). The launcher generates the cluster token
 # its backend and frontend share unless CLUSTER_TOKEN or CLUSTER_TOKEN_FILE is set.
 export HOST="${HOST:-127.0.0.1}"
-.venv/bin/python -m kvyard &
+.venv/bin/python -m kvyard serve --host "$HOST" --port "$PORT" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' INT TERM EXIT
 for _ in $(seq 1 180); do

@@ -54,3 +54,36 @@ def test_pdfusion_launch_makes_its_own_cluster_token(tmp_path: Path) -> None:
     finally:
         proc.stop()
     assert "cluster token generated" in proc.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_pdfusion_stops_frontend_first_and_lets_each_drain_its_grace(tmp_path: Path) -> None:
+    """SIGTERM to a PDFUSION launch: the frontend drains while the backend still serves, then the backend
+    drains; neither is killed before DRAIN_GRACE_S (the launcher used to kill after 10 s)."""
+    import signal
+    import threading
+    import time
+
+    from kvyard import launch
+    from tests.support.fake_roles import fake_backend, fake_frontend
+
+    events = tmp_path / "events"
+    env = {"DRAIN_GRACE_S": "30", "EVENTS": str(events), "FRONTEND_DRAIN_S": "2", "BACKEND_DRAIN_S": "11"}
+
+    def send_sigterm_when_up() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not events.exists() or events.read_text().count(" up ") < 2):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # process-directed: the main thread, blocked in wait(), gets it
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=send_sigterm_when_up, daemon=True).start()
+    try:
+        code = launch._supervise({"backend": fake_backend, "frontend": fake_frontend}, env)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert code == 0
+    log = {" ".join(line.split()[:2]): float(line.split()[2]) for line in events.read_text().splitlines()}
+    assert log["frontend term"] < log["frontend exit"] < log["backend term"] < log["backend exit"]
+    assert log["backend exit"] - log["backend term"] >= 11  # not killed at 10 s

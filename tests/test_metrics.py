@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -15,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from backend.http_server import create_backend_http_app
-from kvyard.metrics import (BackendMetrics, FrontendMetrics, HttpMetricsMiddleware, MasterMetrics,
-                            add_metrics_route)
+from kvyard.metrics import (VLLM_EQUIVALENTS, BackendMetrics, FrontendMetrics, HttpMetricsMiddleware,
+                            MasterMetrics, add_metrics_route)
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
 from tests.support.scoring_stub import stub_frontend
@@ -47,41 +48,70 @@ class FakeStatus:
     waiting: int = 2
     free_blocks: int = 25
     total_blocks: int = 100
+    step_latency_ms: float = 8.0
+    prefill_tokens_per_s: float = 1500.0
 
 
 def test_every_role_has_the_expected_names_in_its_own_registry() -> None:
-    frontend, other = FrontendMetrics(), FrontendMetrics()  # two apps in one process do not collide
+    frontend, other = FrontendMetrics("m"), FrontendMetrics("m")  # two apps in one process do not collide
     frontend.prompt(10, 4)
     assert other.registry is not frontend.registry
     text = generate_latest(frontend.registry).decode()
     assert set(REQUEST_METRICS + ["kvyard:num_requests_running", "kvyard:num_requests_waiting",
                                   "kvyard:prefix_cache_hit_rate"]) <= families(text)
     page = samples(text)
-    assert value(page, "kvyard:prefix_cache_hit_rate") == pytest.approx(0.4)
-    assert value(samples(generate_latest(other.registry).decode()), "kvyard:prompt_tokens_total") == 0
+    assert value(page, "kvyard:prefix_cache_hit_rate", model_name="m") == pytest.approx(0.4)
+    assert value(samples(generate_latest(other.registry).decode()), "kvyard:prompt_tokens_total", model_name="m") == 0
 
-    backend = samples(generate_latest(BackendMetrics(FakeStatus).registry).decode())
-    assert value(backend, "kvyard:num_requests_running") == 3
-    assert value(backend, "kvyard:num_requests_waiting") == 2
-    assert value(backend, "kvyard:kv_cache_usage_perc") == pytest.approx(0.75)
+    backend = samples(generate_latest(BackendMetrics(FakeStatus, "m").registry).decode())
+    assert value(backend, "kvyard:num_requests_running", model_name="m") == 3
+    assert value(backend, "kvyard:num_requests_waiting", model_name="m") == 2
+    assert value(backend, "kvyard:kv_cache_usage_perc", model_name="m") == pytest.approx(0.75)
+
+
+def test_every_serving_metric_carries_model_name_and_vllms_names_exist() -> None:
+    """vLLM's dashboards filter on model_name and read these names (prefix swapped): every family a backend
+    or a frontend serves has the label, and every name of the documented mapping is served."""
+    backend = BackendMetrics(FakeStatus, "m", preemptions=lambda: 4)
+    backend.queue_time.observe(0.25)
+    backend.count("GenerateStreamCall", "ok")
+    frontend = FrontendMetrics("m")
+    frontend.count("/v1/chat/completions", 200)
+    served: set[str] = set()
+    for registry in (backend.registry, frontend.registry):
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            served.add(family.name)
+            assert family.samples, family.name
+            assert all(s.labels.get("model_name") == "m" for s in family.samples), family.name
+    assert set(VLLM_EQUIVALENTS) <= served
+    assert {v.removeprefix("vllm:") for v in VLLM_EQUIVALENTS.values()} == \
+        {k.removeprefix("kvyard:") for k in VLLM_EQUIVALENTS}
+    page = samples(generate_latest(backend.registry).decode())
+    assert value(page, "kvyard:num_preemptions_total", model_name="m") == 4
+    assert value(page, "kvyard:request_queue_time_seconds_count", model_name="m") == 1
+    assert value(page, "kvyard:step_latency_seconds", model_name="m") == pytest.approx(0.008)
+    assert value(page, "kvyard:prefill_tokens_per_second", model_name="m") == 1500
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for ours, theirs in VLLM_EQUIVALENTS.items():
+        assert f"`{ours}" in readme and f"`{theirs}" in readme, ours
 
 
 def test_request_timer_observes_ttft_itl_e2e() -> None:
-    m = FrontendMetrics()
+    m = FrontendMetrics("m")
     timer = m.timer()
     timer.step(1)
     timer.step(2)
     timer.step(0)  # a step without tokens is no inter-token gap
     timer.finish()
     page = samples(generate_latest(m.registry).decode())
-    assert value(page, "kvyard:time_to_first_token_seconds_count") == 1
-    assert value(page, "kvyard:inter_token_latency_seconds_count") == 1
-    assert value(page, "kvyard:e2e_request_latency_seconds_count") == 1
-    assert value(page, "kvyard:generation_tokens_total") == 3
+    assert value(page, "kvyard:time_to_first_token_seconds_count", model_name="m") == 1
+    assert value(page, "kvyard:inter_token_latency_seconds_count", model_name="m") == 1
+    assert value(page, "kvyard:e2e_request_latency_seconds_count", model_name="m") == 1
+    assert value(page, "kvyard:generation_tokens_total", model_name="m") == 3
 
 
 def test_http_middleware_counts_route_templates_and_statuses() -> None:
-    m = FrontendMetrics()
+    m = FrontendMetrics("m")
     app = FastAPI()
     router = APIRouter()
 
@@ -103,35 +133,44 @@ def test_http_middleware_counts_route_templates_and_statuses() -> None:
     client.get("/nowhere")
     client.get("/boom")
     page = samples(client.get("/metrics").text)
-    assert value(page, "kvyard:requests_total", endpoint="/items/{item_id}", status="200") == 2
-    assert value(page, "kvyard:requests_total", endpoint="/items/{item_id}", status="422") == 1
-    assert value(page, "kvyard:requests_total", endpoint="unmatched", status="404") == 1
-    assert value(page, "kvyard:requests_total", endpoint="/boom", status="500") == 1
+    assert value(page, "kvyard:requests_total", endpoint="/items/{item_id}", status="200", model_name="m") == 2
+    assert value(page, "kvyard:requests_total", endpoint="/items/{item_id}", status="422", model_name="m") == 1
+    assert value(page, "kvyard:requests_total", endpoint="unmatched", status="404", model_name="m") == 1
+    assert value(page, "kvyard:requests_total", endpoint="/boom", status="500", model_name="m") == 1
 
 
 def test_backend_http_serves_engine_metrics() -> None:
-    loop = SimpleNamespace(metrics=BackendMetrics(FakeStatus))
+    loop = SimpleNamespace(metrics=BackendMetrics(FakeStatus, "m"))
     loop.metrics.count("GenerateStreamCall", "ok")
     resp = TestClient(create_backend_http_app(loop)).get("/metrics")  # type: ignore[arg-type]
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     assert set(REQUEST_METRICS + ENGINE_GAUGES) <= families(resp.text)
-    assert value(samples(resp.text), "kvyard:requests_total", endpoint="GenerateStreamCall", status="ok") == 1
+    assert value(samples(resp.text), "kvyard:requests_total", endpoint="GenerateStreamCall", status="ok",
+                 model_name="m") == 1
 
 
 def test_master_metrics_count_decisions_and_show_backends() -> None:
     m = MasterMetrics()
-    m.record_decision("prefix_hit", 64, 48)
-    m.record_decision("prefix_hit", 32, 16)
-    m.record_decision("all_busy")
-    loads = [SimpleNamespace(name="10.0.0.1:8089", healthy=True, running=1, waiting=0, free_blocks=10,
-                             total_blocks=40)]
+    m.record_decision("prefix_hit", "m", 64, 48)
+    m.record_decision("prefix_hit", "m", 32, 16)
+    m.record_decision("all_busy", "m")
+    loads = [SimpleNamespace(name="10.0.0.1:8089", model="m", role="PDFUSION", healthy=True, running=1, waiting=0,
+                             free_blocks=10, total_blocks=40, step_latency_ms=12.0, prefill_tokens_per_s=900.0,
+                             poll_latency_ms=2.0, routed_requests=3, routed_prompt_tokens=96, routed_hit_tokens=64)]
     m.watch_backends(lambda: loads)
     page = samples(generate_latest(m.registry).decode())
-    assert value(page, "kvyard:master_routing_decisions_total", reason="prefix_hit") == 2
-    assert value(page, "kvyard:master_routing_decisions_total", reason="all_busy") == 1
-    assert value(page, "kvyard:prefix_cache_hits_total") == 64
-    assert value(page, "kvyard:kv_cache_usage_perc", backend="10.0.0.1:8089") == pytest.approx(0.75)
-    assert value(page, "kvyard:backend_healthy", backend="10.0.0.1:8089") == 1
+    assert value(page, "kvyard:master_routing_decisions_total", reason="prefix_hit", model_name="m") == 2
+    assert value(page, "kvyard:master_routing_decisions_total", reason="all_busy", model_name="m") == 1
+    assert value(page, "kvyard:prefix_cache_hits_total", model_name="m") == 64
+    backend = {"backend": "10.0.0.1:8089", "model_name": "m", "role": "PDFUSION"}
+    assert value(page, "kvyard:kv_cache_usage_perc", **backend) == pytest.approx(0.75)
+    assert value(page, "kvyard:backend_healthy", **backend) == 1
+    assert value(page, "kvyard:backend_step_latency_seconds", **backend) == pytest.approx(0.012)
+    assert value(page, "kvyard:backend_prefill_tokens_per_second", **backend) == 900
+    assert value(page, "kvyard:backend_poll_latency_seconds", **backend) == pytest.approx(0.002)
+    assert value(page, "kvyard:backend_routed_requests_total", **backend) == 3
+    assert value(page, "kvyard:backend_prefix_cache_queries_total", **backend) == 96
+    assert value(page, "kvyard:backend_prefix_cache_hits_total", **backend) == 64
 
 
 def test_master_app_serves_metrics() -> None:
@@ -142,7 +181,7 @@ def test_master_app_serves_metrics() -> None:
     resp = client.post("/rtp_llm/schedule", json={"model": "m", "block_cache_keys": [], "seq_len": 4})
     assert resp.status_code == 503
     page = samples(client.get("/metrics").text)
-    assert value(page, "kvyard:master_routing_decisions_total", reason="no_backends") == 1
+    assert value(page, "kvyard:master_routing_decisions_total", reason="no_backends", model_name="unknown") == 1
     assert value(page, "kvyard:requests_total", endpoint="/rtp_llm/schedule", status="503") == 1
 
 
@@ -159,15 +198,16 @@ def test_frontend_counters_move(tokenizer: TextTokenizer) -> None:
             while '"finish_reason":"stop"' not in ws.recv():
                 pass
         after = samples(httpx.get(f"{stub.url}/metrics").text)
-    assert value(after, "kvyard:requests_total", endpoint="/v1/chat/completions", status="200") == 1
-    assert value(after, "kvyard:requests_total", endpoint="/generate", status="200") == 1
-    assert value(after, "kvyard:requests_total", endpoint="/generate", status="404") == 1
-    assert value(after, "kvyard:requests_total", endpoint="LMTP GENERATE", status="200") == 1
-    assert value(after, "kvyard:time_to_first_token_seconds_count") == value(before, "kvyard:time_to_first_token_seconds_count") + 3
-    assert value(after, "kvyard:e2e_request_latency_seconds_count") == 3  # LMTP stops reading at its finish
-    assert value(after, "kvyard:generation_tokens_total") == 3 * len(ids)
-    assert value(after, "kvyard:prompt_tokens_total") > 3
-    assert value(after, "kvyard:num_requests_running") == value(after, "kvyard:num_requests_waiting") == 0
+    m = {"model_name": "stub-model"}
+    assert value(after, "kvyard:requests_total", endpoint="/v1/chat/completions", status="200", **m) == 1
+    assert value(after, "kvyard:requests_total", endpoint="/generate", status="200", **m) == 1
+    assert value(after, "kvyard:requests_total", endpoint="/generate", status="404", **m) == 1
+    assert value(after, "kvyard:requests_total", endpoint="LMTP GENERATE", status="200", **m) == 1
+    assert value(after, "kvyard:time_to_first_token_seconds_count", **m) == value(before, "kvyard:time_to_first_token_seconds_count", **m) + 3
+    assert value(after, "kvyard:e2e_request_latency_seconds_count", **m) == 3  # LMTP stops reading at its finish
+    assert value(after, "kvyard:generation_tokens_total", **m) == 3 * len(ids)
+    assert value(after, "kvyard:prompt_tokens_total", **m) > 3
+    assert value(after, "kvyard:num_requests_running", **m) == value(after, "kvyard:num_requests_waiting", **m) == 0
 
 
 @pytest.mark.slow
@@ -183,16 +223,18 @@ def test_real_backend_and_frontend_metrics_move(pdfusion: Cluster) -> None:
     assert set(REQUEST_METRICS + ENGINE_GAUGES) <= families(text)
     after = samples(text)
 
+    m = {"model_name": "SmolLM2-135M-Instruct"}
+
     def moved(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        return value(after, name, **labels, **m) - value(before, name, **labels, **m)
     assert moved("kvyard:requests_total", endpoint="GenerateStreamCall", status="ok") == 2
     assert moved("kvyard:generation_tokens_total") == 8
     assert moved("kvyard:prompt_tokens_total") > 2 * 60
     assert moved("kvyard:prefix_cache_hits_total") >= 48
     assert moved("kvyard:time_to_first_token_seconds_count") == 2
     assert moved("kvyard:e2e_request_latency_seconds_count") == 2
-    assert 0.0 <= value(after, "kvyard:kv_cache_usage_perc") <= 1.0
+    assert 0.0 <= value(after, "kvyard:kv_cache_usage_perc", **m) <= 1.0
 
     frontend = samples(httpx.get(f"{pdfusion.base_url}/metrics").text)
-    assert value(frontend, "kvyard:requests_total", endpoint="/v1/chat/completions", status="200") >= 2
-    assert value(frontend, "kvyard:prefix_cache_hits_total") >= 48
+    assert value(frontend, "kvyard:requests_total", endpoint="/v1/chat/completions", status="200", **m) >= 2
+    assert value(frontend, "kvyard:prefix_cache_hits_total", **m) >= 48

@@ -141,10 +141,10 @@ at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos, const at:
 }
 
 // Decode attention straight from the paged cache (no gather): q: [B, H, d]; caches: [S, Hkv, d];
-// block_table: [B, nblk] int64; lens: [B] keys each row sees. → [B, H, d].
+// block_table: [B, nblk] int64; lens: [B] keys each row sees, of which the last `window` (0: all). → [B, H, d].
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& table_in, const at::Tensor& lens_in, int64_t block_size,
-                            double scale) {
+                            double scale, int64_t window) {
   const at::Tensor q = q_in.contiguous();
   check_cpu_f32(q, "q");
   check_cache(k_cache, v_cache);
@@ -154,6 +154,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   const int64_t nblk = table.size(1), S = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == d && H % Hkv == 0 && H / Hkv <= 64, "q and the cache disagree on heads");
   TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, "decode_attention supports head_dim 32, 64, 96 or 128, not ", d);
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -169,8 +170,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
       AttentionScratch s;
       for (int64_t i = i0; i < i1; ++i)
-        attend(d, qp, kc, vc, tp, nblk, block_size, H, Hkv, i / Hkv, i % Hkv, lp[i / Hkv], static_cast<float>(scale),
-               op, s);
+        attend(d, qp, kc, vc, tp, nblk, block_size, H, Hkv, i / Hkv, i % Hkv, lp[i / Hkv], window,
+               static_cast<float>(scale), op, s);
     });
   });
   return out;
@@ -219,12 +220,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", call_guard<release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());
-  m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks", call_guard<release>());
+  m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks (the last `window` keys)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
-      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>>())
+      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>())
       .def("set_profiling", &FusedDecoder::set_profiling, "time each phase of every step from now on (resets)")
       .def("profile", &FusedDecoder::profile, "seconds per phase since set_profiling(True)");

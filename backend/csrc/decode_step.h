@@ -48,11 +48,13 @@ class FusedDecoder {
 
   // tensors: embed (qs, d, m), norm, lm_head (qs, d, m), then per layer attn_norm, qkv (qs, d, m), qkv_bias,
   // o (qs, d, m), ffn_norm, gate_up (qs, d, m), down (qs, d, m). m and qkv_bias: empty when absent (Q8_0
-  // has no minimums). Kept here, so the pointers below stay valid.
-  FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::vector<at::Tensor> tensors)
+  // has no minimums). Kept here, so the pointers below stay valid. windows: per layer, the keys a query sees
+  // (a sliding window, itself included; 0: all).
+  FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::vector<at::Tensor> tensors,
+               std::vector<int64_t> windows)
       : H_(n_heads), Hkv_(n_kv), d_(head_dim), eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5))),  // as Python's d ** -0.5
-        tensors_(std::move(tensors)) {
+        tensors_(std::move(tensors)), windows_(std::move(windows)) {
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && H_ / Hkv_ <= 64, "bad head counts");
     TORCH_CHECK(d_ == 32 || d_ == 64 || d_ == 96 || d_ == 128, "head_dim must be 32, 64, 96 or 128");
     TORCH_CHECK(tensors_.size() >= 7 && (tensors_.size() - 7) % TENSORS_PER_LAYER == 0, "bad tensor list");
@@ -77,6 +79,8 @@ class FusedDecoder {
                   "layer ", l, ": weight shapes do not fit the model");
       layers_.push_back(w);
     }
+    TORCH_CHECK(static_cast<int64_t>(windows_.size()) == L, "one attention window per layer");
+    for (int64_t w : windows_) TORCH_CHECK(w >= 0, "windows must be >= 0");
   }
 
   // ids, positions, slots: [B] int64 (every row decodes one token); table: [B, nblk] int64 KV blocks;
@@ -164,7 +168,7 @@ class FusedDecoder {
           split_range(B * Hkv_, tid, nt, i0, i1);
           for (int64_t i = i0; i < i1; ++i)
             attend(d_, q_.data(), kc, vc, tp, nblk, block_size, H_, Hkv_, i / Hkv_, i % Hkv_, lp[i / Hkv_],
-                   scale_, attn_.data(), sc.attention);
+                   windows_[l], scale_, attn_.data(), sc.attention);
 #pragma omp barrier
           mark(tid, ATTENTION);
           linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
@@ -278,6 +282,7 @@ class FusedDecoder {
   int64_t H_, Hkv_, d_;
   float eps_, scale_;
   std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> windows_;
   QMatrix embed_, lm_head_;
   const float* norm_ = nullptr;
   int64_t D_ = 0;

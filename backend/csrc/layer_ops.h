@@ -67,20 +67,21 @@ struct AttentionScratch {
 // Decode attention for one (row b, KV head kvh) item straight from the paged cache (no gather): the
 // `group` query heads that share the KV head read each K and V row from memory once (the later heads
 // find it in L1; with AVX-512, attention512.h widens each row once for several heads). q: [B, H, d];
-// caches [S, Hkv, d]; table: [B, nblk]; n = keys row b sees; out: [B, H, d]. NV = d / 8, a constant so the
-// sums stay in registers.
+// caches [S, Hkv, d]; table: [B, nblk]; the row sees keys [first, last) (a sliding window starts past 0;
+// both passes walk only those keys' slots); out: [B, H, d]. NV = d / 8, a constant so the sums stay in
+// registers.
 template <int64_t NV, typename T>
 inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
-                        int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, float scale,
-                        float* out, AttentionScratch& s) {
+                        int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t first,
+                        int64_t last, float scale, float* out, AttentionScratch& s) {
   constexpr int64_t d = NV * 8;
   constexpr int64_t KB = 32;  // keys per V pass: their rows stay in L1 while each head of the group reads them
-  const int64_t group = H / Hkv, np = (n + 7) / 8 * 8;
+  const int64_t n = last - first, group = H / Hkv, np = (n + 7) / 8 * 8;
   s.scores.resize(group * np);
   s.partial.assign(group * d, 0.f);
   s.slots.resize(n);  // walked block by block (no division per key)
-  for (int64_t p = 0, j = 0; p < n; ++j)
-    for (int64_t o = 0, base = table[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
+  for (int64_t p = 0, j = first / block_size, o0 = first % block_size; p < n; ++j, o0 = 0)
+    for (int64_t o = o0, base = table[b * nblk + j] * block_size; o < block_size && p < n; ++o, ++p)
       s.slots[p] = base + o;
   const float* qg = q + (b * H + kvh * group) * d;  // the group's query heads, one after another
   if (avx512_on()) scores512<NV / 2, T>(qg, kc, s.slots.data(), n, Hkv, kvh, scale, s.scores.data(), np, group);
@@ -143,16 +144,18 @@ inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t*
   }
 }
 
-// attend_item with the head size as a run-time value (32, 64, 96 or 128); false for any other.
+// attend_item with the head size as a run-time value (32, 64, 96 or 128; false for any other), over the
+// last `window` of the n keys row b sees (window 0: all of them).
 template <typename T>
 inline bool attend(int64_t d, const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
-                   int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, float scale,
-                   float* out, AttentionScratch& s) {
+                   int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, int64_t window,
+                   float scale, float* out, AttentionScratch& s) {
+  const int64_t f = window > 0 && n > window ? n - window : 0;
   switch (d) {
-    case 64: attend_item<8>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
-    case 128: attend_item<16>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
-    case 32: attend_item<4>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
-    case 96: attend_item<12>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, n, scale, out, s); return true;
+    case 64: attend_item<8>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
+    case 128: attend_item<16>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
+    case 32: attend_item<4>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
+    case 96: attend_item<12>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
     default: return false;
   }
 }

@@ -16,7 +16,7 @@ from backend.ops import TorchOps
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig
 from tests.backend.conftest import BLOCK_LAYOUTS, CPU
-from tests.backend.test_kernels import random_blocks
+from tests.backend.test_kernels import isa, random_blocks  # noqa: F401  (isa: a fixture)
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unavailable")
 
@@ -74,11 +74,14 @@ def test_fused_step_split_over_two_threads(model_blocks: LlamaModel, rows: int) 
         torch.set_num_threads(before)
 
 
-def tiny_qwen2_like(seed: int = 0, layout: str = "rows") -> LlamaModel:
-    """Random Q4_1 matrices, a Q8_0 embedding and q/k/v biases: 2 layers, 4 query heads of 32, 2 KV heads."""
+def tiny_qwen2_like(seed: int = 0, layout: str = "rows", window: int = 0,
+                    window_layers: tuple[bool, ...] | None = None) -> LlamaModel:
+    """Random Q4_1 matrices, a Q8_0 embedding and q/k/v biases: 2 layers, 4 query heads of 32, 2 KV heads;
+    optionally a sliding attention window (on the layers window_layers marks)."""
     config = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=128, intermediate_size=96, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
-                         max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True)
+                         max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True,
+                         sliding_window=window, window_layers=window_layers)
     gen = torch.Generator().manual_seed(seed)
     w: dict = {"embed": random_blocks("q8_0", 96, 128, seed), "norm": 1 + 0.1 * torch.randn(128, generator=gen)}
     for i in range(2):
@@ -104,10 +107,21 @@ def test_fused_step_with_qkv_bias(rows: int, layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
-def test_fused_step_against_the_reference_ops(layout: str) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_fused_step_with_a_sliding_window(rows: int, layout: str) -> None:
+    """Contexts up to 300 keys past a 24-key window (on the second layer only, then on both)."""
+    for layers in ((False, True), None):
+        model = tiny_qwen2_like(layout=layout, window=24, window_layers=layers)
+        both_ways(model, [1 + 29 * b % 300 for b in range(rows)], torch.float32, block_size=8)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
+def test_fused_step_against_the_reference_ops(layout: str, window: int, isa: str) -> None:
     """And against plain PyTorch over the dequantized weights, within float32 rounding (int16
-    activations: within their rounding, 4e-4 of the logits here)."""
-    model = tiny_qwen2_like(seed=3, layout=layout)
+    activations: within their rounding, 4e-4 of the logits here); with a window, against the
+    gathered-SDPA path's mask; on the 256-bit and the AVX-512 attention passes."""
+    model = tiny_qwen2_like(seed=3, layout=layout, window=window)
     dense = {k: v.dequantize() if hasattr(v, "dequantize") else v for k, v in model.w.items()}
     reference = LlamaModel(model.config, dense, ops=TorchOps())
     contexts = [5, 17, 40]

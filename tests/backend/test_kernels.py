@@ -169,9 +169,12 @@ def test_rope_store_rotates_and_writes_the_cache(kv_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (7, 1)])  # groups of 3, 4 and 7 query heads per KV head
+@pytest.mark.parametrize("window", [0, 24])
 def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: torch.dtype,
-                                                       heads: tuple[int, int], isa: str) -> None:
-    """Against gather + SDPA over the same cache (a float16 cache: the same float16 values, widened)."""
+                                                       heads: tuple[int, int], window: int, isa: str) -> None:
+    """Against gather + SDPA over the same cache (a float16 cache: the same float16 values, widened);
+    with a sliding window of 24 keys, rows both shorter and longer than it (the window's first key
+    mid-block), on the 256-bit and the AVX-512 passes."""
     torch.manual_seed(head_dim)
     bs, (n_heads, n_kv) = 16, heads
     cache = KVCache(1, 64, bs, n_kv, head_dim, kv_dtype, torch.device("cpu"))
@@ -183,9 +186,11 @@ def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: t
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
                              decode_blocks=table, decode_key_mask=mask, decode_lens=lens, prefills=[])
     q = torch.randn(len(lens), n_heads, head_dim) * 3
-    want = attend_decode_gathered(q, cache, 0, meta)
-    got = KernelOps(K).attention(q, cache, 0, meta)
+    want = attend_decode_gathered(q, cache, 0, meta, window)
+    got = KernelOps(K).attention(q, cache, 0, meta, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if window:  # the window changes the answer of the rows longer than it
+        assert not torch.allclose(got[lens > window], attend_decode_gathered(q, cache, 0, meta)[lens > window])
     with pytest.raises(RuntimeError, match="block out of range"):
         K.decode_attention(q, cache.data[0, 0], cache.data[0, 1], table + 64, lens, bs, head_dim ** -0.5)
 

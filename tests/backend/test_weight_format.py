@@ -2,6 +2,7 @@
 and an impossible explicit choice is refused at start-up, never silently ignored."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,10 @@ def test_explicit_choices() -> None:
 def test_gguf_format_needs_a_gguf_file(tmp_path: Path) -> None:
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text("{}")
+    (hf_dir / "config.json").write_text(json.dumps({  # read at start-up: an unsupported model fails the launch
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "intermediate_size": 128, "vocab_size": 100}))
+    (hf_dir / "tokenizer.json").write_text("{}")  # (checked to exist at start-up too)
     assert embedded_model_path().suffix == ".gguf"
     with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
         cfg(WEIGHT_FORMAT="gguf", CHECKPOINT_PATH=str(hf_dir))

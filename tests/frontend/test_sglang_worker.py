@@ -107,9 +107,12 @@ def test_placeholder_routes_to_our_model_through_a_master(tokenizer: TextTokeniz
 def test_model_to_route() -> None:
     alone = FrontendConfig.from_env({"MODEL_NAME": MODEL, "MAX_SEQ_LEN": "64"})
     routed = FrontendConfig.from_env({"MODEL_NAME": MODEL, "MAX_SEQ_LEN": "64", "MASTER_ADDRESS": "127.0.0.1:9"})
-    for cfg in (alone, routed):
-        for name in (None, "", MODEL, ROUTER_PLACEHOLDER_MODEL):
+    aliased = FrontendConfig.from_env({"MODEL_NAME": f"{MODEL},small", "MAX_SEQ_LEN": "64"})
+    for cfg in (alone, routed, aliased):
+        for name in (None, "", ROUTER_PLACEHOLDER_MODEL):
             assert model_to_route(cfg, name) is None, name
+        assert model_to_route(cfg, MODEL) == MODEL  # named: kept, so the answer echoes it
+    assert model_to_route(aliased, "small") == "small"
     assert model_to_route(routed, "other") == "other"  # the master knows the cluster's other models
     with pytest.raises(RequestError) as err:
         model_to_route(alone, "other")

@@ -82,9 +82,10 @@ def test_master_without_a_token_refuses_every_registration() -> None:
 @pytest.fixture
 def backend_http() -> Iterator[TestClient]:
     def status() -> SimpleNamespace:
-        return SimpleNamespace(running=0, waiting=0, free_blocks=8, total_blocks=8)
+        return SimpleNamespace(running=0, waiting=0, free_blocks=8, total_blocks=8, step_latency_ms=0.0,
+                               prefill_tokens_per_s=0.0)
 
-    loop = SimpleNamespace(metrics=BackendMetrics(status), alive=True, worker_status=status,
+    loop = SimpleNamespace(metrics=BackendMetrics(status, "m"), alive=True, worker_status=status,
                            cache_status=lambda since: SimpleNamespace(version=3, cached_keys=[11, 12]))
     level = logging.getLogger().level
     try:

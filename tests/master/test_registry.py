@@ -137,3 +137,39 @@ def test_dns_sync_adds_and_drops_and_registration_is_forgotten_when_silent() -> 
     assert c.name in reg.backends
     reg.forget_stale(2.0 + CFG.forget_s + 1)
     assert c.name not in reg.backends and A.name in reg.backends
+
+
+def test_a_backend_found_by_dns_takes_the_role_its_polls_report() -> None:
+    """DNS (a k8s headless Service over PREFILL and DECODE pools) knows addresses, not roles: the poll says."""
+    reg = Registry(CFG)
+    source = "dns:kvyard-backends:8089"
+    reg.sync_source(source, [A, B], 0.0)
+    reg.apply_status(A.name, replace(LOAD, role="DECODE"), 0.0, 0.1)
+    reg.apply_status(B.name, replace(LOAD, role="PREFILL"), 0.0, 0.1)
+    assert {b.name: b.role for b in reg.loads(0.2)} == {A.name: "DECODE", B.name: "PREFILL"}
+    reg.sync_source(source, [A, B], 5.0)  # the next resolution does not make them PDFUSION again
+    assert {b.name: b.role for b in reg.loads(5.0)} == {A.name: "DECODE", B.name: "PREFILL"}
+    reg.add(replace(A, role="PDFUSION"), SOURCE_REGISTERED, 5.1)  # a registration names the role itself
+    assert load_of(reg, A.name, 5.1).role == "PDFUSION"
+
+
+def test_per_backend_routing_counts_and_poll_latency() -> None:
+    reg = registry_with(A)
+    reg.apply_status(A.name, LOAD, 1.0, 1.004)
+    reg.record_choice(A.name, [1, 2], 40, 32, 1.1)
+    reg.record_choice(A.name, [3], 20, 0, 1.2)
+    (summary,) = reg.summaries(1.2)
+    assert (summary.routed_requests, summary.routed_prompt_tokens, summary.routed_hit_tokens) == (2, 60, 32)
+    assert summary.poll_latency_ms == pytest.approx(4.0)
+
+
+def test_a_prefill_decode_pair_is_one_routed_request() -> None:
+    """The master records both halves of a PD choice; the totals (dashboard, /backends) count the request
+    and its prompt once, so the hit rate is the prefill side's, not halved by the decode hand-over."""
+    reg = registry_with(replace(A, role="PREFILL"), replace(B, role="DECODE"))
+    reg.record_choice(A.name, [1, 2], 40, 32, 1.0)
+    reg.record_choice(B.name, [], 40, 0, 1.0)
+    assert (reg.stats.requests, reg.stats.hit_requests, reg.stats.prompt_tokens, reg.stats.hit_tokens) == (1, 1, 40, 32)
+    prefill, decode = reg.summaries(1.0)
+    assert (prefill.routed_requests, prefill.routed_prompt_tokens, prefill.routed_hit_tokens) == (1, 40, 32)
+    assert (decode.routed_requests, decode.routed_prompt_tokens, decode.routed_hit_tokens) == (1, 0, 0)

@@ -50,16 +50,17 @@ def _is_free(port: int) -> bool:
 
 
 class RoleProcess:
-    """`python -m kvyard` with the given environment, its output kept in a log file. CLUSTER_TOKEN is the
+    """`python -m kvyard` (or `argv`, e.g. scripts/run_local.sh) with the given environment, in a session
+    of its own (stop() ends its whole process group), its output kept in a log file. CLUSTER_TOKEN is the
     shared test token unless `env` sets CLUSTER_TOKEN ("" = none) or CLUSTER_TOKEN_FILE."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, argv: list[str] | None = None) -> None:
         token = {} if "CLUSTER_TOKEN_FILE" in env else {"CLUSTER_TOKEN": CLUSTER_TOKEN}
         full_env = {**os.environ, "HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", **token, **env}
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvyard"], env=full_env, cwd=REPO,
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "kvyard"], env=full_env, cwd=REPO,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, url: str, timeout_s: float = 120.0) -> None:
@@ -74,6 +75,13 @@ class RoleProcess:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"{url} not healthy after {timeout_s} s:\n{self.log()}")
+
+    def wait_for_log(self, text: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log_path.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{text!r} not in the log after {timeout_s} s:\n{self.log()}")
+            time.sleep(0.2)
 
     def log(self) -> str:
         self._log.flush()

@@ -1,0 +1,333 @@
+"""`kvyard cluster`: a master, backends that register with it and frontends that route through it, as
+processes on this machine sharing one generated cluster token; printed once serving, stopped together.
+
+Each part is `python -m kvyard` with its ROLE_TYPE, so it runs exactly as a deployed role would. Output
+lines are prefixed with the part's name. Ctrl-C / SIGTERM stops the frontends first (they drain), then
+the backends, then the master; a second signal kills what is left. A part that exits on its own stops
+the rest (exit code 1).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO
+
+import httpx
+
+from kvyard.cli import USAGE_ERROR, UsageError, explain
+from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
+from kvyard.model_path import ModelFileError
+
+log = logging.getLogger("kvyard.cluster")
+
+MAX_FRONTENDS = 10      # frontends take PORT .. PORT+9
+MASTER_OFFSET = 10      # the master listens on PORT+10
+BACKEND_OFFSET = 20     # backend k's START_PORT is PORT+20+10k (gRPC +1, HTTP +5)
+BACKEND_STRIDE = 10
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One process of the local cluster."""
+    name: str            # "frontend-1", "master", "backend-2", "prefill-1", "decode-1"
+    role: str            # its ROLE_TYPE
+    start_port: int      # its START_PORT
+
+    @property
+    def is_backend(self) -> bool:
+        return self.role in ("PDFUSION", "PREFILL", "DECODE")
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{LOOPBACK}:{self.start_port + 1}"
+
+    @property
+    def health_url(self) -> str:
+        port = self.start_port + 5 if self.is_backend else self.start_port
+        return f"http://{LOOPBACK}:{port}/health"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every part of a local cluster listens: the one port layout `kvyard cluster` uses."""
+    master: Part
+    backends: tuple[Part, ...]
+    frontends: tuple[Part, ...]
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """In start order; stopped in reverse."""
+        return (self.master, *self.backends, *self.frontends)
+
+    @property
+    def master_address(self) -> str:
+        return f"{LOOPBACK}:{self.master.start_port}"
+
+
+def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) -> Layout:
+    """Raises UsageError for a shape that cannot run."""
+    if frontends < 1 or frontends > MAX_FRONTENDS:
+        raise UsageError(f"--frontends must be 1..{MAX_FRONTENDS}, got {frontends}")
+    if (prefill > 0) != (decode > 0):
+        raise UsageError(f"--prefill and --decode go together (got --prefill {prefill} --decode {decode}): a "
+                         "PREFILL backend hands every request to a DECODE one")
+    if pdfusion + prefill == 0:
+        raise UsageError("no backend: give --backends N (N >= 1) or --prefill P --decode D")
+    kinds = [("backend", "PDFUSION", pdfusion), ("prefill", "PREFILL", prefill), ("decode", "DECODE", decode)]
+    backends: list[Part] = []
+    for name, role, count in kinds:
+        for i in range(count):
+            backends.append(Part(f"{name}-{i + 1}", role, port + BACKEND_OFFSET + BACKEND_STRIDE * len(backends)))
+    last = backends[-1].start_port + 5
+    if last > 65535:
+        raise UsageError(f"--port {port} leaves no room for {len(backends)} backends (they need ports up to {last})")
+    return Layout(master=Part("master", "MASTER", port + MASTER_OFFSET),
+                  backends=tuple(backends),
+                  frontends=tuple(Part(f"frontend-{i + 1}", "FRONTEND", port + i) for i in range(frontends)))
+
+
+def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host: str) -> dict[str, str]:
+    """The environment of one part: the shared settings, then what its place in the cluster fixes."""
+    env = {**base, "ROLE_TYPE": part.role, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
+    for wired in ("MASTER_ADDRESS", "BACKEND_ADDRESS", "BACKEND_ADDRESSES", "DECODE_ADDRESS", "ADVERTISE_HOST",
+                  "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG"):
+        env.pop(wired, None)  # the cluster wires these itself
+    if part.is_backend:
+        env["MASTER_ADDRESS"] = layout.master_address
+        if part.role == "PDFUSION":  # the cluster's frontends are parts of their own
+            env["FRONTEND_SERVER_COUNT"] = "0"
+        if part.role == "PREFILL":  # used when the master is unreachable and a frontend calls it directly
+            decodes = [b for b in layout.backends if b.role == "DECODE"]
+            prefills = [b for b in layout.backends if b.role == "PREFILL"]
+            env["DECODE_ADDRESS"] = decodes[prefills.index(part) % len(decodes)].grpc_address
+    elif part.role == "FRONTEND":
+        direct = [b.grpc_address for b in layout.backends if b.role != "DECODE"]
+        env.update(HOST=frontend_host, MASTER_ADDRESS=layout.master_address, BACKEND_ADDRESS=direct[0],
+                   BACKEND_ADDRESSES=",".join(direct))
+    return env
+
+
+def shared_env(environ: Mapping[str, str], overrides: Mapping[str, str], layout: Layout) -> dict[str, str]:
+    """What every part shares: the environment, the flags over it, one cluster token, and a share of the
+    cores for each backend unless TORCH_NUM_THREADS says otherwise."""
+    env = {**environ, **overrides}
+    if not read_cluster_token(env):
+        env["CLUSTER_TOKEN"] = new_token()
+    if not env.get("TORCH_NUM_THREADS"):
+        env["TORCH_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(layout.backends)))
+    return env
+
+
+def check(layout: Layout, shared: Mapping[str, str], frontend_host: str) -> None:
+    """Every role's config, built here once, so a bad flag fails before anything starts."""
+    from backend.config import BackendConfig
+    from frontend.config import FrontendConfig
+    from kvyard.logs import check_log_level
+    from master.config import MasterConfig
+
+    check_log_level(shared)
+    MasterConfig.from_env(part_env(layout, layout.master, shared, frontend_host))
+    for part in layout.backends:
+        BackendConfig.from_env(part_env(layout, part, shared, frontend_host))
+    FrontendConfig.from_env(part_env(layout, layout.frontends[0], shared, frontend_host))
+
+
+def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str]) -> int:
+    try:
+        pdfusion = ns.backends if ns.backends is not None else (0 if ns.prefill or ns.decode else 2)
+        layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode)
+        shared = shared_env(os.environ, overrides, layout)
+        check(layout, shared, ns.host)
+        if not is_loopback(ns.host) and not shared.get("API_KEY"):
+            log.warning("the frontends listen on %s with no --api-key: anyone who reaches it may use them", ns.host)
+    except UsageError as exc:
+        print(f"kvyard: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except (ValueError, ModelFileError) as exc:
+        print(f"kvyard: error: {explain(str(exc), overrides)}", file=sys.stderr)
+        return USAGE_ERROR
+    generated = not read_cluster_token({**os.environ, **overrides})
+    return LocalCluster(layout, shared, ns.host, ns.ready_timeout_s, generated).run()
+
+
+class LocalCluster:
+    """Owns the part processes: starts them, waits until the cluster serves, stops them in order."""
+
+    def __init__(self, layout: Layout, shared: Mapping[str, str], frontend_host: str, ready_timeout_s: float,
+                 token_generated: bool) -> None:
+        self.layout = layout
+        self.token_generated = token_generated
+        self.shared = shared
+        self.frontend_host = frontend_host
+        self.ready_timeout_s = ready_timeout_s
+        self.procs: dict[Part, subprocess.Popen[bytes]] = {}
+        self.stopping = threading.Event()
+        self._signals = 0
+        self.started = time.monotonic()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            # Frontends last, once there is something to route to: their first requests then find it.
+            for part in (self.layout.master, *self.layout.backends):
+                self._start(part)
+            if not self._wait_ready([*self.layout.backends, self.layout.master]):
+                return 1
+            for part in self.layout.frontends:
+                self._start(part)
+            if not self._wait_ready(list(self.layout.frontends)):
+                return 1
+            print(self.summary(), flush=True)
+            return self._watch()
+        finally:
+            self._stop_all()
+
+    def _start(self, part: Part) -> None:
+        env = part_env(self.layout, part, self.shared, self.frontend_host)
+        env["PYTHONUNBUFFERED"] = "1"
+        proc = subprocess.Popen([sys.executable, "-m", "kvyard"], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                process_group=0,  # our Ctrl-C is ours: we stop the parts in order
+                                preexec_fn=_die_with_parent)
+        self.procs[part] = proc
+        assert proc.stdout is not None
+        threading.Thread(target=_pump, args=(part.name, proc.stdout), name=f"log-{part.name}", daemon=True).start()
+
+    def _exited(self) -> Part | None:
+        return next((p for p, proc in self.procs.items() if proc.poll() is not None), None)
+
+    def _wait_ready(self, parts: list[Part]) -> bool:
+        """These parts healthy and every backend routable in the master."""
+        deadline = self.started + self.ready_timeout_s
+        pending = parts
+        expected = {b.grpc_address for b in self.layout.backends}
+        with httpx.Client(timeout=2.0) as client:
+            while not self.stopping.is_set():
+                dead = self._exited()
+                if dead is not None:
+                    print(f"kvyard: error: {dead.name} exited with code {self.procs[dead].returncode} while the "
+                          "cluster was starting (its lines above say why)", file=sys.stderr, flush=True)
+                    return False
+                if time.monotonic() > deadline:
+                    print(f"kvyard: error: the cluster was not serving after {self.ready_timeout_s:.0f} s; still "
+                          f"waiting for {', '.join(p.name for p in pending) or 'the master to see every backend'}",
+                          file=sys.stderr, flush=True)
+                    return False
+                pending = [p for p in pending if not _ok(client, p.health_url)]
+                if not pending and expected <= _routable(client, self.layout.master_address):
+                    return True
+                time.sleep(0.5)
+        return False
+
+    def summary(self) -> str:
+        lay = self.layout
+        host = LOOPBACK if self.frontend_host in ("0.0.0.0", "::") else self.frontend_host
+        first = f"http://{host}:{lay.frontends[0].start_port}"
+        lines = ["", f"kvyard cluster is serving: {len(lay.backends)} backends, {len(lay.frontends)} "
+                     f"frontend{'s' if len(lay.frontends) > 1 else ''}, one master (Ctrl-C stops it all)", ""]
+        for f in lay.frontends:
+            lines.append(f"  {f.name:<12} http://{host}:{f.start_port}  (OpenAI API)")
+        lines.append(f"  {'master':<12} http://{lay.master_address}  (dashboard: http://{lay.master_address}/dashboard)")
+        for b in lay.backends:
+            lines.append(f"  {b.name:<12} {b.role:<8} gRPC {b.grpc_address}  HTTP {LOOPBACK}:{b.start_port + 5}")
+        model = self.shared.get("MODEL_NAME", "").split(",")[0]
+        model_field = f'"model": "{model}", ' if model else ""
+        key = self.shared.get("API_KEY")
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if key else ""
+        lines += ["", "  its parts share a cluster token generated for this launch (set CLUSTER_TOKEN to choose it)"
+                  if self.token_generated else "  its parts share the cluster token you configured", "",
+                  f"  curl {first}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+                  f"    -d '{{{model_field}\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital "
+                  "of France?\"}], \"temperature\": 0}'",
+                  f"  # any OpenAI client: base_url=\"{first}/v1\"", ""]
+        return "\n".join(lines)
+
+    def _watch(self) -> int:
+        while not self.stopping.wait(0.5):
+            dead = self._exited()
+            if dead is not None:
+                print(f"kvyard: error: {dead.name} exited with code {self.procs[dead].returncode}; stopping the "
+                      "cluster", file=sys.stderr, flush=True)
+                return 1
+        return 0
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("signal %d: stopping the cluster (frontends drain first)", signum)
+            self.stopping.set()
+            return
+        log.info("signal %d again: killing every part", signum)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+    def _stop_all(self) -> None:
+        """Frontends (they drain), then backends, then the master: each group stopped together."""
+        grace = float(self.shared.get("DRAIN_GRACE_S") or 30)
+        parts = self.layout.parts
+        groups = [[p for p in parts if p.role == "FRONTEND"], [p for p in parts if p.is_backend],
+                  [p for p in parts if p.role == "MASTER"]]
+        for group in groups:
+            running = [self.procs[p] for p in group if p in self.procs and self.procs[p].poll() is None]
+            for proc in running:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 10
+            for proc in running:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _ok(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _routable(client: httpx.Client, master: str) -> set[str]:
+    try:
+        view = client.get(f"http://{master}/backends").json()
+        return {b["name"] for b in view["backends"] if b["healthy"]}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _pump(name: str, stream: IO[bytes]) -> None:
+    """Copy a part's output to ours, each line prefixed with its name."""
+    prefix = f"{name:<11}| ".encode()
+    out = sys.stdout.buffer
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line)
+        out.flush()
+    stream.close()
+
+
+def _find_prctl() -> object | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _find_prctl()  # looked up here: the child between fork and exec must not load libraries
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the cluster process dies, even by SIGKILL (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # type: ignore[operator]  # PR_SET_PDEATHSIG

@@ -1,0 +1,55 @@
+"""Qwen2 / Qwen2.5 (MODEL_TYPE=qwen2.5): ChatML turns and Hermes-style tool calls.
+
+The model writes each call as <tool_call>{"name", "arguments"}</tool_call>, and reads tool results as
+<tool_response> blocks in one user turn. Qwen2.5's own template handles `tools`; for a template that does
+not (a GGUF's shortened one, Qwen2's), or none at all, this renderer writes the Qwen2.5 way: a default
+system turn, the functions inside <tools></tools> in it, earlier calls as <tool_call> blocks."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from renderers.basic import BasicRenderer
+from renderers.registry import register_renderer
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+QWEN_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@register_renderer("qwen2.5", "qwen2_5", "qwen2")
+class Qwen25Renderer(BasicRenderer):
+    name = "qwen2.5"
+    default_tool_parser = "hermes"
+    fallback_template = QWEN_TEMPLATE
+
+    def stop_words(self) -> list[str]:
+        return [t for t in ("<|im_end|>", "<|endoftext|>") if self.tokenizer.token_id(t) is not None] \
+            or super().stop_words()
+
+    def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       tool_choice: Any) -> list[dict[str, Any]]:
+        out = super()._tools_as_text(messages, None, tool_choice)  # calls and results the Hermes way
+        if tools:
+            system = out[0].get("content") if out and out[0].get("role") == "system" else DEFAULT_SYSTEM
+            prompt = f"{system}\n\n{tools_prompt(tools, tool_choice)}"
+            if out and out[0].get("role") == "system":
+                out[0] = {**out[0], "content": prompt}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+
+def tools_prompt(tools: list[dict[str, Any]], tool_choice: Any) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    must = ""
+    if tool_choice == "required":
+        must = "\nYou must call at least one function."
+    elif isinstance(tool_choice, dict) and tool_choice.get("function", {}).get("name"):
+        must = f"\nYou must call {tool_choice['function']['name']}."
+    return ("# Tools\n\nYou may call one or more functions to help with the user's request. The functions "
+            f"are listed inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\nFor each call, write a JSON "
+            "object with the function's name and arguments inside <tool_call></tool_call> tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' + must)
