@@ -314,8 +314,11 @@ def backend_counters(cluster: Cluster) -> list[float]:
     sums = [0.0] * len(COUNTERS)
     for url in cluster.backend_metrics:
         text = httpx.get(url, timeout=5).text
-        for i, name in enumerate(COUNTERS):
-            sums[i] += float(re.search(rf"^{name} (\S+)", text, re.M).group(1))
+        for i, name in enumerate(COUNTERS):  # every label set (model_name, ...) of the counter
+            values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            if not values:
+                raise RuntimeError(f"{url} has no {name}")
+            sums[i] += sum(float(v) for v in values)
     return sums
 
 
