@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.constraints import GrammarState, mask_words
 from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
                                   ScoreResult, TokenOutput, WorkerStatus)
 from backend.model_runner import ModelRunner
@@ -28,6 +29,7 @@ class _SeqState:
     index: int
     sampling: SamplingParams
     generator: torch.Generator | None
+    grammar: GrammarState | None = None  # the constraint's state: masks each sampled token, advanced by it
     iter_count: int = 0
     score_from: int | None = None    # scoring: position of the first scored token
     top_logprobs: int = 0            # scoring: alternatives per scored position
@@ -86,6 +88,8 @@ class Engine:
             return
         if not 1 <= req.n <= MAX_N:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        if req.constraint is not None and req.grammar is None:
+            raise RequestError(ErrorCode.INTERNAL, "the request's constraint was never compiled")
         try:
             req.sampling.validate(self.vocab_size)
         except ValueError as exc:
@@ -115,7 +119,8 @@ class Engine:
             if sampling.seed is not None and index:
                 # n > 1 with a seed: distinct but reproducible streams.
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + index})
-            state = _SeqState(index, sampling, make_generator(sampling, self.runner.device))
+            state = _SeqState(index, sampling, make_generator(sampling, self.runner.device),
+                              None if req.grammar is None else req.grammar.copy())
             seq = Sequence(req.request_id, req.prompt_ids, req.stop, payload=state, arrival_time=req.arrival_time)
             seq.hold_blocks = req.hold_blocks
             seqs.append(seq)
@@ -200,6 +205,7 @@ class Engine:
                     for sibling in self._siblings.pop(seq.request_id):
                         self.scheduler.add(sibling)
             self._measure(batch.num_batched_tokens - len(batch.scheduled), time.monotonic() - t0)
+        self._advance_grammars(results)
         now = time.monotonic()
         outputs: list[TokenOutput | ScoreResult] = []
         for seq, token, finish in results:
@@ -217,6 +223,11 @@ class Engine:
         """One token per sequence. A row that cannot be sampled fails its own request (into
         self.failed, aborted here), never the batch: the others are sampled one by one."""
         rows = [_sample_row(seq) for seq in seqs]
+        keep = self._constrain(rows, seqs, logits.shape[1])
+        if len(keep) < len(seqs):
+            logits, seqs, rows = logits[keep], [seqs[j] for j in keep], [rows[j] for j in keep]
+            if not seqs:
+                return {}
         try:
             return {seq.seq_id: smp for seq, smp in zip(seqs, sample(logits, rows))}
         except Exception:
@@ -230,6 +241,40 @@ class Engine:
                     ErrorCode.INTERNAL, f"this request's sampling failed ({exc}); other requests go on")))
                 self.abort(seq.request_id)
         return out
+
+    def _constrain(self, rows: list[SampleRow], seqs: list[Sequence], vocab: int) -> list[int]:
+        """Each constrained row's token mask from its grammar (unconstrained rows are left alone); returns
+        the rows still to sample: a grammar that fails here fails its own request."""
+        constrained = [j for j, seq in enumerate(seqs) if _state(seq).grammar is not None]
+        if not constrained:
+            return list(range(len(seqs)))
+        masks = torch.empty((len(constrained), mask_words(vocab)), dtype=torch.int32)  # [C, ceil(V / 32)]
+        failed: set[int] = set()
+        for k, j in enumerate(constrained):
+            grammar = _state(seqs[j]).grammar
+            assert grammar is not None
+            try:
+                grammar.fill_mask(masks[k])
+            except RequestError as exc:
+                failed.add(j)
+                self._fail(seqs[j].request_id, exc)
+                continue
+            rows[j].allowed = masks[k]
+        return [j for j in range(len(seqs)) if j not in failed]
+
+    def _advance_grammars(self, results: list[tuple[Sequence, int | None, object]]) -> None:
+        """Each constrained sequence's grammar takes the token it just got (engine thread, after the step)."""
+        for seq, token, _ in results:
+            grammar = _state(seq).grammar
+            if token is None or grammar is None:
+                continue
+            if not grammar.advance(token):
+                self._fail(seq.request_id, RequestError(
+                    ErrorCode.INVALID_ARGUMENT, f"the output cannot follow its grammar: {grammar.error or token}"))
+
+    def _fail(self, request_id: str, error: RequestError) -> None:
+        self.failed.append((request_id, error))
+        self.abort(request_id)
 
     def _measure(self, prefill_tokens: int, seconds: float) -> None:
         self.iterations += 1

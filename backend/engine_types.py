@@ -4,9 +4,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.sampler import Sample, SamplingParams
 from backend.sequence import FinishReason, StopConditions
+from kvyard.constraint import Constraint
+
+if TYPE_CHECKING:
+    from backend.constraints import GrammarState
 
 
 @dataclass
@@ -19,6 +24,9 @@ class GenerationRequest:
     n: int = 1                       # sequences sampled from this prompt
     arrival_time: float = field(default_factory=time.monotonic)
     hold_blocks: bool = False        # prefill hand-over: keep the KV after finishing until released
+    constraint: Constraint | None = None  # the grammar the output must follow, as asked
+    grammar: GrammarState | None = None   # `constraint` compiled (by the gRPC edge, off the engine thread),
+                                          # at the place the output starts; each sequence takes a copy
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import uvicorn
 
 from backend.attention import KVCache
 from backend.config import BackendConfig
+from backend.constraints import GrammarCompiler
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.http_server import create_backend_http_app
@@ -33,9 +34,9 @@ log = logging.getLogger("kvyard.backend")
 T = TypeVar("T")
 
 
-def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int]:
+def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int, GrammarCompiler]:
     """Returns the started-ready engine loop, the ids that end generation (eos and the model's end-of-turn
-    ids) and the served context length."""
+    ids), the served context length and the compiler of constraints (it builds its token tables on first use)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = torch.device(cfg.device)
@@ -68,7 +69,9 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role)
-    return EngineLoop(engine, model_name=cfg.model_name), tokenizer.stop_token_ids, max_model_len
+    eos = tokenizer.stop_token_ids
+    return (EngineLoop(engine, model_name=cfg.model_name), eos, max_model_len,
+            GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
 
 
 def resident_mb() -> float:
@@ -127,9 +130,9 @@ async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfi
 async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
     turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
-    engine_loop, eos, max_model_len = await _in_passing_thread(build_engine_loop, cfg)
+    engine_loop, eos, max_model_len, grammars = await _in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
-    servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address)
+    servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address, grammars)
     servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it
     server, health_servicer = await start_grpc_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
     http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop, cfg.cluster_token), host=cfg.host,
@@ -154,3 +157,4 @@ async def serve_backend(cfg: BackendConfig) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         engine_loop.stop()
+        grammars.close()

@@ -4,8 +4,15 @@ from __future__ import annotations
 from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
 from backend.sampler import SamplingParams
 from backend.sequence import FinishReason, StopConditions
+from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from proto import model_rpc_pb2 as pb
+
+_KIND_FROM_PB = {
+    pb.CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKind.JSON_SCHEMA,
+    pb.CONSTRAINT_KIND_REGEX: ConstraintKind.REGEX,
+    pb.CONSTRAINT_KIND_LARK: ConstraintKind.LARK,
+}
 
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -47,7 +54,16 @@ def request_from_pb(msg: pb.GenerateInputPB, eos_token_ids: frozenset[int],
         top_logprobs=cfg.top_logprobs,
     )
     return GenerationRequest(request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
-                             stop=stop, n=max(1, cfg.num_return_sequences))
+                             stop=stop, n=max(1, cfg.num_return_sequences), constraint=constraint_from_pb(cfg))
+
+
+def constraint_from_pb(cfg: pb.GenerateConfigPB) -> Constraint | None:
+    if not cfg.HasField("constraint") or cfg.constraint.kind == pb.CONSTRAINT_KIND_UNSPECIFIED:
+        return None
+    kind = _KIND_FROM_PB.get(cfg.constraint.kind)
+    if kind is None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown constraint kind {cfg.constraint.kind}", "constraint")
+    return Constraint(kind, cfg.constraint.text)
 
 
 def score_request_from_pb(msg: pb.ScoreInputPB) -> ScoreRequest:

@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from backend.attention import KVCache
+from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.engine_types import GenerationRequest, ImportPlan, KVLayout, TokenOutput
@@ -186,7 +187,8 @@ async def _expect(call: grpc.aio.StreamStreamCall, field: str) -> pb.RemoteDecod
 # ---- decode side -----------------------------------------------------------------------------
 
 async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferPB], eos: frozenset[int],
-                        max_model_len: int) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
+                        max_model_len: int, grammars: GrammarCompiler | None = None
+                        ) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
     request_id = ""
     plan: ImportPlan | None = None
     submitted = False
@@ -197,6 +199,13 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
         h = first.header
         request_id = h.request_id
         req, prompt_len = _decode_request(loop, h, eos, max_model_len)
+        # A constraint travels in generate_config: our own grammar state, past the first token the prefill
+        # side sampled under it, before any step of ours samples the second.
+        await compile_constraint(grammars, req)
+        if req.grammar is not None and not req.grammar.advance(h.first_token):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prefill side's first token {h.first_token} does "
+                               f"not follow the constraint: {req.grammar.error}")
+        loop.engine.validate(req)  # pure: reads the engine's fixed limits only; wants the grammar compiled
         plan = await loop.call(lambda engine: engine.plan_import(req, prompt_len),
                                undo=lambda engine, p: p and engine.drop_import(p))
         if plan is None:
@@ -238,9 +247,7 @@ def _decode_request(loop: EngineLoop, h: pb.KVTransferHeaderPB, eos: frozenset[i
         cfg.max_new_tokens = max(1, cfg.max_new_tokens - h.first_token_output_len)
     cfg.min_new_tokens = max(0, cfg.min_new_tokens - h.first_token_output_len)
     msg = pb.GenerateInputPB(request_id=h.request_id, token_ids=[*h.prompt_ids, h.first_token], generate_config=cfg)
-    req = request_from_pb(msg, eos, max_model_len)
-    loop.engine.validate(req)  # pure: reads the engine's fixed limits only
-    return req, prompt_len
+    return request_from_pb(msg, eos, max_model_len), prompt_len
 
 
 async def _receive_blocks(layout: KVLayout, messages: AsyncIterator[pb.KVTransferPB], plan: ImportPlan

@@ -69,6 +69,8 @@ class SampleRow:
     generator: torch.Generator | None  # None when greedy
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    allowed: torch.Tensor | None = None  # [ceil(V / 32)] int32 from a grammar: bit t % 32 of word t // 32
+                                         # set = token t may come next; None = every token may
 
 
 @dataclass
@@ -90,11 +92,19 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
-    """logits: [S, V] float32, one row per SampleRow."""
+    """logits: [S, V] float32, one row per SampleRow; rows with `allowed` are masked in place (the engine
+    hands over a tensor of its own). Logprobs are the model's (after penalties and bias), before the mask:
+    a grammar decides what may be picked, not how likely the model found it."""
     logits = _apply_penalties_and_bias(logits, rows)
     want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # before temperature
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if constrained:
+        _apply_masks(logits, rows, constrained)
     token_list = _pick(logits, rows)
+    for i in constrained:
+        if not _is_allowed(rows[i].allowed, token_list[i]):
+            token_list[i] = _repick(logits[i:i + 1], rows[i])
 
     out: list[Sample] = []
     for i, (row, token) in enumerate(zip(rows, token_list)):
@@ -130,6 +140,43 @@ def _apply_penalties_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -
             idx = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
             row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     return logits
+
+
+def _apply_masks(logits: torch.Tensor, rows: Sequence[SampleRow], constrained: list[int]) -> None:
+    """Tokens a row's grammar does not allow → -inf, in place; the other rows keep every bit."""
+    masks = torch.stack([rows[i].allowed for i in constrained])  # type: ignore[misc]  # [C, W] int32
+    kernels = _cpu_kernels(logits)
+    if kernels is not None and logits.is_contiguous() and masks.device.type == "cpu":
+        kernels.mask_rows_(logits, torch.tensor(constrained, dtype=torch.long), masks)
+        return
+    V = logits.shape[1]
+    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64), torch.arange(32)).to(torch.int32)
+    masks = masks.to(logits.device)
+    keep = (masks.unsqueeze(-1) & bits.to(logits.device)) != 0       # [C, W, 32]
+    keep = keep.view(len(constrained), -1)[:, :V]                      # [C, V]
+    if keep.shape[1] < V:                                               # a mask shorter than the vocabulary
+        keep = torch.nn.functional.pad(keep, (0, V - keep.shape[1]), value=False)
+    idx = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
+def _is_allowed(mask: torch.Tensor | None, token: int) -> bool:
+    if mask is None:
+        return True
+    word = token // 32
+    return word < mask.shape[0] and bool((int(mask[word]) >> (token % 32)) & 1)
+
+
+def _repick(logits: torch.Tensor, row: SampleRow) -> int:
+    """The C++ draw clamps exponents at e^-87, so a masked token keeps ~1e-38 of mass: a pick that lands
+    there (about once in 10^33 draws) is drawn again in PyTorch, where softmax gives -inf exactly 0."""
+    if row.params.greedy:
+        token = int(logits[0].argmax())
+    else:
+        token = int(_draw(logits, [row])[0])
+    if not _is_allowed(row.allowed, token):
+        raise ValueError("the grammar allows no token here")
+    return token
 
 
 def _pick(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:

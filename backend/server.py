@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health
 
+from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine_loop import EngineLoop
 from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
@@ -22,13 +23,14 @@ log = logging.getLogger("kvyard.backend")
 
 class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
     def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int,
-                 role: str = "PDFUSION", decode_address: str = "") -> None:
+                 role: str = "PDFUSION", decode_address: str = "", grammars: GrammarCompiler | None = None) -> None:
         self.engine_loop = engine_loop
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.role = role                      # PREFILL hands each request's KV over after the first token
         self.decode_address = decode_address  # PREFILL's default decode backend
         self.decode_channels = DecodeChannels()
+        self.grammars = grammars              # compiles constraints off the engine thread; None: refuse them
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         request_id = request.request_id
@@ -36,6 +38,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
+                await compile_constraint(self.grammars, req)
                 if self.role == "PREFILL":
                     address = request.decode_address or self.decode_address
                     if not address:
@@ -67,7 +70,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
                 ErrorCode.INVALID_ARGUMENT, "a PREFILL backend does not decode hand-overs")))
             return
         async for reply in remote_decode(self.engine_loop, request_iterator, self.eos_token_ids,
-                                         self.max_model_len):
+                                         self.max_model_len, self.grammars):
             yield reply
 
     async def ScoreCall(self, request: pb.ScoreInputPB, context: grpc.aio.ServicerContext) -> pb.ScoreOutputPB:

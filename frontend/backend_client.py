@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from proto import model_rpc_pb2 as pb
@@ -18,6 +19,8 @@ from proto import model_rpc_pb2_grpc as pb_grpc
 log = logging.getLogger("kvyard.frontend")
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+_CONSTRAINT_KIND = {ConstraintKind.JSON_SCHEMA: pb.CONSTRAINT_KIND_JSON_SCHEMA, ConstraintKind.REGEX: pb.CONSTRAINT_KIND_REGEX,
+                    ConstraintKind.LARK: pb.CONSTRAINT_KIND_LARK}
 
 
 @dataclass
@@ -41,6 +44,7 @@ class GenerateParams:
     min_new_tokens: int = 0
     ignore_eos: bool = False
     timeout_ms: int = 0
+    constraint: Constraint | None = None   # the grammar the output must follow (frontend/guided.py)
 
     def to_pb(self) -> pb.GenerateConfigPB:
         cfg = pb.GenerateConfigPB(
@@ -55,6 +59,9 @@ class GenerateParams:
             cfg.seed = self.seed
         for ids in self.stop_sequences:
             cfg.stop_words_list.add(ids=ids)
+        if self.constraint is not None:
+            cfg.constraint.kind = _CONSTRAINT_KIND[self.constraint.kind]
+            cfg.constraint.text = self.constraint.text
         return cfg
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
 from frontend.config import FrontendConfig
+from frontend.guided import chat_constraint
 from frontend.protocol import ChatCompletionRequest, GenerateConfig, SamplingRequest
 from frontend.routing import Router, model_to_route
 from frontend.stop_strings import StopStringMatcher
@@ -71,6 +72,7 @@ class ChatService:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.budget(len(rendered.input_ids), req.requested_max_tokens(), param, "messages")
         params = self.params(req, max_new, req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0)
+        params.constraint = chat_constraint(req, self.renderer.tool_parser)
         return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, self.stop_strings(req),
                                model, self.renderer.tool_parser if req.tools_in_use() else None)
 

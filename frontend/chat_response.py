@@ -127,7 +127,8 @@ def render_info(chat: ChatService, prep: PreparedRequest) -> dict[str, Any]:
         "renderer_info": {"class_name": prep.rendered.renderer, "template_source": prep.rendered.template_source,
                           "model_type": cfg.model_type, "tool_parser": chat.renderer.tool_parser.name,
                           "tools_in_prompt": prep.rendered.tools_in_prompt},
-        "generate_config": dict(p.__dict__),
+        "generate_config": {**p.__dict__, "constraint": p.constraint and
+                            {"kind": p.constraint.kind.value, "text": p.constraint.text}},
     }
 
 

@@ -22,6 +22,7 @@ from frontend.backend_client import TokenLogprob
 from frontend.chat import ChatService, ChoiceEvent, PreparedRequest
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import stream_error_body
+from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
 from frontend.protocol import CompletionRequest
 from kvyard.errors import ErrorCode, RequestError
@@ -126,6 +127,7 @@ async def _prepare(chat: ChatService, req: CompletionRequest, hold: Callable[[in
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
+    constraint = await off_loop(constraint_for, req)  # checked once, before anything is generated
     tokenized = await off_loop(lambda: [prompt_ids(chat, prompt) for prompt in prompts])
     for number, (text, ids) in enumerate(tokenized):
         prep = None
@@ -134,6 +136,7 @@ async def _prepare(chat: ChatService, req: CompletionRequest, hold: Callable[[in
         else:
             max_new = chat.budget(len(ids), req.max_tokens, "max_tokens", "prompt")
             params = chat.params(req, max_new, req.logprobs is not None, req.logprobs or 0)
+            params.constraint = constraint
             prep = PreparedRequest(f"{request_id}-{number}", raw_prompt(text, ids), params,
                                    chat.stop_strings(req), model)
         jobs.append(_Job(number, text, ids, prep))

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from frontend.backend_client import GenerateParams
 from frontend.config import FrontendConfig
 from frontend.errors import stream_error_body
+from frontend.guided import refuse_constraints
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.protocol import INT32_MAX, INT64_MAX
@@ -52,6 +53,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
                        top_k: int = Query(0, ge=0, le=INT32_MAX),
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
+        refuse_constraints(request.query_params.keys(), "/generate")
         model = model_to_route(cfg, model)
         try:
             prompt = (await request.body()).decode("utf-8")

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from frontend.backend_client import GenerateParams, TokenLogprob
+from frontend.guided import refuse_constraints
 from frontend.protocol import RepetitionPenalty
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_TOP_LOGPROBS
@@ -85,6 +86,10 @@ def parse_frame(text: str) -> tuple[str, _Frame]:
         raise FrameError(f"unknown command {command[:40]!r}; one of {', '.join(COMMANDS)}", stream_id)
     if not isinstance(payload, dict):
         raise FrameError(f"{command}: the payload must be a JSON object", stream_id)
+    try:
+        refuse_constraints((k for k, v in payload.items() if v is not None), "LMTP")
+    except RequestError as exc:  # LMQL constrains on its side, with logit_bias
+        raise FrameError(f"{command}: {exc.message}", stream_id) from None
     try:
         return command, frame_type.model_validate(payload)
     except ValidationError as exc:

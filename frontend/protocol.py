@@ -19,13 +19,13 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 
 
-def _valid_text(v: Any) -> Any:
+def _valid_text(v: Any, what: str = "stop strings") -> Any:
     """A lone UTF-16 surrogate (JSON's \\ud800) is valid JSON but not text: refuse it."""
     for s in [v] if isinstance(v, str) else v or []:
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("stop strings must be valid Unicode (a lone UTF-16 surrogate is not)") from None
+            raise ValueError(f"{what} must be valid Unicode (a lone UTF-16 surrogate is not)") from None
     return v
 
 
@@ -70,7 +70,51 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class SamplingRequest(_Lenient):
+class JsonSchemaFormat(_Lenient):
+    """response_format.json_schema: OpenAI's structured outputs."""
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None   # true: objects without "additionalProperties" are closed, as OpenAI's are
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp: json_object with a schema
+
+    @model_validator(mode="after")
+    def _checks(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format of type {self.type} takes no json_schema")
+        return self
+
+
+class GuidedDecoding(BaseModel):
+    """What the output must follow (frontend/guided.py turns these into one constraint; at most one may be
+    given): OpenAI's response_format, vLLM's guided_* extensions, llama.cpp's grammar and json_schema."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None   # a JSON schema (object or its JSON text)
+    guided_regex: str | None = None                   # the whole output matches this regex
+    guided_choice: list[str] | None = Field(default=None, min_length=1)  # the output is one of these
+    guided_grammar: str | None = None                 # a Lark grammar (llguidance's dialect) or GBNF
+    grammar: str | None = None                        # llama.cpp: a GBNF grammar (Lark is taken too)
+    json_schema: dict[str, Any] | None = None         # llama.cpp: a JSON schema
+
+    @field_validator("guided_regex", "guided_grammar", "grammar")
+    @classmethod
+    def _grammar_text(cls, v: str | None) -> str | None:
+        return _valid_text(v, "grammars and regexes")
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices(cls, v: list[str] | None) -> list[str] | None:
+        return _valid_text(v, "choices")
+
+
+class SamplingRequest(_Lenient, GuidedDecoding):
     """The sampling fields chat and completions share."""
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -223,8 +267,8 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
-class RawRequest(BaseModel):
-    """RTP-LLM's `POST /`: a prompt (or a batch of prompts) and a generate_config."""
+class RawRequest(GuidedDecoding):
+    """RTP-LLM's `POST /`: a prompt (or a batch of prompts) and a generate_config (constraints beside it)."""
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | list[str]

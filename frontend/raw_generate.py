@@ -21,6 +21,7 @@ from frontend.chat_response import aux_info
 from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
 from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import stream_error_body
+from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
 from frontend.protocol import RawRequest, SamplingRequest
 
@@ -79,13 +80,15 @@ def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
+    constraint = constraint_for(req)
     preps = []
     for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt):
         text, ids = prompt_ids(chat, prompt)
         max_new = chat.budget(len(ids), cfg.max_new_tokens, "generate_config.max_new_tokens", "prompt")
-        preps.append(PreparedRequest(f"{request_id}-{i}", raw_prompt(text, ids),
-                                     chat.params(sampling, max_new, False, 0), chat.stop_strings(sampling),
-                                     model))
+        params = chat.params(sampling, max_new, False, 0)
+        params.constraint = constraint
+        preps.append(PreparedRequest(f"{request_id}-{i}", raw_prompt(text, ids), params,
+                                     chat.stop_strings(sampling), model))
     return preps
 
 

@@ -293,6 +293,10 @@ class TextTokenizer:
             return bytes(table[c] for c in piece)
         return None
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (what grammar libraries such as llguidance build their token tables from)."""
+        return self._parse.to_str()
+
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, e.g. to turn a GGUF's tokenizer into a Hugging Face tokenizer dir."""
         self._parse.save(str(path))

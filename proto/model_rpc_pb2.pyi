@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConstraintKindPB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSTRAINT_KIND_UNSPECIFIED: _ClassVar[ConstraintKindPB]
+    CONSTRAINT_KIND_JSON_SCHEMA: _ClassVar[ConstraintKindPB]
+    CONSTRAINT_KIND_REGEX: _ClassVar[ConstraintKindPB]
+    CONSTRAINT_KIND_LARK: _ClassVar[ConstraintKindPB]
+
 class FinishReasonPB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReasonPB]
@@ -24,6 +31,10 @@ class ErrorCodePB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[ErrorCodePB]
     INTERNAL: _ClassVar[ErrorCodePB]
     UNAVAILABLE: _ClassVar[ErrorCodePB]
+CONSTRAINT_KIND_UNSPECIFIED: ConstraintKindPB
+CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKindPB
+CONSTRAINT_KIND_REGEX: ConstraintKindPB
+CONSTRAINT_KIND_LARK: ConstraintKindPB
 FINISH_REASON_UNSPECIFIED: FinishReasonPB
 FINISH_REASON_STOP: FinishReasonPB
 FINISH_REASON_LENGTH: FinishReasonPB
@@ -44,7 +55,7 @@ class TokenIdsPB(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateConfigPB(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_words_list", "return_logprobs", "top_logprobs", "timeout_ms", "stop_token_ids", "ignore_eos", "min_new_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "num_return_sequences")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_words_list", "return_logprobs", "top_logprobs", "timeout_ms", "stop_token_ids", "ignore_eos", "min_new_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "num_return_sequences", "constraint")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +81,7 @@ class GenerateConfigPB(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -88,7 +100,16 @@ class GenerateConfigPB(_message.Message):
     frequency_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
     num_return_sequences: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ...) -> None: ...
+    constraint: ConstraintPB
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ..., constraint: _Optional[_Union[ConstraintPB, _Mapping]] = ...) -> None: ...
+
+class ConstraintPB(_message.Message):
+    __slots__ = ("kind", "text")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: ConstraintKindPB
+    text: str
+    def __init__(self, kind: _Optional[_Union[ConstraintKindPB, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateInputPB(_message.Message):
     __slots__ = ("request_id", "token_ids", "generate_config", "decode_address")

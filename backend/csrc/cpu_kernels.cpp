@@ -1,7 +1,7 @@
 // kvyard's CPU kernels (AVX2 + FMA + F16C) bound for Python: the decode-time hot path of backend/model.py.
 // The arithmetic lives in the headers beside this file, by stage (qlinear.h: linears over the GGUF's
 // blocks; layer_ops.h: norms, SiLU, RoPE + KV store, attention; decode_step.h: a whole decode step in
-// one call; sampling.h: greedy and temperature draws). This file checks the tensors, spreads the work over at::parallel_for and binds the ops.
+// one call; sampling.h: greedy and temperature draws, grammar masks). This file checks the tensors, spreads the work over at::parallel_for and binds the ops.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -197,6 +197,25 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, 
   return out;
 }
 
+// logits: [S, V] float32, changed in place; rows: [C] int64 row indices; masks: [C, W] int32 bitmasks
+// (row rows[c] keeps the tokens whose bit is set in masks[c], the others become -inf).
+void mask_rows_(at::Tensor& logits, const at::Tensor& rows_in, const at::Tensor& masks_in) {
+  const at::Tensor rows = rows_in.contiguous(), masks = masks_in.contiguous();
+  check_cpu_f32(logits, "logits");
+  TORCH_CHECK(logits.is_contiguous() && logits.dim() == 2, "logits must be a contiguous [S, V] tensor");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be [C] int64");
+  TORCH_CHECK(masks.device().is_cpu() && masks.scalar_type() == at::kInt && masks.dim() == 2 &&
+                  masks.size(0) == rows.size(0), "masks must be [C, W] int32, one per row");
+  const int64_t S = logits.size(0), V = logits.size(1), W = masks.size(1), C = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t c = 0; c < C; ++c) TORCH_CHECK(0 <= rp[c] && rp[c] < S, "row ", rp[c], " out of [0, ", S, ")");
+  float* lp = logits.data_ptr<float>();
+  const int32_t* mp = masks.data_ptr<int32_t>();
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) mask_row(lp + rp[c] * V, V, mp + c * W, W);
+  });
+}
+
 bool has_vnni() { return cpu_has_vnni(); }
 
 // Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
@@ -226,6 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
+  m.def("mask_rows_", &mask_rows_, "a grammar's token bitmask on each given row, in place", call_guard<release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>())

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +106,32 @@ def test_chat_through_master_pairs_prefill_with_decode(pd: PD, pdfusion: Cluster
     with httpx.stream("POST", f"{pd.frontend}/v1/chat/completions", json={**body, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and sum('"finish_reason": "stop"' in ln for ln in lines) == 1
+    assert_no_leaks(pd.decode, pd.prefill)
+
+
+def test_a_constraint_crosses_the_split(pd: PD, pdfusion: Cluster) -> None:
+    """The PREFILL side samples the first token under the grammar, the DECODE side compiles its own state
+    and takes it past that token: the same greedy answer as PDFUSION, valid under the schema, sampled too."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Spain", "Italy"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    answers = []
+    for url, extra in ((pd.frontend, {"temperature": 0}), (pdfusion.base_url, {"temperature": 0}),
+                       (pd.frontend, {"temperature": 1.0, "seed": 5}), (pd.frontend, {"temperature": 1.0, "seed": 6})):
+        resp = httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert resp.status_code == 200, (url, resp.text)
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        answer = json.loads(choice["message"]["content"])
+        assert set(answer) == {"city", "country"} and answer["country"] in ("France", "Spain", "Italy"), answer
+        answers.append(choice["message"]["content"])
+    assert answers[0] == answers[1]
+    done = httpx.post(f"{pd.frontend}/v1/completions", timeout=60, json={
+        "prompt": "The year the first man walked on the moon:", "max_tokens": 8, "temperature": 0,
+        "guided_regex": " ?[12][0-9]{3}"}).json()["choices"][0]
+    assert re.fullmatch(" ?[12][0-9]{3}", done["text"]) and done["finish_reason"] == "stop", done
     assert_no_leaks(pd.decode, pd.prefill)
 
 

@@ -1,0 +1,152 @@
+"""Constraints at the frontend (frontend/guided.py) against the mock backend: every way to ask for one reaches the
+backend as GenerateConfigPB.constraint on chat, /v1/completions and POST /; a forced tool call carries the
+parser's grammar; bad schemas, unsupported keywords, grammar syntax errors and conflicting fields are a 400
+with the OpenAI error object before anything is generated; /generate and LMTP, which take no constraints,
+refuse them."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from llguidance import LLMatcher
+
+from frontend.guided import closed
+from frontend.lmtp_frames import FrameError, parse_frame
+from kvyard.tokenizer import TextTokenizer
+from proto import model_rpc_pb2 as pb
+from tests.support.mock_stack import MockBackendThread, script
+
+HI = [{"role": "user", "content": "Hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+OTHER = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
+    with MockBackendThread(script(tokenizer, '{"a": 1}')) as backend:
+        yield backend
+
+
+def sent(mock: MockBackendThread) -> pb.ConstraintPB | None:
+    cfg = mock.servicer.requests[-1].generate_config
+    return cfg.constraint if cfg.HasField("constraint") else None
+
+
+ASKED = [  # (extra body fields, the kind the backend gets, a piece of its text)
+    ({"response_format": {"type": "json_object"}}, pb.CONSTRAINT_KIND_JSON_SCHEMA, '{"type":"object"}'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     pb.CONSTRAINT_KIND_JSON_SCHEMA, '"required":["a"]}'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     pb.CONSTRAINT_KIND_JSON_SCHEMA, '"additionalProperties":false'),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, pb.CONSTRAINT_KIND_JSON_SCHEMA, '"a"'),
+    ({"guided_json": SCHEMA}, pb.CONSTRAINT_KIND_JSON_SCHEMA, '"a"'),
+    ({"guided_json": json.dumps(SCHEMA)}, pb.CONSTRAINT_KIND_JSON_SCHEMA, '"a"'),
+    ({"json_schema": SCHEMA}, pb.CONSTRAINT_KIND_JSON_SCHEMA, '"a"'),
+    ({"guided_regex": "[0-9]+"}, pb.CONSTRAINT_KIND_REGEX, "[0-9]+"),
+    ({"guided_choice": ["yes", "no"]}, pb.CONSTRAINT_KIND_LARK, 'start: "yes" | "no"'),
+    ({"guided_grammar": 'start: "a"+'}, pb.CONSTRAINT_KIND_LARK, '"a"+'),
+    ({"grammar": 'root ::= "yes" | "no"'}, pb.CONSTRAINT_KIND_LARK, '"yes"'),  # GBNF, converted
+    ({"response_format": {"type": "text"}}, None, None),
+]
+
+
+@pytest.mark.parametrize(("fields", "kind", "piece"), ASKED)
+def test_every_source_reaches_the_backend(http: httpx.Client, mock: MockBackendThread, fields: dict[str, Any],
+                                          kind: int | None, piece: str | None) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "Hi"}),
+                       ("/", {"prompt": "Hi"})):
+        assert http.post(path, json={**body, **fields}).status_code == 200, path
+        got = sent(mock)
+        if kind is None:
+            assert got is None
+            continue
+        assert got is not None and got.kind == kind and piece in got.text, (path, got)
+
+
+def test_forced_tool_calls_carry_the_call_grammar(http: httpx.Client, mock: MockBackendThread) -> None:
+    http.post("/v1/chat/completions", json={"messages": HI, "tools": [TOOL, OTHER], "tool_choice": "required"})
+    required = sent(mock)
+    assert required is not None and required.kind == pb.CONSTRAINT_KIND_LARK
+    assert '"<tool_call>\\n"' in required.text and "get_weather" in required.text and '"now"' in required.text
+    assert "calls: call\n" in required.text + "\n"  # one call unless parallel_tool_calls is true
+    http.post("/v1/chat/completions", json={"messages": HI, "tools": [TOOL, OTHER], "tool_choice": "required",
+                                            "parallel_tool_calls": True})
+    assert 'calls: call ("\\n" call)*' in sent(mock).text  # type: ignore[union-attr]
+    http.post("/v1/chat/completions", json={"messages": HI, "tools": [TOOL, OTHER],
+                                            "tool_choice": {"type": "function", "function": {"name": "now"}}})
+    named = sent(mock)
+    assert named is not None and '"now"' in named.text and "get_weather" not in named.text
+    http.post("/v1/chat/completions", json={"messages": HI, "tools": [TOOL], "response_format": {"type": "json_object"}})
+    either = sent(mock)
+    assert either is not None and either.text.startswith("start: answer | calls")
+    http.post("/v1/chat/completions", json={"messages": HI, "tools": [TOOL]})  # auto: free text, no constraint
+    assert sent(mock) is None
+
+
+BAD = [  # (path, fields, the param named, a piece of the message)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format", "Invalid type: strin"),
+    ("/v1/chat/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
+    ("/v1/chat/completions", {"guided_json": '{"type": '}, "guided_json", "not valid JSON"),
+    ("/v1/chat/completions", {"guided_json": [1, 2]}, "guided_json", "valid dictionary"),
+    ("/v1/chat/completions", {"guided_regex": "[a-"}, "guided_regex", "unclosed character class"),
+    ("/v1/chat/completions", {"guided_grammar": "start: missing"}, "guided_grammar", "missing"),
+    ("/v1/completions", {"grammar": 'root ::= nowhere'}, "grammar", "nowhere"),
+    ("/", {"json_schema": {"$ref": "#/nope"}}, "json_schema", "/nope"),
+    ("/v1/chat/completions", {"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "alternatives"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "forces a tool call"),
+    ("/v1/chat/completions", {"tools": [{**TOOL, "function": {**TOOL["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "strin"}}}}}], "tool_choice": "required"}, "tools", "strin"),
+    ("/v1/chat/completions", {"tools": [TOOL], "guided_regex": "a+"}, "guided_regex", "only a JSON response format"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "piece"), BAD)
+def test_bad_constraints_are_a_400_before_generation(http: httpx.Client, mock: MockBackendThread, path: str,
+                                                     fields: dict[str, Any], param: str, piece: str) -> None:
+    before = len(mock.servicer.requests)
+    body = {"messages": HI} if "chat" in path else {"prompt": "Hi"}
+    for stream in (False, True):
+        resp = http.post(path, json={**body, **fields, "stream": stream})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert piece in error["message"] and (error["param"] or "").startswith(param), error
+    assert len(mock.servicer.requests) == before  # nothing reached the backend
+
+
+def test_strict_closes_objects_the_schema_leaves_open() -> None:
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {"type": "number"}}},
+                                               "properties": {"type": "string"}, "free": {"type": "object",
+                                                                                          "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"y": {"const": {"type": "object"}}}}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["inner"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True      # it said otherwise
+    assert "additionalProperties" not in out["properties"]["properties"]  # a property called "properties"
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["properties"]["y"]["const"] == {"type": "object"}  # data, not a schema
+    assert "additionalProperties" not in schema                          # the caller's document untouched
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(out)) == ""
+
+
+def test_dialects_without_constraints_refuse_them(http: httpx.Client, mock: MockBackendThread) -> None:
+    before = len(mock.servicer.requests)
+    resp = http.post("/generate?max_tokens=4&guided_regex=[0-9]%2B", content="Hi")
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "guided_regex" and "/generate takes no constraints" in error["message"], error
+    with pytest.raises(FrameError, match="LMTP takes no constraints \\(grammar, response_format\\)") as refused:
+        parse_frame('GENERATE {"stream_id": 7, "prompt": [1], "grammar": "root ::= \\"a\\"", '
+                    '"response_format": {"type": "json_object"}}')
+    assert refused.value.stream_id == 7
+    assert len(mock.servicer.requests) == before  # nothing reached the backend
+    assert http.post("/generate?max_tokens=4", content="Hi").status_code == 200
+    assert parse_frame('GENERATE {"stream_id": 8, "prompt": [1], "grammar": null}')[0] == "GENERATE"
