@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-routing clean
+.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-gateway bench-routing clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,10 @@ bench-peers: setup
 # ~/.cache/kvyard, never into .venv) over the same two backends, with and without KV pressure.
 bench-routing: setup
 	$(PY) benchmarks/master_routing.py
+
+# The gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs least-connection routing.
+bench-gateway: setup
+	$(PY) benchmarks/gateway.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

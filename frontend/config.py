@@ -32,6 +32,7 @@ class FrontendConfig:
     fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
     block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
     master_timeout_s: float = 0.5     # one schedule call's limit before falling back
+    master_queue_wait_s: float = 5.0  # MASTER_QUEUE_WAIT_MS: how long the master may hold it while all are busy
     api_key: str = ""                 # API_KEY: required as `Authorization: Bearer <key>` ("" = open)
     max_body_bytes: int = 8 << 20     # MAX_BODY_BYTES: larger request bodies are a 413
     concurrency_limit: int = 1024     # CONCURRENCY_LIMIT: generation requests in flight; more are a 429
@@ -70,6 +71,7 @@ class FrontendConfig:
             fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             master_timeout_s=env_int(env, "MASTER_TIMEOUT_MS", 500, minimum=1) / 1000,
+            master_queue_wait_s=env_int(env, "MASTER_QUEUE_WAIT_MS", 5000, minimum=0) / 1000,
             api_key=env.get("API_KEY", ""),
             max_body_bytes=env_int(env, "MAX_BODY_BYTES", 8 << 20, minimum=1024),
             concurrency_limit=env_int(env, "CONCURRENCY_LIMIT", 1024, minimum=1),

@@ -3,7 +3,7 @@
 Every request calls `Router.generate`. With a master configured it computes the prompt's block keys with
 the engine's own function (kvyard.block_keys, the exact token ids sent to the backend), POSTs them to
 /rtp_llm/schedule and streams from the chosen backend. The master's refusals are the client's answer
-(unknown model 404, no room 429); a master that cannot be reached (or has no healthy backend) sends the
+(unknown model 404; no room 429, after the master held the request up to MASTER_QUEUE_WAIT_MS); a master that cannot be reached (or has no healthy backend) sends the
 request to the direct backend list instead, and a backend that cannot be reached before its first output
 is retried once on another.
 """
@@ -126,8 +126,11 @@ class Router:
         body = {"model": model, "block_cache_keys": block_cache_keys(input_ids, self.cfg.block_size),
                 "seq_len": len(input_ids), "debug": False,
                 "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        # The master holds a request while every backend is busy (MASTER_QUEUE_WAIT_MS) instead of a 429.
+        wait = self.cfg.master_timeout_s + self.cfg.master_queue_wait_s
+        timeout = httpx.Timeout(self.cfg.master_timeout_s, read=wait)
         try:
-            resp = await self._master.post("/rtp_llm/schedule", json=body)
+            resp = await self._master.post("/rtp_llm/schedule", json=body, timeout=timeout)
             data = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             return self._master_failed(f"{type(exc).__name__}: {exc}")

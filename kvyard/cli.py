@@ -1,5 +1,6 @@
-"""The command line: `kvyard serve` (the role ROLE_TYPE names; flags over the environment) and `kvyard cluster`
-(a master, backends and frontends on this machine). `kvyard` and `python -m kvyard` alone are `kvyard serve`.
+"""The command line: `kvyard serve` (the role ROLE_TYPE names; flags over the environment), `kvyard cluster`
+(a master, backends and frontends on this machine) and `kvyard gateway` (ROLE_TYPE=GATEWAY over the upstream
+URLs given). `kvyard` and `python -m kvyard` alone are `kvyard serve`.
 
 Every flag is the same setting as one environment variable (FLAGS below): the flag's value is written over
 the environment, and the roles' configs read and validate it once, as they read the variable. Bad input is
@@ -32,7 +33,7 @@ class Flag:
 
 
 GROUPS = {"model": "model", "net": "role and network", "engine": "backend engine", "frontend": "frontend",
-          "master": "master", "misc": "logging"}
+          "master": "master", "misc": "logging", "gateway": "gateway"}
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--model", "CHECKPOINT_PATH", "a .gguf file or a Hugging Face directory (default: the embedded "
@@ -42,8 +43,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--served-model-name", "MODEL_NAME", "the name(s) clients pass as 'model'; the first is the one the "
          "cluster registers and reports, the others are aliases the frontend accepts", "model", "NAME", many=True),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
-    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, MOCK_BACKEND or "
-         "MOCK_MASTER", "net", "ROLE", cluster=False),
+    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
+         "or MOCK_MASTER", "net", "ROLE", cluster=False),
     Flag("--host", "HOST", "bind address (default 127.0.0.1; the image sets 0.0.0.0, which for internal ports "
          "needs a cluster token)", "net", "ADDRESS", cluster=False),
     Flag("--port", "START_PORT", "the frontend's HTTP port (default 8088); backend gRPC is +1, backend HTTP +5",
@@ -97,6 +98,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-level", "LOG_LEVEL", "CRITICAL, ERROR, WARNING, INFO (default), DEBUG", "misc", "LEVEL"),
 )
 
+# `kvyard gateway`'s flags: text-inference-batcher's settings and kvyard's GATEWAY_* ones (README "Gateway").
+GATEWAY_FLAGS: tuple[Flag, ...] = (
+    Flag("--host", "HOST", "bind address (default 127.0.0.1)", "gateway", "ADDRESS"),
+    Flag("--port", "TIB_PORT", "listening port (default 8000)", "gateway", "PORT"),
+    Flag("--max-connect-per-upstream", "MAX_CONNECT_PER_UPSTREAM", "requests in flight per upstream (default 1)",
+         "gateway", "N"),
+    Flag("--wait-for", "WAIT_FOR", "ms a request may wait for a free upstream before its 429 (default 5000)",
+         "gateway", "MS"),
+    Flag("--timeout", "TIMEOUT", "ms one upstream exchange may take; a 504 before its first byte (default "
+         "600000)", "gateway", "MS"),
+    Flag("--queue-max", "GATEWAY_QUEUE_MAX", "requests waiting at once; more are a 429 (default 1024)", "gateway",
+         "N"),
+    Flag("--routing", "GATEWAY_ROUTING", "prefix (default) or least_connection", "gateway", "POLICY"),
+    Flag("--health-interval-ms", "GATEWAY_HEALTH_INTERVAL_MS", "how often every upstream's /v1/models is asked "
+         "(default 10000)", "gateway", "MS"),
+    Flag("--log-level", "LOG_LEVEL", "CRITICAL, ERROR, WARNING, INFO (default), DEBUG", "misc", "LEVEL"),
+)
+
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
@@ -125,7 +144,9 @@ def serve_parser(prog: str = "kvyard") -> _Parser:
                     "  kvyard [serve] [MODEL] [flags]   start the role --role / ROLE_TYPE names (default PDFUSION:\n"
                     "                                   a backend and a frontend) on this machine\n"
                     "  kvyard cluster [flags]           a master, backends and frontends on this machine\n"
-                    "                                   (`kvyard cluster --help`)\n\n"
+                    "                                   (`kvyard cluster --help`)\n"
+                    "  kvyard gateway URL... [flags]    one endpoint over OpenAI-compatible servers, queueing\n"
+                    "                                   (`kvyard gateway --help`)\n\n"
                     "Each flag sets the environment variable shown beside it; the environment works too, a\n"
                     "flag wins over it.",
         epilog="examples:\n"
@@ -166,6 +187,33 @@ def cluster_parser() -> _Parser:
     return parser
 
 
+def gateway_parser() -> _Parser:
+    parser = _Parser(
+        prog="kvyard gateway", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="One OpenAI endpoint over OpenAI-compatible servers (kvyard, llama.cpp's server, vLLM, ...): "
+                    "requests\nroute by model, wait in a queue while every server is busy, and pass through "
+                    "byte for byte.",
+        epilog="example:\n  kvyard gateway http://127.0.0.1:8088 http://127.0.0.1:8089 --max-connect-per-upstream 4")
+    parser.add_argument("upstreams", nargs="*", metavar="URL", help="upstream base URLs [env UPSTREAMS]")
+    parser.add_argument("--debug", action="store_true", help="verbose logging [env DEBUG]")
+    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items() if key in ("gateway", "misc")}
+    for f in GATEWAY_FLAGS:
+        groups[f.group].add_argument(f.flag, dest=f.env, metavar=f.metavar, help=f"{f.help} [env {f.env}]")
+    return parser
+
+
+def gateway_env(ns: argparse.Namespace) -> dict[str, str]:
+    """The variables `kvyard gateway`'s arguments set, ROLE_TYPE=GATEWAY among them."""
+    out = {"ROLE_TYPE": "GATEWAY", **flag_env(ns, flags=GATEWAY_FLAGS)}
+    if any("," in u for u in ns.upstreams):
+        raise UsageError("give the upstream URLs separated by spaces, not commas")
+    if ns.upstreams:
+        out["UPSTREAMS"] = ",".join(ns.upstreams)
+    if ns.debug:
+        out["DEBUG"] = "true"
+    return out
+
+
 def _count(raw: str) -> int:
     if not raw.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {raw!r}")
@@ -186,10 +234,10 @@ def _version() -> str:
         return "unknown"
 
 
-def flag_env(ns: argparse.Namespace, cluster: bool = False) -> dict[str, str]:
+def flag_env(ns: argparse.Namespace, cluster: bool = False, flags: Sequence[Flag] = FLAGS) -> dict[str, str]:
     """The environment variables the given flags set (only those given)."""
     out: dict[str, str] = {}
-    for f in FLAGS:
+    for f in flags:
         if cluster and not f.cluster:
             continue
         value = getattr(ns, f.env, None)
@@ -209,9 +257,9 @@ def flag_env(ns: argparse.Namespace, cluster: bool = False) -> dict[str, str]:
     return out
 
 
-def explain(message: str, overrides: Mapping[str, str]) -> str:
+def explain(message: str, overrides: Mapping[str, str], flags: Sequence[Flag] = FLAGS) -> str:
     """A config error names the environment variable; say which flag set it."""
-    for f in FLAGS:
+    for f in flags:
         if f.env in overrides:
             message = re.sub(rf"\b{f.env}\b", f"{f.flag} ({f.env})", message, count=1)
     return message
@@ -243,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             setup_logging("cluster", {**os.environ, **overrides})
             logging.getLogger("httpx").setLevel(logging.WARNING)  # its health polls are not news
             return run_cluster(ns, overrides)
+        flags: Sequence[Flag] = FLAGS
+        if args and args[0] == "gateway":
+            flags, overrides = GATEWAY_FLAGS, gateway_env(gateway_parser().parse_args(args[1:]))
+            return _start(overrides, flags)
         prog = "kvyard"
         if args and args[0] == "serve":
             prog, args = "kvyard serve", args[1:]
@@ -254,7 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"kvyard: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    return _start(overrides, flags)
+
+
+def _start(overrides: dict[str, str], flags: Sequence[Flag]) -> int:
     from kvyard.launch import start
+    from kvyard.logs import setup_logging
+
     env = with_local_host({**os.environ, **overrides})  # handed to every role process it starts
     setup_logging("launch", env)
-    return start(env, explain=lambda message: explain(message, overrides))
+    return start(env, explain=lambda message: explain(message, overrides, flags))

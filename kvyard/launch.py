@@ -23,6 +23,7 @@ class RoleType(Enum):
     MASTER = 5     # the cluster scheduler: routes each request to a backend (master/)
     MOCK_BACKEND = 6  # a gRPC backend with no model streaming scripted tokens (backend/mock_backend.py)
     MOCK_MASTER = 7   # answers /rtp_llm/schedule with configured backends (master/mock_master.py)
+    GATEWAY = 8       # HTTP proxy over OpenAI-compatible upstreams, queueing when all are busy (gateway/)
 
 
 def parse_role(value: str | None) -> RoleType:
@@ -55,6 +56,14 @@ def run_master(env: Mapping[str, str]) -> None:
 
     setup_logging("master", env)
     asyncio.run(serve_master(MasterConfig.from_env(env)))
+
+
+def run_gateway(env: Mapping[str, str]) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.main import serve_gateway
+
+    setup_logging("gateway", env)
+    asyncio.run(serve_gateway(GatewayConfig.from_env(env)))
 
 
 def run_mock_backend(env: Mapping[str, str]) -> None:
@@ -101,6 +110,9 @@ def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
     if role is RoleType.MASTER:
         from master.config import MasterConfig
         MasterConfig.from_env(env)
+    if role is RoleType.GATEWAY:
+        from gateway.config import GatewayConfig
+        GatewayConfig.from_env(env)
     if role is RoleType.MOCK_BACKEND:
         from backend.mock_backend import MockBackendConfig
         MockBackendConfig.from_env(env)
@@ -181,7 +193,7 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
     if role is RoleType.FRONTEND:
         run_frontend(env)
         return 0
-    single = {RoleType.MASTER: run_master, RoleType.MOCK_BACKEND: run_mock_backend,
+    single = {RoleType.MASTER: run_master, RoleType.GATEWAY: run_gateway, RoleType.MOCK_BACKEND: run_mock_backend,
               RoleType.MOCK_MASTER: run_mock_master}
     if role in single:
         single[role](env)

@@ -3,7 +3,8 @@
 Frontend and backend record the same request metrics (TTFT, inter-token and end-to-end latency, prompt
 and generated tokens, prefix-cache queries/hits); the backend adds engine gauges read at scrape time
 (running, waiting, KV use, preemptions, step latency) and its requests' queue time; the master counts its
-routing decisions and shows each backend's load, latency and routed prefix hits.
+routing decisions and shows each backend's load, latency and routed prefix hits; the gateway times each
+upstream (label `upstream`) and counts its failures.
 
 Every serving metric carries `model_name`, as vLLM's do: the name is `kvyard:` where vLLM has `vllm:`,
 the rest of the name and its meaning the same (README "Metrics" has the mapping), so a dashboard or
@@ -210,6 +211,58 @@ class MasterMetrics:
         self.registry.register(_CallbackCollector(lambda: _backend_families(backends())))
 
 
+class UpstreamView(Protocol):
+    """One gateway upstream (gateway.upstreams.Upstream has these fields)."""
+    url: str
+    healthy: bool
+    in_flight: int
+
+
+class GatewayMetrics:
+    """The gateway's view of each upstream (label `upstream`, its URL): queue wait, time to first byte,
+    exchange latency, responses by status, failures by kind, plus live in-flight/health/queue gauges."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("kvyard:requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
+                                registry=r)
+        self.queue_wait = Histogram("kvyard:gateway_queue_wait_seconds", "From arrival to dispatch to an upstream",
+                                    ["upstream"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram("kvyard:gateway_upstream_ttft_seconds", "From dispatch to the upstream's first "
+                              "body byte (a streamed request's time to first token)", ["upstream"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.latency = Histogram("kvyard:gateway_upstream_latency_seconds", "From dispatch to the end of the "
+                                 "upstream's response", ["upstream"], buckets=E2E_BUCKETS, registry=r)
+        self.responses = Counter("kvyard:gateway_upstream_responses", "Exchanges by upstream and HTTP status "
+                                 "(none: no response)", ["upstream", "status"], registry=r)
+        self.errors = Counter("kvyard:gateway_upstream_errors", "Failed exchanges by kind (5xx, connection, "
+                              "timeout); 4xx are the client's and not counted", ["upstream", "kind"], registry=r)
+        self.routing_decisions = Counter("kvyard:gateway_routing_decisions", "Dispatches by reason "
+                                         "(least_connection, prefix_hit, shortest_ttft, imbalance)", ["reason"],
+                                         registry=r)
+
+    def count(self, endpoint: str, status: str | int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def dispatched(self, upstream: str, reason: str, waited_s: float) -> None:
+        self.queue_wait.labels(upstream).observe(waited_s)
+        self.routing_decisions.labels(reason).inc()
+
+    def first_byte(self, upstream: str, seconds: float) -> None:
+        self.ttft.labels(upstream).observe(seconds)
+
+    def finished(self, upstream: str, outcome: str, status: int | None, seconds: float) -> None:
+        """One exchange ended: `outcome` is ok, cancelled (the client left) or a failure kind."""
+        self.latency.labels(upstream).observe(seconds)
+        self.responses.labels(upstream, "none" if status is None else str(status)).inc()
+        if outcome not in ("ok", "cancelled"):
+            self.errors.labels(upstream, outcome).inc()
+
+    def watch(self, upstreams: Callable[[], Iterable[UpstreamView]], queued: Callable[[], int]) -> None:
+        """Publish each upstream's requests in flight and health, and the queue's length, at each scrape."""
+        self.registry.register(_CallbackCollector(lambda: _upstream_families(upstreams(), queued())))
+
+
 def add_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
     """GET /metrics: the Prometheus text format of `registry`."""
     async def metrics() -> Response:
@@ -312,3 +365,15 @@ def _backend_families(backends: Iterable[BackendView]) -> list[Metric]:
         for name, family in gauges.items():
             family.add_metric(key, values[name])
     return list(gauges.values())
+
+
+def _upstream_families(upstreams: Iterable[UpstreamView], queued: int) -> list[Metric]:
+    in_flight = GaugeMetricFamily("kvyard:gateway_upstream_in_flight", "Requests dispatched to the upstream and "
+                                  "not finished", labels=["upstream"])
+    healthy = GaugeMetricFamily("kvyard:gateway_upstream_healthy", "1 when the upstream takes requests",
+                                labels=["upstream"])
+    for u in upstreams:
+        in_flight.add_metric([u.url], u.in_flight)
+        healthy.add_metric([u.url], 1.0 if u.healthy else 0.0)
+    waiting = GaugeMetricFamily("kvyard:num_requests_waiting", "Requests queued for a free upstream", queued)
+    return [in_flight, healthy, waiting]

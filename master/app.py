@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import error_body, install_error_handlers
 from kvyard.cluster_auth import install_cluster_auth
 from kvyard.errors import ErrorCode, RequestError
@@ -22,7 +23,8 @@ from master.config import BackendEndpoint, MasterConfig
 from master.dashboard import PATHS as DASHBOARD_PATHS
 from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
-from master.policy import RouteRequest, choose_backend
+from master.hold import ScheduleQueue
+from master.policy import Decision, RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
 from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candidates_view, debug_info
@@ -42,10 +44,29 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     metrics.watch_backends(lambda: registry.summaries(clock()))
     history = DecisionHistory(registry)
 
+    def decide(route: RouteRequest) -> Decision:
+        """The policy on the current loads; a chosen backend counts the request at once."""
+        now = clock()
+        decision = choose_backend(route, registry.loads(now), cfg.policy)
+        if decision.chosen is not None:
+            hit = decision.candidate(decision.chosen).hit_cache_len
+            registry.record_choice(decision.chosen, list(route.block_cache_keys), route.seq_len, hit, now)
+            if decision.decode is not None:
+                registry.record_choice(decision.decode, [], route.seq_len, 0, now)  # its KV fills at hand-over
+        return decision
+
+    hold = ScheduleQueue(cfg.hold, decide)
+
+    async def retry_held() -> None:
+        while True:  # loads change with every poll round: held requests are decided again after each
+            await asyncio.sleep(cfg.poll_interval_s)
+            hold.pump()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         add_static(registry, cfg, clock())
-        tasks = [asyncio.create_task(PollLoop(registry, clock).run()), asyncio.create_task(history.run())]
+        tasks = [asyncio.create_task(PollLoop(registry, clock).run()), asyncio.create_task(history.run()),
+                 asyncio.create_task(retry_held())]
         if cfg.dns_targets:
             tasks.append(asyncio.create_task(watch_dns(registry, cfg, clock)))
         yield
@@ -63,13 +84,14 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     app.include_router(dashboard_routes(registry, history, clock))
 
     @app.post("/rtp_llm/schedule")
-    async def schedule(req: ScheduleRequest) -> dict[str, Any]:
+    async def schedule(req: ScheduleRequest, request: Request) -> dict[str, Any]:
         if len(req.block_cache_keys) > req.seq_len:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"block_cache_keys has {len(req.block_cache_keys)} "
                                f"blocks but seq_len is only {req.seq_len} tokens", "block_cache_keys")
-        now = clock()
-        decision = choose_backend(RouteRequest(req.model, req.block_cache_keys, req.seq_len),
-                                  registry.loads(now), cfg.policy)
+        route = RouteRequest(req.model, req.block_cache_keys, req.seq_len)
+        # Held while every backend is busy; a frontend that gives up meanwhile leaves the queue.
+        decision = await cancel_on_disconnect(request, hold.schedule(route, req.request_priority,
+                                                                     req.generate_timeout))
         model = req.model if req.model in registry.models() else UNKNOWN_MODEL  # names from clients: unbounded
         registry.stats.decisions[decision.reason] = registry.stats.decisions.get(decision.reason, 0) + 1
         if decision.chosen is None:
@@ -84,7 +106,6 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
                 "blocks": len(req.block_cache_keys), "seq_len": req.seq_len, "reason": decision.reason,
                 "candidates": candidates_view(decision)}))
         metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
-        registry.record_choice(decision.chosen, req.block_cache_keys, req.seq_len, chosen.hit_cache_len, now)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status
         server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
@@ -92,7 +113,6 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
                   "debug_info": debug_info(chosen, st.running if st else 0, st.step_latency_ms if st else 0.0)}
         servers = [server]
         if decision.decode is not None:
-            registry.record_choice(decision.decode, [], req.seq_len, 0, now)  # its KV fills at hand-over
             d = registry.backends[decision.decode].endpoint
             servers.append({"role": ROLE_VALUES[d.role], "server_ip": d.host, "http_port": d.http_port,
                             "grpc_port": d.grpc_port, "debug_info": None})

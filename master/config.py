@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_names, env_str
 from kvyard.model_path import EMBEDDED_MODEL_NAME
+from master.hold import HoldConfig
 from master.policy import PolicyConfig
 
 DEFAULT_START_PORT = 8088
@@ -51,6 +52,7 @@ class MasterConfig:
     pending_keys_ttl_s: float              # keys of routed prompts count as cached there for this long
     working_set_s: float                   # ... and as its working set (the policy's recent_keys) this long
     policy: PolicyConfig                   # the routing knobs
+    hold: HoldConfig = HoldConfig(256, 5.0)  # requests held while every backend is busy, and for how long
     cluster_token: str = ""                # CLUSTER_TOKEN(_FILE): internal calls must carry it; "" = open, no registration
 
     @classmethod
@@ -82,6 +84,8 @@ class MasterConfig:
                 imbalance_ratio=env_int(env, "MASTER_IMBALANCE_PCT", 150, minimum=100) / 100,
                 stickiness=env_int(env, "MASTER_STICKINESS_PCT", 100, minimum=0) / 100,
             ),
+            hold=HoldConfig(max_waiting=env_int(env, "MASTER_QUEUE_MAX", 256, minimum=0),
+                            wait_s=env_int(env, "MASTER_QUEUE_WAIT_MS", 5000, minimum=0) / 1000),
             cluster_token=internal_token(env, host),
         )
 

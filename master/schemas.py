@@ -22,8 +22,8 @@ class ScheduleRequest(_Strict):
     block_cache_keys: list[INT64]          # chained keys of the prompt's full blocks (kvyard.block_keys)
     seq_len: int = Field(ge=1)             # prompt tokens
     debug: bool = False                    # also return every candidate's score
-    generate_timeout: int = Field(default=0, ge=0)  # ms; accepted for RTP-LLM compatibility, not used
-    request_priority: int = 0              # accepted for RTP-LLM compatibility, not used
+    generate_timeout: int = Field(default=0, ge=0)  # ms (0 = none): held no longer than this while all are busy (504)
+    request_priority: int = 0              # order among held requests: lower first (then arrival order)
 
 
 class RegisterRequest(_Strict):

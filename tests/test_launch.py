@@ -87,3 +87,12 @@ def test_pdfusion_stops_frontend_first_and_lets_each_drain_its_grace(tmp_path: P
     log = {" ".join(line.split()[:2]): float(line.split()[2]) for line in events.read_text().splitlines()}
     assert log["frontend term"] < log["frontend exit"] < log["backend term"] < log["backend exit"]
     assert log["backend exit"] - log["backend term"] >= 11  # not killed at 10 s
+
+
+def test_gateway_without_upstreams_exits_2_naming_the_setting() -> None:
+    full = {k: v for k, v in os.environ.items() if k not in ("UPSTREAMS",)}
+    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "kvyard"], env={**full, "ROLE_TYPE": "GATEWAY"}, cwd=Path(REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("kvyard: error:") and "UPSTREAMS" in proc.stderr

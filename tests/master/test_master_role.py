@@ -1,8 +1,10 @@
 """A real ROLE_TYPE=MASTER process polling scripted gRPC backends (no model), and a real FRONTEND routed
-by it: bad input → 400, prefix routing with the frontend's own block keys, garbage status, no room → 429,
+by it: bad input → 400, prefix routing with the frontend's own block keys, garbage status, no room → held,
+then 429 (or 504 past the request's generate_timeout),
 unknown model → 404, registration, a dead master → the direct backend list."""
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from tests.support.stub_backend import StubBackend, StubServicer, sane_status
 MODEL = "stub-model"
 EOS_ID = 2
 SHARED = "You are a terse assistant for a hardware shop. " * 8  # ~80 tokens: several full blocks
+HOLD_MS = 1500  # MASTER_QUEUE_WAIT_MS of the master and its frontend
 
 
 @dataclass
@@ -49,7 +52,7 @@ def cluster(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) 
     servers = [StubBackend(s, ports[n]) for n, s in stubs.items()]
     addresses = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
     logs = tmp_path_factory.mktemp("master_role")
-    common = {"MODEL_NAME": MODEL, "MAX_SEQ_LEN": "512"}
+    common = {"MODEL_NAME": MODEL, "MAX_SEQ_LEN": "512", "MASTER_QUEUE_WAIT_MS": str(HOLD_MS)}
     procs: list[RoleProcess] = []
     try:
         for server in servers:
@@ -214,15 +217,42 @@ def test_garbage_status_takes_a_backend_out_and_it_comes_back(cluster: Cluster) 
     wait_until(lambda: healthy(cluster, "a"), what="a healthy again")
 
 
-def test_no_backend_with_room_is_429_with_retry_after(cluster: Cluster) -> None:
+def fill_every_backend(cluster: Cluster) -> None:
     for stub in (cluster.stubs["a"], cluster.stubs["b"]):
         stub.status = sane_status(free_blocks=0)
     wait_until(lambda: all(backends(cluster)[cluster.addresses[n]]["status"]["free_blocks"] == 0 for n in "ab"),
                what="full caches polled")
+
+
+def test_no_backend_with_room_is_held_then_429_with_retry_after(cluster: Cluster) -> None:
+    fill_every_backend(cluster)
+    start = time.monotonic()
     resp = chat(cluster.frontend, "anything")
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.text
-    assert resp.json()["error"]["code"] == "overloaded"
+    assert time.monotonic() - start >= HOLD_MS / 1000 * 0.9  # held for MASTER_QUEUE_WAIT_MS first
+    assert resp.json()["error"]["code"] == "overloaded" and "MASTER_QUEUE_WAIT_MS" in resp.json()["error"]["message"]
     assert not cluster.stubs["a"].requests and not cluster.stubs["b"].requests
+
+
+def test_a_held_request_goes_to_the_first_backend_with_room(cluster: Cluster) -> None:
+    fill_every_backend(cluster)
+    result: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: result.append(chat(cluster.frontend, "patience")))
+    waiting.start()
+    time.sleep(0.4)
+    assert not result and not cluster.stubs["a"].requests and not cluster.stubs["b"].requests
+    cluster.stubs["b"].status = sane_status()   # room appears on b
+    waiting.join(10)
+    assert result and result[0].status_code == 200, result
+    assert len(cluster.stubs["b"].requests) == 1 and not cluster.stubs["a"].requests
+
+
+def test_held_past_its_generate_timeout_is_504(cluster: Cluster) -> None:
+    fill_every_backend(cluster)
+    start = time.monotonic()
+    resp = schedule(cluster, {**GOOD, "generate_timeout": 300, "request_priority": -1})
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout", resp.text
+    assert 0.25 <= time.monotonic() - start < HOLD_MS / 1000
 
 
 def test_unknown_model_is_404(cluster: Cluster) -> None:
