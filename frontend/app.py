@@ -1,6 +1,7 @@
 """The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health (the
 responses are built in frontend/chat_response.py; /v1/completions, `POST /`, LMTP, /generate and /metrics are
-included from frontend/completions.py, raw_generate.py, lmtp.py, generate_stream.py, kvyard/metrics.py)."""
+included from frontend/completions.py, raw_generate.py, lmtp.py, generate_stream.py, worker_info.py,
+kvyard/metrics.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
+from frontend.worker_info import worker_info_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -61,6 +63,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(generate_stream_routes(cfg, tokenizer, client))
     app.include_router(completion_routes(chat))
     app.include_router(raw_routes(chat))
+    app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")

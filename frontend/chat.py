@@ -14,7 +14,7 @@ from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
 from frontend.config import FrontendConfig
 from frontend.guided import chat_constraint
 from frontend.protocol import ChatCompletionRequest, GenerateConfig, SamplingRequest
-from frontend.routing import Router
+from frontend.routing import Router, model_to_route
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -53,12 +53,9 @@ class ChatService:
         self.renderer = renderer
         self.client = client
 
-    def check_model(self, model: str | None) -> None:
-        # With a master, it knows every model the cluster serves and answers 404 for the rest.
-        if model and not self.cfg.serves(model) and not self.cfg.master_address:
-            raise RequestError(ErrorCode.MODEL_NOT_FOUND,
-                               f"The model '{model}' does not exist; this server serves "
-                               f"'{self.cfg.model_name}'", "model")
+    def model(self, requested: str | None) -> str | None:
+        """The model to route to, None for this frontend's own (frontend.routing.model_to_route)."""
+        return model_to_route(self.cfg, requested)
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
@@ -70,14 +67,14 @@ class ChatService:
             chat_template_kwargs=req.template_kwargs()))
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
-        self.check_model(req.model)
+        model = self.model(req.model)
         rendered = self.render(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.budget(len(rendered.input_ids), req.requested_max_tokens(), param, "messages")
         params = self.params(req, max_new, req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0)
         params.constraint = chat_constraint(req, self.renderer.tool_parser)
         return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, self.stop_strings(req),
-                               req.model or None, self.renderer.tool_parser if req.tools_in_use() else None)
+                               model, self.renderer.tool_parser if req.tools_in_use() else None)
 
     def budget(self, n_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
         """Tokens the completion may have: as requested, else the room left in the context."""

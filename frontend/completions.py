@@ -110,7 +110,7 @@ def completion_routes(chat: ChatService) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         request_id, jobs = await _prepare(chat, req, lambda n: request.app.state.admission.hold(request.scope, n))
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": req.model or chat.cfg.model_name}
+                "model": chat.model(req.model) or chat.cfg.model_name}
         if req.stream:
             return StreamingResponse(_sse(chat, req, jobs, base), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -122,7 +122,7 @@ def completion_routes(chat: ChatService) -> APIRouter:
 async def _prepare(chat: ChatService, req: CompletionRequest, hold: Callable[[int], None]
                    ) -> tuple[str, list[_Job]]:
     """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts."""
-    chat.check_model(req.model)
+    model = chat.model(req.model)
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -138,7 +138,7 @@ async def _prepare(chat: ChatService, req: CompletionRequest, hold: Callable[[in
             params = chat.params(req, max_new, req.logprobs is not None, req.logprobs or 0)
             params.constraint = constraint
             prep = PreparedRequest(f"{request_id}-{number}", raw_prompt(text, ids), params,
-                                   chat.stop_strings(req), req.model or None)
+                                   chat.stop_strings(req), model)
         jobs.append(_Job(number, text, ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
@@ -152,7 +152,7 @@ async def _prompt_logprobs(chat: ChatService, ids: list[int], req: CompletionReq
     first: list[TokenLogprob | None] = [None]
     if len(ids) == 1:
         return first
-    score = await chat.client.score(request_id, ids[:1], ids[1:], req.model or None, req.logprobs or 0)
+    score = await chat.client.score(request_id, ids[:1], ids[1:], chat.model(req.model), req.logprobs or 0)
     return [*first, *score.logprobs]
 
 

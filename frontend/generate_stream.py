@@ -24,6 +24,7 @@ from frontend.guided import refuse_constraints
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.protocol import INT32_MAX, INT64_MAX
+from frontend.routing import model_to_route
 from frontend.stop_strings import StopStringMatcher
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -53,9 +54,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
         refuse_constraints(request.query_params.keys(), "/generate")
-        if model and not cfg.serves(model) and not cfg.master_address:
-            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server "
-                               f"serves '{cfg.model_name}'", "model")
+        model = model_to_route(cfg, model)
         try:
             prompt = (await request.body()).decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -72,7 +71,7 @@ def generate_stream_routes(cfg: FrontendConfig, tokenizer: TextTokenizer, client
         params = GenerateParams(max_new_tokens=min(max_tokens, room), temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop_sequences=[list(s) for s in cfg.stop_word_ids],
                                 timeout_ms=int(cfg.request_timeout_s * 1000))
-        chunks = _text(client, tokenizer, ids, params, list(cfg.stop_words), model or None)
+        chunks = _text(client, tokenizer, ids, params, list(cfg.stop_words), model)
         first = await anext(chunks, None)  # errors up to the first text still get their HTTP status
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if "text/event-stream" in request.headers.get("accept", ""):

@@ -76,7 +76,7 @@ def raw_routes(chat: ChatService) -> APIRouter:
 
 
 def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
-    chat.check_model(req.model)
+    model = chat.model(req.model)
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
@@ -88,7 +88,7 @@ def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
         params = chat.params(sampling, max_new, False, 0)
         params.constraint = constraint
         preps.append(PreparedRequest(f"{request_id}-{i}", raw_prompt(text, ids), params,
-                                     chat.stop_strings(sampling), req.model or None))
+                                     chat.stop_strings(sampling), model))
     return preps
 
 
