@@ -1,7 +1,7 @@
 """The frontend's HTTP app: the door (admission), then one route set per dialect, each a thin adapter over
 frontend/pipeline.py (chat.py, completions.py for /v1/completions, raw_generate.py for `POST /`,
-generate_stream.py for /generate; lmtp.py's token ids go straight to the router), and models, tokenize,
-health here."""
+generate_stream.py for /generate; lmtp.py's token ids go straight to the router), what a router asks a
+worker (worker_info.py: SGLang's /server_info, /model_info), and models, tokenize, health here."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -28,6 +28,7 @@ from frontend.openapi_doc import install_openapi
 from frontend.pipeline import Pipeline
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
+from frontend.worker_info import worker_info_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
@@ -63,6 +64,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(completion_routes(pipeline))
     app.include_router(raw_routes(pipeline))
     app.include_router(chat_routes(chat))
+    app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
 
     @app.get("/v1/models")
     @app.get("/models")

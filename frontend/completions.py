@@ -40,9 +40,10 @@ def completion_routes(pipeline: Pipeline) -> APIRouter:
     @router.post("/v1/completions")
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        request_id, jobs = await _prepare(pipeline, req, lambda n: request.app.state.admission.hold(request.scope, n))
+        request_id, model, jobs = await _prepare(pipeline, req,
+                                                 lambda n: request.app.state.admission.hold(request.scope, n))
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": req.model or pipeline.cfg.model_name}
+                "model": model or pipeline.cfg.model_name}
         events = pipeline.generate_many([j.prep for j in jobs if j.prep is not None])
         return await respond(request, req.stream, lambda: _sse(pipeline, req, jobs, base, events),
                              lambda: _complete(pipeline, req, jobs, base, events))
@@ -51,9 +52,10 @@ def completion_routes(pipeline: Pipeline) -> APIRouter:
 
 
 async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[int], None]
-                   ) -> tuple[str, list[_Job]]:
-    """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts."""
-    pipeline.check_model(req.model)
+                   ) -> tuple[str, str | None, list[_Job]]:
+    """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts.
+    → (request id, the model to route and echo (Pipeline.check_model), the jobs)."""
+    model = pipeline.check_model(req.model)  # to route, score and echo (None: this frontend's own)
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -66,22 +68,23 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
             pipeline.budget(len(prompt.input_ids), Budget(None))   # the prompt alone must fit
         else:
             prep = pipeline.prepare(f"{request_id}-{number}", prompt, req, Budget(req.max_tokens),
-                                logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-                                constraint=constraint)
+                                    logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                    constraint=constraint)
         jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
         for job in jobs:
-            job.echo_logprobs = await _prompt_logprobs(pipeline, job.ids, req, f"{request_id}-{job.number}-echo")
-    return request_id, jobs
+            job.echo_logprobs = await _prompt_logprobs(pipeline, job.ids, req, model,
+                                                       f"{request_id}-{job.number}-echo")
+    return request_id, model, jobs
 
 
-async def _prompt_logprobs(pipeline: Pipeline, ids: list[int], req: CompletionRequest,
+async def _prompt_logprobs(pipeline: Pipeline, ids: list[int], req: CompletionRequest, model: str | None,
                            request_id: str) -> list[TokenLogprob | None]:
     first: list[TokenLogprob | None] = [None]
     if len(ids) == 1:
         return first
-    score = await pipeline.client.score(request_id, ids[:1], ids[1:], req.model or None, req.logprobs or 0)
+    score = await pipeline.client.score(request_id, ids[:1], ids[1:], model, req.logprobs or 0)
     return [*first, *score.logprobs]
 
 

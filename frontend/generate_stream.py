@@ -41,7 +41,7 @@ def generate_stream_routes(pipeline: Pipeline) -> APIRouter:
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
         refuse_constraints(request.query_params.keys(), "/generate")
-        pipeline.check_model(model)
+        model = pipeline.check_model(model)  # None: this frontend's own (no name, or SGLang's placeholder)
         try:
             prompt = (await request.body()).decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -14,7 +14,7 @@ from typing import Any
 from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
 from frontend.config import FrontendConfig
 from frontend.protocol import GenerateConfig, SamplingRequest
-from frontend.routing import Router
+from frontend.routing import Router, model_to_route
 from kvyard.constraint import Constraint
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -29,7 +29,8 @@ class PreparedRequest:
     rendered: RenderedPrompt
     params: GenerateParams
     stop_strings: list[str]
-    model: str | None = None   # as the client asked (None: this frontend's own); the master routes by it
+    model: str | None = None   # as the client named it (None: this frontend's own; Pipeline.check_model);
+                               # the master routes by it and the response echoes it
     tool_parser: type[ToolParser] | None = None  # parse the output for tool calls (the request has tools)
 
 
@@ -61,12 +62,12 @@ class Pipeline:
 
     # --- prepare ---
 
-    def check_model(self, model: str | None) -> None:
-        # With a master, it knows every model the cluster serves and answers 404 for the rest.
-        if model and not self.cfg.serves(model) and not self.cfg.master_address:
-            raise RequestError(ErrorCode.MODEL_NOT_FOUND,
-                               f"The model '{model}' does not exist; this server serves "
-                               f"'{self.cfg.model_name}'", "model")
+    def check_model(self, requested: str | None) -> str | None:
+        """The model to route to and echo: as the client named it (an alias too), None for this frontend's
+        own (no name, or SGLang's router's placeholder); an unknown name is a 404 unless a master answers
+        for the cluster (frontend.routing.model_to_route). Dialects call it first, so a wrong model is
+        refused before the prompt is tokenized; prepare applies it again (idempotent)."""
+        return model_to_route(self.cfg, requested)
 
     def tokens(self, prompt: str | list[int]) -> RenderedPrompt:
         """A prompt given as text (special tokens parsed; BOS added when the model wants it and the text
@@ -95,7 +96,7 @@ class Pipeline:
         params = self._params(req, max_new, logprobs, top_logprobs)
         params.constraint = constraint
         return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
-                               req.model or None, tool_parser)
+                               self.check_model(req.model), tool_parser)
 
     def budget(self, n_prompt: int, budget: Budget) -> int:
         """Tokens the completion may have: as requested, else the room left in the context."""

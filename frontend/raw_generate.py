@@ -72,9 +72,9 @@ def raw_routes(pipeline: Pipeline) -> APIRouter:
 
 
 def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
-    pipeline.check_model(req.model)
+    model = pipeline.check_model(req.model)  # None: this frontend's own (no name, or SGLang's placeholder)
     cfg = req.generate_config
-    sampling = SamplingRequest(extra_configs=cfg, model=req.model)   # every field from generate_config
+    sampling = SamplingRequest(extra_configs=cfg, model=model)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
     constraint = constraint_for(req)
     budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
