@@ -1,32 +1,33 @@
-"""The frontend's HTTP routes: OpenAI chat completions, models, render/tokenize debugging, health (the
-responses are built in frontend/chat_response.py; /v1/completions, `POST /`, LMTP, /generate and /metrics are
-included from frontend/completions.py, raw_generate.py, lmtp.py, generate_stream.py, kvyard/metrics.py)."""
+"""The frontend's HTTP app: the door (admission), then one route set per dialect, each a thin adapter over
+frontend/pipeline.py (chat.py, completions.py for /v1/completions, raw_generate.py for `POST /`,
+generate_stream.py for /generate; lmtp.py's token ids go straight to the router), what a router asks a
+worker (worker_info.py: SGLang's /server_info, /model_info), and models, tokenize, health here."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, FastAPI, Request
+from fastapi import Body, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionMiddleware
-from frontend.chat import ChatService
-from frontend.chat_response import complete, render_info, sse
-from frontend.completions import SSE_HEADERS, completion_routes
+from frontend.chat import ChatDialect, chat_routes
+from frontend.completions import completion_routes
 from frontend.config import FrontendConfig
-from frontend.disconnect import cancel_on_disconnect
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
+from frontend.pipeline import Pipeline
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
+from frontend.worker_info import worker_info_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
@@ -39,7 +40,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     tokenizer = tokenizer.bounded(cfg.max_seq_len)  # huge texts refused by size before tokenizing
     metrics = FrontendMetrics(cfg.model_name)
     client = MeteredRouter(cfg, metrics)
-    chat = ChatService(cfg, tokenizer, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser), client)
+    pipeline = Pipeline(cfg, tokenizer, client)
+    chat = ChatDialect(pipeline, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser))
     admission = admission or Admission(cfg)
 
     @asynccontextmanager
@@ -58,20 +60,11 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                            allow_headers=["*"])
     add_metrics_route(app, metrics.registry)
     app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client, admission)))
-    app.include_router(generate_stream_routes(cfg, tokenizer, client))
-    app.include_router(completion_routes(chat))
-    app.include_router(raw_routes(chat))
-
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        prep = await off_loop(chat.prepare, req)
-        admission.hold(request.scope, prep.params.n)
-        model = prep.model or cfg.model_name
-        if req.stream:
-            return StreamingResponse(sse(chat, req, prep, model), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, complete(chat, req, prep, model)))
+    app.include_router(generate_stream_routes(pipeline))
+    app.include_router(completion_routes(pipeline))
+    app.include_router(raw_routes(pipeline))
+    app.include_router(chat_routes(chat))
+    app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -79,11 +72,6 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
                                            for name in await client.models()]}
-
-    @app.post("/v1/chat/render")
-    @app.post("/chat/render")
-    async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        return render_info(chat, await off_loop(chat.prepare, req))
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -73,19 +73,33 @@ class TokenLogprob:
 
 
 @dataclass
+class AuxInfo:
+    """A request's timings and cache facts so far (AuxInfoPB, field for field: the HTTP aux_info shows them all)."""
+    input_len: int = 0                 # prompt tokens
+    output_len: int = 0                # tokens generated so far
+    iter_count: int = 0                # engine steps this request took part in so far
+    reuse_len: int = 0                 # prompt tokens served from the prefix cache
+    cost_time_us: int = 0              # since the backend received the request
+    first_token_cost_time_us: int = 0  # from receipt to the first generated token
+    wait_time_us: int = 0              # from receipt to its first scheduled step
+    kv_transfer_bytes: int = 0         # prefill/decode split: KV bytes sent to the decode backend
+    kv_blocks_sent: int = 0            # KV blocks sent
+    kv_blocks_skipped: int = 0         # KV blocks the decode backend already held
+    kv_transfer_time_us: int = 0       # from opening the hand-over to the decode side's load ack
+
+    @classmethod
+    def from_pb(cls, aux: pb.AuxInfoPB) -> AuxInfo:
+        return cls(**{f.name: getattr(aux, f.name) for f in fields(cls)})
+
+
+@dataclass
 class BackendOutput:
     """New tokens for one sequence of a request, from one backend step."""
     index: int
     token_ids: list[int]
     finish_reason: str | None       # "stop" / "length" once finished
     logprobs: list[TokenLogprob]    # one per token id when asked
-    input_len: int
-    output_len: int
-    reuse_len: int
-    iter_count: int = 0                # engine steps this request took part in so far
-    cost_time_us: int = 0              # since the backend received the request
-    first_token_cost_time_us: int = 0  # from receipt to the first generated token
-    wait_time_us: int = 0              # from receipt to its first scheduled step
+    aux: AuxInfo = field(default_factory=AuxInfo)
 
 
 @dataclass
@@ -172,10 +186,7 @@ def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:
     return BackendOutput(
         index=o.index, token_ids=list(o.output_ids),
         finish_reason=_FINISH.get(o.finish_reason) if o.finished else None,
-        logprobs=[_logprob_from_pb(lp) for lp in o.logprobs],
-        input_len=o.aux_info.input_len, output_len=o.aux_info.output_len, reuse_len=o.aux_info.reuse_len,
-        iter_count=o.aux_info.iter_count, cost_time_us=o.aux_info.cost_time_us,
-        first_token_cost_time_us=o.aux_info.first_token_cost_time_us, wait_time_us=o.aux_info.wait_time_us)
+        logprobs=[_logprob_from_pb(lp) for lp in o.logprobs], aux=AuxInfo.from_pb(o.aux_info))
 
 
 def _logprob_from_pb(lp: pb.TokenLogprobPB) -> TokenLogprob:

@@ -1,64 +1,40 @@
-"""Chat request → rendered prompt → backend generation → per-choice text events (stop strings applied).
+"""The OpenAI chat dialect: `/v1/chat/completions` (and `/v1/chat/render`) → the rendered prompt →
+frontend/pipeline.py → its choice events as one chat.completion body or SSE chunks.
 
-The sampling and budget helpers are shared with /v1/completions and `POST /` (frontend/completions.py)."""
+Streaming: a first chunk with each choice's role, then one chunk per piece of content or tool-call delta,
+finish_reason exactly once per choice, `usage: null` on every chunk and a last `choices: []` chunk with
+the usage when `stream_options.include_usage`; an error after the headers went out is a
+`data: {"error": ...}` chunk, then `data: [DONE]` (frontend/respond.py).
+"""
 from __future__ import annotations
 
+import json
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
+from starlette.responses import Response
 
-from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
-from frontend.config import FrontendConfig
+from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.guided import chat_constraint
-from frontend.protocol import ChatCompletionRequest, GenerateConfig, SamplingRequest
-from frontend.routing import Router
-from frontend.stop_strings import StopStringMatcher
-from kvyard.detokenize import IncrementalDetokenizer
-from kvyard.errors import ErrorCode, RequestError
+from frontend.off_loop import off_loop
+from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
+from frontend.protocol import ChatCompletionRequest
+from frontend.respond import aux_info, respond
+from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.tokenizer import TextTokenizer
-from renderers import ChatRenderer, RenderedPrompt, RenderRequest, ToolParser
+from renderers import ChatRenderer, RenderedPrompt, RenderRequest
 
 
-@dataclass
-class PreparedRequest:
-    """Everything decided before the backend is called."""
-    request_id: str
-    rendered: RenderedPrompt
-    params: GenerateParams
-    stop_strings: list[str]
-    model: str | None = None   # as the client asked (None: this frontend's own); the master routes by it
-    tool_parser: type[ToolParser] | None = None  # parse the output for tool calls (the request has tools)
+class ChatDialect:
+    """A chat request → the pipeline's prepare call: its messages rendered by the model's chat template."""
 
-
-@dataclass
-class ChoiceEvent:
-    """New text for one choice (may be empty when only finish_reason or logprobs change)."""
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    completion_tokens: int = 0     # this choice's total so far
-    token_ids: list[int] = field(default_factory=list)  # the ids behind this event (before stop strings)
-    backend: BackendOutput | None = None  # the backend's output, for its aux facts (timings, reuse)
-
-
-class ChatService:
-    def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, renderer: ChatRenderer,
-                 client: Router) -> None:
-        self.cfg = cfg
-        self.tokenizer = tokenizer
+    def __init__(self, pipeline: Pipeline, renderer: ChatRenderer) -> None:
+        self.pipeline = pipeline
         self.renderer = renderer
-        self.client = client
-
-    def check_model(self, model: str | None) -> None:
-        # With a master, it knows every model the cluster serves and answers 404 for the rest.
-        if model and not self.cfg.serves(model) and not self.cfg.master_address:
-            raise RequestError(ErrorCode.MODEL_NOT_FOUND,
-                               f"The model '{model}' does not exist; this server serves "
-                               f"'{self.cfg.model_name}'", "model")
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
@@ -70,112 +46,157 @@ class ChatService:
             chat_template_kwargs=req.template_kwargs()))
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
-        self.check_model(req.model)
-        rendered = self.render(req)
+        self.pipeline.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_new = self.budget(len(rendered.input_ids), req.requested_max_tokens(), param, "messages")
-        params = self.params(req, max_new, req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0)
-        params.constraint = chat_constraint(req, self.renderer.tool_parser)
-        return PreparedRequest(f"chatcmpl-{uuid.uuid4().hex}", rendered, params, self.stop_strings(req),
-                               req.model or None, self.renderer.tool_parser if req.tools_in_use() else None)
-
-    def budget(self, n_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
-        """Tokens the completion may have: as requested, else the room left in the context."""
-        limit = self.cfg.max_seq_len
-        if n_prompt >= limit:
-            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                               f"This model's maximum context length is {limit} tokens. However, your "
-                               f"{prompt_param} resulted in {n_prompt} tokens, leaving no room for a completion.",
-                               prompt_param)
-        if requested is None:
-            return limit - n_prompt
-        if requested <= 0:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} must be at least 1, got {requested}", param)
-        if n_prompt + requested > limit:
-            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                               f"This model's maximum context length is {limit} tokens. However, you "
-                               f"requested {n_prompt + requested} tokens ({n_prompt} in the {prompt_param}, "
-                               f"{requested} in the completion).", param)
-        return requested
-
-    def params(self, req: SamplingRequest, max_new: int, logprobs: bool, top_logprobs: int) -> GenerateParams:
-        """The request's sampling fields; `extra_configs` (RTP-LLM) fills what the request leaves unset."""
-        extra = req.extra_configs or GenerateConfig()
-
-        def pick(own: Any, rtp: Any, default: Any) -> Any:
-            return own if own is not None else rtp if rtp is not None else default
-
-        return GenerateParams(
-            max_new_tokens=max_new,
-            temperature=pick(req.temperature, extra.temperature, 1.0),
-            top_p=pick(req.top_p, extra.top_p, 1.0),
-            top_k=pick(req.top_k, extra.top_k, 0),
-            min_p=pick(req.min_p, extra.min_p, 0.0),
-            seed=pick(req.seed, extra.random_seed, None),
-            stop_sequences=[list(ids) for ids in (*self.cfg.stop_word_ids, *(extra.stop_words_list or []))],
-            return_logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            n=req.n if req.n != 1 else max(1, extra.num_return_sequences or 1),
-            repetition_penalty=pick(req.repetition_penalty, extra.repetition_penalty, 1.0),
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            logit_bias=self._logit_bias(req.logit_bias),
-            min_new_tokens=extra.min_new_tokens or 0,
-            ignore_eos=bool(extra.ignore_eos),
-            timeout_ms=pick(extra.timeout_ms, None, int(self.cfg.request_timeout_s * 1000)),
-        )
-
-    def stop_strings(self, req: SamplingRequest) -> list[str]:
-        return [*req.stop_list(), *self.cfg.stop_words]
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for key, value in (bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            if not 0 <= token < self.tokenizer.vocab_size or not -100 <= value <= 100:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"logit_bias {key}: {value} is out of range (ids < "
-                                   f"{self.tokenizer.vocab_size}, values in [-100, 100])", "logit_bias")
-            out[token] = value
-        return out
-
-    async def generate(self, prep: PreparedRequest) -> AsyncIterator[ChoiceEvent]:
-        """One event per choice per backend step; exactly one event per choice has finish_reason."""
-        context = prep.rendered.input_ids
-        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids=context),
-                              StopStringMatcher(prep.stop_strings)) for i in range(prep.params.n)}
-        unfinished = len(choices)
-        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
-        try:
-            async for outs in gen:
-                for out in outs:
-                    choice = choices[out.index]
-                    if choice.done:
-                        continue
-                    choice.tokens += len(out.token_ids)
-                    text = choice.stops.feed(choice.detok.push(out.token_ids))
-                    finish = "stop" if choice.stops.stopped else None
-                    if finish is None and out.finish_reason is not None:
-                        text += choice.stops.feed(choice.detok.flush())
-                        text += choice.stops.flush()
-                        finish = "stop" if choice.stops.stopped else out.finish_reason
-                    if finish is not None:
-                        choice.done = True
-                        unfinished -= 1
-                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens, out.token_ids, out)
-                if unfinished == 0:
-                    break  # a stop string ended every choice: closing the stream aborts the backend side
-        finally:
-            await gen.aclose()
+        parser = self.renderer.tool_parser
+        return self.pipeline.prepare(
+            f"chatcmpl-{uuid.uuid4().hex}", self.render(req), req, Budget(req.requested_max_tokens(), param, "messages"),
+            logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 
 
-@dataclass
-class _Choice:
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    tokens: int = 0
-    done: bool = False
+def chat_routes(chat: ChatDialect) -> APIRouter:
+    router = APIRouter()
+    default_model = chat.pipeline.cfg.model_name
+
+    @router.post("/v1/chat/completions")
+    @router.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        prep = await off_loop(chat.prepare, req)
+        request.app.state.admission.hold(request.scope, prep.params.n)
+        events = chat.pipeline.generate(prep)
+        model = prep.model or default_model
+        return await respond(request, req.stream, lambda: _chunks(chat, req, prep, model, events),
+                             lambda: _body(chat, req, prep, model, events))
+
+    @router.post("/v1/chat/render")
+    @router.post("/chat/render")
+    async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
+        return render_info(chat, await off_loop(chat.prepare, req))
+
+    return router
+
+
+async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
+                events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
+    n = prep.params.n
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    ids: dict[int, list[int]] = {i: [] for i in range(n)}
+    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
+    finish: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    last: dict[int, BackendOutput] = {}
+    async for ev in events:
+        texts[ev.index].append(ev.text)
+        ids[ev.index].extend(ev.token_ids)
+        tokens[ev.index] = ev.completion_tokens
+        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.pipeline.tokenizer))
+        if ev.backend is not None:
+            last[ev.index] = ev.backend
+        if ev.finish_reason is not None:
+            finish[ev.index] = ev.finish_reason
+    choices = []
+    for i in range(n):
+        text, reason = "".join(texts[i]), finish.get(i, "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if prep.tool_parser is not None:
+            content, calls = message_parts(prep.tool_parser().parse(text))
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": logprobs[i]} if prep.params.return_logprobs else None,
+                        "finish_reason": reason})
+    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    if req.debug_info:
+        body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
+                              "raw_output": ["".join(texts[i]) for i in range(n)]}
+    if req.aux_info:
+        body["aux_info"] = aux_info(list(last.values()))
+    return body
+
+
+async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
+                  events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    include_usage = req.include_usage
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
+        body = {**base, "choices": choices, **extra}
+        if include_usage:
+            body["usage"] = usage_
+        return json.dumps(body, ensure_ascii=False)
+
+    n = prep.params.n
+    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(n)], **first_extra)
+    streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
+    tokens: dict[int, int] = {}
+    async for ev in events:
+        tokens[ev.index] = ev.completion_tokens
+        calls = streams.get(ev.index)
+        if calls is not None:
+            deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
+        else:
+            deltas = [{"content": ev.text}] if ev.text else []
+        if not deltas and ev.finish_reason is None and not ev.logprobs:
+            continue  # e.g. half a UTF-8 character or a possible stop string held back
+        reason = ev.finish_reason
+        if reason == "stop" and calls is not None and calls.calls:
+            reason = "tool_calls"
+        deltas = deltas or [{}]
+        for k, delta in enumerate(deltas):
+            is_last = k == len(deltas) - 1
+            lp = None
+            if prep.params.return_logprobs:
+                lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer) if k == 0 else []}
+            extra = {}
+            if is_last and reason is not None and req.aux_info and ev.backend is not None:
+                extra["aux_info"] = aux_info([ev.backend])
+            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": reason if is_last else None}], **extra)
+    if include_usage:
+        yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:
+    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it."""
+    cfg, tok, p = chat.pipeline.cfg, chat.pipeline.tokenizer, prep.params
+    return {
+        "input_prompt": prep.rendered.prompt,
+        "input_ids": prep.rendered.input_ids,
+        "input_urls": [],
+        "tokenizer_info": f"{type(tok).__name__}({cfg.tokenizer_path.name}, vocab={tok.vocab_size})",
+        "max_seq_len": cfg.max_seq_len,
+        "eos_token_id": tok.eos_token_id,
+        "stop_words_list": prep.stop_strings,
+        "stop_word_ids_list": p.stop_sequences,
+        "renderer_info": {"class_name": prep.rendered.renderer, "template_source": prep.rendered.template_source,
+                          "model_type": cfg.model_type, "tool_parser": chat.renderer.tool_parser.name,
+                          "tools_in_prompt": prep.rendered.tools_in_prompt},
+        "generate_config": {**p.__dict__, "constraint": p.constraint and
+                            {"kind": p.constraint.kind.value, "text": p.constraint.text}},
+    }
+
+
+def usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
+    n_prompt = len(prep.rendered.input_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
+            "total_tokens": n_prompt + completion_tokens}
+
+
+def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in items]
+
+
+def token_bytes(tokenizer: TextTokenizer, token_id: int) -> list[int]:
+    """The token's own bytes: one of several tokens of a character is not valid UTF-8 by itself, and
+    that is what OpenAI's `bytes` field is for (its `token` text shows U+FFFD then)."""
+    raw = tokenizer.token_bytes(token_id)
+    return list(raw if raw is not None else tokenizer.decode([token_id]).encode("utf-8"))

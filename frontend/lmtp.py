@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
                                   parse_frame, score_items, token_item, unknown_model)
 from frontend.metered_router import MeteredRouter
+from frontend.routing import model_to_route
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import ERROR_TABLE
 from kvyard.tokenizer import TextTokenizer
@@ -46,11 +47,8 @@ class LmtpService:
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours). Without a master only our own name exists; with one, the
         master knows every served model and answers unknown ones with MODEL_NOT_FOUND."""
-        if not name or self.cfg.serves(name):
-            return None
-        if not self.cfg.master_address:
-            raise unknown_model(name, self.cfg.model_name)
-        return name
+        model = model_to_route(self.cfg, name)
+        return None if model is None or self.cfg.serves(model) else model
 
     async def model_info(self, name: str | None) -> dict[str, Any]:
         model = self.model(name)

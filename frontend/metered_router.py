@@ -31,7 +31,7 @@ class MeteredRouter(Router):
             async for outs in gen:
                 if first and outs:
                     first = False
-                    m.prompt(outs[0].input_len or len(input_ids), outs[0].reuse_len)
+                    m.prompt(outs[0].aux.input_len or len(input_ids), outs[0].aux.reuse_len)
                     gauge.dec()
                     gauge = m.running
                     gauge.inc()

@@ -13,17 +13,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.backend_client import BackendOutput
-from frontend.chat import ChatService, PreparedRequest
-from frontend.chat_response import aux_info
-from frontend.completions import SSE_HEADERS, merged, prompt_ids, raw_prompt
-from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import stream_error_body
 from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
+from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
+from frontend.respond import RTP_SSE, aux_info, respond
 
 Key = tuple[int, int]   # (prompt number, sequence number)
 
@@ -61,46 +57,40 @@ class _State:
         return {"response_batch": items} if isinstance(self.req.prompt, list) else items[0]
 
 
-def raw_routes(chat: ChatService) -> APIRouter:
+def raw_routes(pipeline: Pipeline) -> APIRouter:
     router = APIRouter()
 
     @router.post("/")
     async def raw(req: RawRequest, request: Request) -> Any:
-        state = _State(req, await off_loop(_prepare, chat, req))
+        state = _State(req, await off_loop(_prepare, pipeline, req))
         request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
-        if req.streaming:
-            return StreamingResponse(_events(chat, state), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, _collect(chat, state)))
+        updates = _updates(state, pipeline.generate_many(state.preps))
+        return await respond(request, req.streaming, lambda: _events(state, updates), lambda: _collect(state, updates),
+                             RTP_SSE)
 
     return router
 
 
-def _prepare(chat: ChatService, req: RawRequest) -> list[PreparedRequest]:
-    chat.check_model(req.model)
+def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
+    model = pipeline.check_model(req.model)  # None: this frontend's own (no name, or SGLang's placeholder)
     cfg = req.generate_config
-    sampling = SamplingRequest(extra_configs=cfg)   # every field from generate_config
+    sampling = SamplingRequest(extra_configs=cfg, model=model)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
     constraint = constraint_for(req)
-    preps = []
-    for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt):
-        text, ids = prompt_ids(chat, prompt)
-        max_new = chat.budget(len(ids), cfg.max_new_tokens, "generate_config.max_new_tokens", "prompt")
-        params = chat.params(sampling, max_new, False, 0)
-        params.constraint = constraint
-        preps.append(PreparedRequest(f"{request_id}-{i}", raw_prompt(text, ids), params,
-                                     chat.stop_strings(sampling), req.model or None))
-    return preps
+    budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
+    return [pipeline.prepare(f"{request_id}-{i}", pipeline.tokens(prompt), sampling, budget, constraint=constraint)
+            for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt)]
 
 
-async def _collect(chat: ChatService, state: _State) -> dict[str, Any]:
-    async for _ in _updates(chat, state):
+async def _collect(state: _State, updates: AsyncIterator[tuple[Key, str]]) -> dict[str, Any]:
+    async for _ in updates:
         pass
     return state.body()
 
 
-async def _updates(chat: ChatService, state: _State) -> AsyncIterator[tuple[Key, str]]:
+async def _updates(state: _State, events: AsyncIterator[tuple[int, ChoiceEvent]]) -> AsyncIterator[tuple[Key, str]]:
     """Applies each event to the state; yields (sequence, new text) whenever something changed."""
-    async for i, ev in merged(chat, state.preps):
+    async for i, ev in events:
         key = (i, ev.index)
         state.text[key] += ev.text
         state.ids[key].extend(ev.token_ids)
@@ -110,11 +100,7 @@ async def _updates(chat: ChatService, state: _State) -> AsyncIterator[tuple[Key,
             yield key, ev.text
 
 
-async def _events(chat: ChatService, state: _State) -> AsyncIterator[str]:
-    try:
-        async for key, new in _updates(chat, state):
-            body = state.body({key: new}) if state.req.incremental else state.body()
-            yield f"data:{json.dumps(body, ensure_ascii=False)}\n\n"
-    except Exception as exc:  # noqa: BLE001 (headers are gone: an error event, then [done])
-        yield f"data:{json.dumps(stream_error_body(exc))}\n\n"
-    yield "data:[done]\n\n"
+async def _events(state: _State, updates: AsyncIterator[tuple[Key, str]]) -> AsyncIterator[str]:
+    async for key, new in updates:
+        body = state.body({key: new}) if state.req.incremental else state.body()
+        yield json.dumps(body, ensure_ascii=False)

@@ -27,6 +27,8 @@ from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.frontend")
 
+# SGLang's router forwards a request that names no model with this name (its placeholder model id).
+ROUTER_PLACEHOLDER_MODEL = "unknown"
 MASTER_RETRY_S = 1.0  # after a failed master call, go direct for this long before asking it again
 ATTEMPTS = 2          # backends tried per request (only before its first output)
 
@@ -38,6 +40,20 @@ class Route:
     via_master: bool     # False: the direct fallback list
     hit_cache_len: int   # the master's estimate of its prefix-cache hit (0 when direct)
     decode_address: str = ""  # prefill/decode split: the DECODE backend the PREFILL one hands over to
+
+
+def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
+    """The model a request asks for, as the client named it (an alias too, so the answer echoes it; the
+    Router maps aliases to our name); None for this frontend's own when the request names none: no name,
+    an empty one, or SGLang's placeholder (so a request without `model` works behind SGLang's router).
+    Without a master only our own names exist and any other is a 404; with one, the master answers for
+    every name."""
+    if not name or name == ROUTER_PLACEHOLDER_MODEL:
+        return None
+    if not cfg.serves(name) and not cfg.master_address:
+        raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
+                           f"'{cfg.model_name}'", "model")
+    return name
 
 
 class Router:

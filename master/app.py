@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -27,6 +29,8 @@ from master.policy import Decision, RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
 from master.schemas import RegisterRequest, ScheduleRequest, candidates_view, debug_info
+
+log = logging.getLogger("kvyard.master")
 
 # Open without the cluster token: probes, Prometheus, and read-only views a frontend or /metrics shows
 # anyway. Everything else (schedule, whose answer reveals cache hits, and registration) needs it.
@@ -97,6 +101,11 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
             raise RequestError(decision.error or ErrorCode.INTERNAL, decision.message,
                                "model" if decision.error is ErrorCode.MODEL_NOT_FOUND else None)
         chosen = decision.candidate(decision.chosen)
+        if log.isEnabledFor(logging.DEBUG):  # LOG_LEVEL=DEBUG: one line per decision, to replay routing offline
+            log.debug("decision %s", json.dumps({
+                "t": round(now, 3), "first_key": req.block_cache_keys[0] if req.block_cache_keys else None,
+                "blocks": len(req.block_cache_keys), "seq_len": req.seq_len, "reason": decision.reason,
+                "candidates": candidates_view(decision)}))
         metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status

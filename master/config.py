@@ -50,6 +50,7 @@ class MasterConfig:
     forget_s: float                        # a self-registered backend silent this long is forgotten
     routed_grace_s: float                  # a routed request counts as load until a poll sent this long after it
     pending_keys_ttl_s: float              # keys of routed prompts count as cached there for this long
+    working_set_s: float                   # ... and as its working set (the policy's recent_keys) this long
     policy: PolicyConfig                   # the routing knobs
     hold: HoldConfig = HoldConfig(256, 5.0)  # requests held while every backend is busy, and for how long
     cluster_token: str = ""                # CLUSTER_TOKEN(_FILE): internal calls must carry it; "" = open, no registration
@@ -75,11 +76,13 @@ class MasterConfig:
             forget_s=env_int(env, "MASTER_FORGET_S", 60, minimum=1),
             routed_grace_s=env_int(env, "MASTER_ROUTED_GRACE_MS", 100, minimum=0) / 1000,
             pending_keys_ttl_s=env_int(env, "MASTER_PENDING_KEYS_TTL_MS", 5000, minimum=0) / 1000,
+            working_set_s=env_int(env, "MASTER_WORKING_SET_MS", 30_000, minimum=0) / 1000,
             policy=PolicyConfig(
                 default_prefill_tokens_per_s=float(env_int(env, "MASTER_DEFAULT_PREFILL_TPS", 2000, minimum=1)),
                 max_waiting=env_int(env, "MASTER_MAX_WAITING", 64, minimum=1),
                 imbalance_abs=env_int(env, "MASTER_IMBALANCE_ABS", 8, minimum=0),
                 imbalance_ratio=env_int(env, "MASTER_IMBALANCE_PCT", 150, minimum=100) / 100,
+                stickiness=env_int(env, "MASTER_STICKINESS_PCT", 100, minimum=0) / 100,
             ),
             hold=HoldConfig(max_waiting=env_int(env, "MASTER_QUEUE_MAX", 256, minimum=0),
                             wait_s=env_int(env, "MASTER_QUEUE_WAIT_MS", 5000, minimum=0) / 1000),

@@ -1,4 +1,9 @@
-"""Master routing policy: (request, backend loads) → the backend with the shortest estimated TTFT. Pure.
+"""Master routing policy: (request, backend loads) → the backend with the lowest estimated cost. Pure.
+
+Interface (also the gateway's): `choose_backend(RouteRequest, [BackendLoad, ...], PolicyConfig) ->
+Decision`. No I/O, no clock, no state: the caller owns the backend view (polled status, cache keys,
+what it routed since) and records the choice. BackendLoad fields the caller does not track keep their
+defaults, which turn their term off (no pending or recent keys: no cost for them).
 
 For every healthy backend serving the model:
 
@@ -14,10 +19,28 @@ For every healthy backend serving the model:
 is noise next to the prefill terms, and a status up to one poll old may still show a finished request
 running. Decode-heavy load is the imbalance guard's job.)
 
+    copy_ms        = (best hit among the backends − hit) / rate × stickiness
+    added          = prompt tokens whose blocks are not in the backend's working set (recent_keys: blocks
+                     of prompts routed to it lately)
+    evict_ms       = min(added, working set + added − KV pool) / rate × stickiness   (0 when it fits)
+    cost_ms        = ttft_ms + copy_ms + evict_ms
+
+Both terms price what a greedy TTFT misses under KV pressure: what a placement costs later requests.
+copy_ms: computing here a prefix another backend already holds makes a second copy, and in a full cache
+that copy evicts some other prefix, whose next request pays a whole prefill. evict_ms: a prefix new to a
+backend whose working set already fills its pool pushes out a prefix it will be asked for again. The
+working set also remembers a prefix's home after the backend evicted it: measured on the shared-prefix
+benchmark (12 system prompts, two backends that hold ~5 each) with copy_ms alone, 5 of the 12 prompts,
+once evicted, were recomputed on the other backend because its queue was shorter at that instant; 12
+prompts got 17 homes and thrashed both caches. So a prefix stays with its backend until that backend's
+queue costs more than recomputing the prefix `1 + stickiness` times elsewhere, and a prompt cached
+nowhere goes to its old home, or to a backend with room in its working set, unless another starts it
+much sooner. A caller that does not track working sets leaves recent_keys empty: evict_ms is then 0.
+
 Backends whose free KV cannot hold the prefill, or whose queue is at the limit, are skipped. If the
 remaining pool is badly imbalanced (SGLang's guard: max_load − min_load > imbalance_abs and
 max_load > imbalance_ratio × min_load, load = running + waiting + routed since the poll), the least
-loaded backend wins whatever the cache says. Otherwise the lowest TTFT wins; candidates within
+loaded backend wins whatever the cache says. Otherwise the lowest cost wins; candidates within
 tie_ratio of it count as tied and the least recently chosen of them wins (RTP-LLM), which spreads a
 burst of identical-looking requests instead of piling them on one backend.
 
@@ -46,7 +69,9 @@ class PolicyConfig:
     max_waiting: int = 64          # a backend with this many queued sequences takes no more
     imbalance_abs: int = 8         # imbalance guard: max_load − min_load must exceed this ...
     imbalance_ratio: float = 1.5   # ... and max_load must exceed ratio × min_load
-    tie_ratio: float = 0.05        # TTFTs within 5 % of the best count as tied
+    tie_ratio: float = 0.05        # costs within 5 % of the best count as tied
+    stickiness: float = 1.0        # extra cost, in prefill time, of recomputing tokens another backend caches
+                                   # or of evicting tokens of its working set
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,8 @@ class BackendLoad:
     block_size: int = 16             # tokens per block
     cached_keys: Set[int] = field(default_factory=frozenset)   # block keys from its last cache poll
     pending_keys: Set[int] = field(default_factory=frozenset)  # keys of prompts just routed to it
+    recent_keys: Set[int] = field(default_factory=frozenset)   # working set: keys of prompts routed to it
+                                                               # lately (the registry's window), cached or not
     routed_requests: int = 0         # requests routed to it since its last poll
     routed_prefill_tokens: int = 0   # their prefill tokens
     routed_kv_tokens: int = 0        # KV tokens they will take
@@ -92,6 +119,7 @@ class Candidate:
     prefill_tokens: int              # tokens left to compute there
     waiting_time_ms: float           # queue ahead of the request
     estimate_ttft_ms: float          # waiting + own prefill
+    cost_ms: float                   # estimate_ttft_ms + copy_ms + evict_ms (see the module doc)
     available_kv_cache_len: int      # free KV tokens after what was routed since the poll
     load: int                        # running + waiting + routed since the poll
     skipped: str | None = None       # why it cannot take the request (SKIP_*), None = eligible
@@ -120,12 +148,22 @@ def hit_tokens(keys: Sequence[int], backend: BackendLoad, seq_len: int) -> int:
     return max(0, min(run * backend.block_size, seq_len - 1))
 
 
-def score(request: RouteRequest, b: BackendLoad, default_rate: float, max_waiting: int) -> Candidate:
-    hit = hit_tokens(request.block_cache_keys, b, request.seq_len)
+def evicted_tokens(request: RouteRequest, b: BackendLoad) -> int:
+    """Tokens of the backend's working set this prompt would push out of its KV pool: the prompt's part
+    new to the working set, as far as the working set plus that part overflows the pool."""
+    added = sum(1 for key in request.block_cache_keys if key not in b.recent_keys) * b.block_size
+    overflow = (len(b.recent_keys) * b.block_size + added) - b.total_blocks * b.block_size
+    return max(0, min(added, overflow))
+
+
+def score(request: RouteRequest, b: BackendLoad, hit: int, best_hit: int, default_rate: float,
+          cfg: PolicyConfig) -> Candidate:
     prefill = request.seq_len - hit
     rate = b.prefill_tokens_per_s if b.prefill_tokens_per_s > 0 else default_rate
     waiting_ms = (b.queued_prefill_tokens + b.routed_prefill_tokens) / rate * 1000.0
     ttft_ms = waiting_ms + prefill / rate * 1000.0
+    copy_ms = (best_hit - hit) / rate * 1000.0 * cfg.stickiness
+    evict_ms = evicted_tokens(request, b) / rate * 1000.0 * cfg.stickiness
     available = b.free_blocks * b.block_size - b.routed_kv_tokens
     skipped = None
     if not b.healthy:
@@ -134,9 +172,9 @@ def score(request: RouteRequest, b: BackendLoad, default_rate: float, max_waitin
         skipped = SKIP_TOO_LONG
     elif prefill > available:
         skipped = SKIP_KV_FULL
-    elif b.waiting >= max_waiting:
+    elif b.waiting >= cfg.max_waiting:
         skipped = SKIP_QUEUE_FULL
-    return Candidate(b.name, hit, prefill, waiting_ms, ttft_ms, available, b.load, skipped)
+    return Candidate(b.name, hit, prefill, waiting_ms, ttft_ms, ttft_ms + copy_ms + evict_ms, available, b.load, skipped)
 
 
 def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
@@ -177,7 +215,11 @@ def choose_decode(request: RouteRequest, decoders: Sequence[BackendLoad]) -> str
 def _choose_first_stage(request: RouteRequest, serving: Sequence[BackendLoad], cfg: PolicyConfig) -> Decision:
     measured = [b.prefill_tokens_per_s for b in serving if b.prefill_tokens_per_s > 0]
     default_rate = sum(measured) / len(measured) if measured else cfg.default_prefill_tokens_per_s
-    candidates = [score(request, b, default_rate, cfg.max_waiting) for b in serving]
+    hits = [hit_tokens(request.block_cache_keys, b, request.seq_len) for b in serving]
+    # The copy cost counts only hits a backend could serve now (healthy), else a dead one would hold its
+    # prefixes hostage.
+    best_hit = max((h for h, b in zip(hits, serving) if b.healthy), default=0)
+    candidates = [score(request, b, h, best_hit, default_rate, cfg) for b, h in zip(serving, hits)]
     by_name = {b.name: b for b in serving}
     eligible = [c for c in candidates if c.skipped is None]
     if not eligible:
@@ -189,8 +231,8 @@ def _choose_first_stage(request: RouteRequest, serving: Sequence[BackendLoad], c
         tied = [c for c in eligible if c.load == least]
         return Decision(_least_recent(tied, by_name), "imbalance", candidates)
 
-    best = min(c.estimate_ttft_ms for c in eligible)
-    tied = [c for c in eligible if c.estimate_ttft_ms <= best * (1 + cfg.tie_ratio)]
+    best = min(c.cost_ms for c in eligible)
+    tied = [c for c in eligible if c.cost_ms <= best * (1 + cfg.tie_ratio)]
     chosen = _least_recent(tied, by_name)
     hit = next(c.hit_cache_len for c in tied if c.name == chosen)
     return Decision(chosen, "prefix_hit" if hit > 0 else "shortest_ttft", candidates)

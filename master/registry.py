@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +37,8 @@ class BackendState:
     cache_version: int = -1                # the backend's cache version cache_keys reflect; -1 = none
     pending: dict[int, float] = field(default_factory=dict)  # key of a just-routed prompt → expiry
     routed: deque[_Routed] = field(default_factory=deque)    # routed since its last poll
+    recent: OrderedDict[int, float] = field(default_factory=OrderedDict)  # working set: key of a prompt
+                                           # routed here → when, oldest first; kept working_set_s
     last_chosen: float = 0.0
     poll_latency_ms: float = 0.0           # round trip of the last good status poll
     routed_requests: int = 0               # requests routed to it since the master started
@@ -139,6 +141,8 @@ class Registry:
             state.routed.popleft()
         for key in [k for k, expiry in state.pending.items() if expiry <= now]:
             del state.pending[key]
+        while state.recent and next(iter(state.recent.values())) <= now - self.cfg.working_set_s:
+            state.recent.popitem(last=False)
 
     def needs_cache(self, name: str) -> int | None:
         """The version to ask a cache diff from, or None when our keys are current."""
@@ -182,13 +186,14 @@ class Registry:
                 free_blocks=st.free_blocks, total_blocks=st.total_blocks, block_size=st.block_size)
             out.append(BackendLoad(
                 name=name, model=s.endpoint.model, healthy=self.healthy(s, now), role=s.endpoint.role, **base,
-                cached_keys=s.cache_keys, pending_keys=s.pending.keys(),
+                cached_keys=s.cache_keys, pending_keys=s.pending.keys(), recent_keys=s.recent.keys(),
                 routed_requests=len(s.routed), routed_prefill_tokens=sum(r.prefill_tokens for r in s.routed),
                 routed_kv_tokens=sum(r.kv_tokens for r in s.routed), last_chosen=s.last_chosen))
         return out
 
     def record_choice(self, name: str, keys: list[int], seq_len: int, hit: int, now: float) -> None:
-        """The request counts as load and its prompt as cached there before the next poll says so."""
+        """The request counts as load and its prompt as cached there before the next poll says so, and as
+        part of the backend's working set for working_set_s."""
         state = self.backends[name]
         state.last_chosen = now
         state.routed_requests += 1
@@ -206,6 +211,8 @@ class Registry:
         for key in keys:
             if key not in state.cache_keys:
                 state.pending[key] = expiry
+            state.recent[key] = now
+            state.recent.move_to_end(key)
 
     # ---- the live view ----------------------------------------------------------------------
 

@@ -45,5 +45,6 @@ def debug_info(c: Candidate, running: int, step_latency_ms: float) -> dict[str, 
 def candidates_view(decision: Decision) -> list[dict[str, Any]]:
     return [{"name": c.name, "hit_cache_len": c.hit_cache_len, "prefill_tokens": c.prefill_tokens,
              "waiting_time_ms": round(c.waiting_time_ms, 2), "estimate_ttft_ms": round(c.estimate_ttft_ms, 2),
+             "cost_ms": round(c.cost_ms, 2),
              "available_kv_cache_len": c.available_kv_cache_len, "load": c.load, "skipped": c.skipped,
              "chosen": c.name == decision.chosen} for c in decision.candidates]

@@ -2,7 +2,6 @@
 client and httpx against an in-process frontend and the product mock backend."""
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 import time
@@ -13,6 +12,7 @@ import openai
 import pytest
 
 from backend.mock_backend import mock_logprob
+from frontend.pipeline import Pipeline
 from kvyard.tokenizer import TextTokenizer
 from tests.support.mock_stack import MockBackendThread, script
 from tests.support.sse import sse_data
@@ -116,24 +116,23 @@ def test_raw_generate_stream(http: httpx.Client, incremental: bool) -> None:
 
 # ---- tokenizing holds nobody else ----------------------------------------------------------------
 
-@pytest.mark.parametrize(("module", "path", "body"), [
-    ("frontend.completions", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
-    ("frontend.raw_generate", "/", {"prompt": "a", "generate_config": {"max_new_tokens": 2}}),
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
+    ("/", {"prompt": "a", "generate_config": {"max_new_tokens": 2}}),
 ])
-def test_tokenizing_runs_off_the_event_loop(http: httpx.Client, monkeypatch: pytest.MonkeyPatch, module: str,
-                                            path: str, body: dict[str, object]) -> None:
+def test_tokenizing_runs_off_the_event_loop(http: httpx.Client, monkeypatch: pytest.MonkeyPatch, path: str,
+                                            body: dict[str, object]) -> None:
     """A big prompt used to be tokenized on the event loop, blocking /health and every stream meanwhile:
     with tokenizing made slow (0.5 s a prompt), /health still answers at once while it runs."""
-    target = importlib.import_module(module)
-    tokenize = target.prompt_ids
+    tokenize = Pipeline.tokens
     started = threading.Event()
 
-    def slow_prompt_ids(*args: object) -> object:
+    def slow_tokens(*args: object) -> object:
         started.set()
         time.sleep(0.5)
-        return tokenize(*args)
+        return tokenize(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(target, "prompt_ids", slow_prompt_ids)
+    monkeypatch.setattr(Pipeline, "tokens", slow_tokens)
     result: list[httpx.Response] = []
     request = threading.Thread(target=lambda: result.append(http.post(path, json=body)))
     request.start()

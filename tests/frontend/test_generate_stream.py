@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.generate_stream import SSE_END, sse_message
+from frontend.respond import EVENT_SSE, sse_message
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
 from tests.support.scoring_stub import StubFrontend, stub_frontend
@@ -55,7 +55,7 @@ def test_sse_message_round_trips(text: str) -> None:
     assert raw.startswith("event: message\n") and raw.endswith("\n\n")
     assert "\n\n" not in raw[:-2]  # one event, however many lines
     assert parse_sse(raw) == [("message", text.replace("\r\n", "\n").replace("\r", "\n"))]
-    assert SSE_END == "event: end\n\n"
+    assert EVENT_SSE.end == "event: end\n\n"
 
 
 def test_plain_text_streams_as_generated(stub: StubFrontend) -> None:
@@ -109,6 +109,29 @@ def test_errors_before_the_stream_are_http_errors(stub: StubFrontend, query: str
     assert resp.status_code == status
     error: dict[str, Any] = resp.json()["error"]
     assert needle in error["message"] + str(error["param"])
+
+
+def test_max_tokens_past_the_context_is_a_400_as_elsewhere(stub: StubFrontend) -> None:
+    """/generate used to clamp max_tokens to the room left; like /v1/completions it now refuses it."""
+    for path, kwargs in [("/generate?max_tokens=300", {"content": "Hi"}),
+                         ("/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 300}})]:
+        resp = httpx.post(f"{stub.url}{path}", headers=SSE, timeout=30, **kwargs)  # type: ignore[arg-type]
+        assert resp.status_code == 400, path
+        error = resp.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens", error
+
+
+def test_prompt_tokenized_as_completions_does(stub: StubFrontend, tokenizer: TextTokenizer) -> None:
+    """The same text reaches the backend as the same ids from /generate and /v1/completions (special
+    tokens parsed, BOS at most once)."""
+    prompt = "<|im_start|>user\nHi<|im_end|>"
+    sent = []
+    for path, kwargs in [("/generate?max_tokens=4", {"content": prompt}),
+                         ("/v1/completions", {"json": {"prompt": prompt, "max_tokens": 4}})]:
+        assert httpx.post(f"{stub.url}{path}", timeout=30, **kwargs).status_code == 200  # type: ignore[arg-type]
+        sent.append(list(stub.servicer.requests[-1].token_ids))
+    assert sent[0] == sent[1]
+    assert tokenizer.encode("<|im_start|>", parse_special=True)[0] in sent[0]
 
 
 @pytest.mark.slow

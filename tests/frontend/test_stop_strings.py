@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.stop_strings import StopStringMatcher
+from frontend.pipeline import StopStringMatcher
 
 
 def reference(text: str, stops: list[str]) -> str:

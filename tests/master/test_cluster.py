@@ -75,7 +75,7 @@ async def run_once(router: Router, ids: list[int], request_id: str) -> tuple[str
     route = await router.route(router.cfg.model_name, ids)
     reuse = -1
     async for outs in router.client(route.address).generate(request_id, ids, PARAMS):
-        reuse = outs[-1].reuse_len
+        reuse = outs[-1].aux.reuse_len
     return route.address, reuse
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 from kvyard.block_keys import block_cache_keys
 from kvyard.errors import ErrorCode
 from master.policy import (SKIP_KV_FULL, SKIP_QUEUE_FULL, SKIP_TOO_LONG, SKIP_UNHEALTHY, BackendLoad,
-                           PolicyConfig, RouteRequest, choose_backend, hit_tokens)
+                           PolicyConfig, RouteRequest, choose_backend, evicted_tokens, hit_tokens)
 
 MODEL = "m"
 PROMPT = list(range(1000, 1400))          # 400 tokens = 25 full blocks of 16
@@ -115,10 +115,10 @@ def test_burst_spreads_over_equal_backends() -> None:
 
 
 def test_routed_prompt_counts_as_cached_before_the_poll_confirms_it() -> None:
-    # "a" was just sent this prompt (its keys pending) and another one; the next request sharing the
-    # prefix follows it once "a" has computed them... but while "a" still has 800 tokens to compute,
-    # the idle "b" is sooner.
-    a = backend("a", pending_keys=frozenset(KEYS), routed_requests=2, routed_prefill_tokens=800)
+    # "a" was just sent this prompt (its keys pending) and others; the next request sharing the
+    # prefix follows it once "a" has computed them... but while "a" still has 1,600 tokens to compute
+    # (more than copying the 400-token prefix to "b" costs, stickiness included), the idle "b" is sooner.
+    a = backend("a", pending_keys=frozenset(KEYS), routed_requests=4, routed_prefill_tokens=1600)
     b = backend("b")
     assert choose_backend(request(), [a, b]).chosen == "b"
     a_done = replace(a, routed_requests=0, routed_prefill_tokens=0)
@@ -149,3 +149,77 @@ def test_a_running_decode_does_not_outweigh_a_hit() -> None:
     # A status one poll old may still show the previous request running: the hit must still win.
     holder = backend("holder", cached_keys=frozenset(KEYS), running=1, step_latency_ms=700.0)
     assert choose_backend(request(), [holder, backend("idle")]).chosen == "holder"
+
+
+# ---- under KV pressure: what a placement costs later requests ----------------------------------------
+
+SMALL_POOL = dict(free_blocks=60, total_blocks=60)  # 960 tokens: two 400-token prompts, not three
+
+
+def other_keys(n: int, start: int = 50_000) -> frozenset[int]:
+    """The block keys of n other 400-token prompts (25 blocks each)."""
+    return frozenset(k for i in range(n) for k in block_cache_keys(list(range(start + 1000 * i, start + 1000 * i + 400)), 16))
+
+
+def test_a_prefix_stays_with_its_backend_when_copying_it_costs_more_than_its_queue() -> None:
+    # "a" holds the prompt but has 600 tokens queued (300 ms); "b" is idle. Greedy TTFT says "b"
+    # (200 ms vs 300 ms), but computing the 399-token prefix there again costs another ~200 ms later.
+    a = backend("a", cached_keys=frozenset(KEYS), queued_prefill_tokens=600)
+    b = backend("b")
+    d = choose_backend(request(), [a, b])
+    assert d.candidate("b").estimate_ttft_ms < d.candidate("a").estimate_ttft_ms
+    assert d.chosen == "a" and d.reason == "prefix_hit"
+    assert choose_backend(request(), [a, b], PolicyConfig(stickiness=0.0)).chosen == "b"  # greedy
+    # Once the queue costs more than recomputing the prefix twice, it moves.
+    assert choose_backend(request(), [replace(a, queued_prefill_tokens=900), b]).chosen == "b"
+
+
+def test_evicted_tokens_count_only_the_overflow_of_the_working_set() -> None:
+    req = request()  # 25 blocks
+    assert evicted_tokens(req, backend("x", **SMALL_POOL)) == 0  # empty working set
+    assert evicted_tokens(req, backend("x", **SMALL_POOL, recent_keys=other_keys(1))) == 0  # 50 of 60 blocks
+    assert evicted_tokens(req, backend("x", **SMALL_POOL, recent_keys=other_keys(2))) == 15 * 16  # 75 of 60
+    assert evicted_tokens(req, backend("x", **SMALL_POOL, recent_keys=other_keys(4))) == 25 * 16  # at most the prompt
+    # The prompt's own blocks are no new demand: a backend whose working set already has them evicts nothing.
+    home = backend("x", **SMALL_POOL, recent_keys=other_keys(3) | frozenset(KEYS))
+    assert evicted_tokens(req, home) == 0
+
+
+def test_a_new_prefix_goes_where_its_working_set_has_room() -> None:
+    # Nothing caches the prompt. "a" starts it a little sooner, but its working set (two other prompts)
+    # already fills its pool: the prompt would evict a prefix "a" will be asked for again. "b" has room.
+    a = backend("a", **SMALL_POOL, recent_keys=other_keys(2))
+    b = backend("b", **SMALL_POOL, recent_keys=other_keys(1, start=90_000), queued_prefill_tokens=100)
+    d = choose_backend(request(), [a, b])
+    assert d.candidate("a").estimate_ttft_ms < d.candidate("b").estimate_ttft_ms
+    assert d.chosen == "b" and d.reason == "shortest_ttft"
+    assert choose_backend(request(), [replace(a, recent_keys=frozenset()), b]).chosen == "a"  # no working set: greedy
+
+
+def test_an_evicted_prefix_goes_back_to_its_home() -> None:
+    # The prompt was routed to "a" lately but "a" evicted it (in a's working set, not in its cache). Both
+    # working sets are full; "b" is idle and "a" has a short queue: recomputing it at home keeps one copy.
+    a = backend("a", **SMALL_POOL, recent_keys=other_keys(2) | frozenset(KEYS), queued_prefill_tokens=100)
+    b = backend("b", **SMALL_POOL, recent_keys=other_keys(3, start=90_000))
+    d = choose_backend(request(), [a, b])
+    assert d.candidate("a").hit_cache_len == 0 and d.chosen == "a"
+    # Not at any price: a home whose queue costs more than recomputing the prefix twice loses it.
+    assert choose_backend(request(), [replace(a, queued_prefill_tokens=1000), b]).chosen == "b"
+
+
+def test_prefixes_spread_over_the_backends_under_pressure() -> None:
+    """Six prompts, two backends whose pools hold three each, the registry's bookkeeping replayed by hand:
+    each backend becomes the home of three, however the queues look when each first arrives."""
+    loads = {n: backend(n, **SMALL_POOL) for n in ("a", "b")}
+    loads["a"] = replace(loads["a"], queued_prefill_tokens=50)  # "b" always starts a little later...
+    loads["b"] = replace(loads["b"], queued_prefill_tokens=80)
+    homes: dict[str, list[int]] = {"a": [], "b": []}
+    for i in range(6):
+        ids = list(range(200_000 + 1000 * i, 200_000 + 1000 * i + 300))  # 18 full blocks of 16 = 288 tokens
+        d = choose_backend(request(ids), list(loads.values()))
+        assert d.chosen is not None
+        homes[d.chosen].append(i)
+        b = loads[d.chosen]
+        loads[d.chosen] = replace(b, recent_keys=frozenset(b.recent_keys) | frozenset(block_cache_keys(ids, 16)),
+                                  last_chosen=i + 1.0)
+    assert sorted(map(len, homes.values())) == [3, 3], homes

@@ -109,6 +109,22 @@ def test_routed_requests_count_until_a_later_poll_and_keys_are_pending() -> None
     assert reg.stats.requests == 1 and reg.stats.hit_requests == 0
 
 
+def test_routed_keys_are_the_working_set_for_working_set_s_cached_or_not() -> None:
+    reg = registry_with(A)
+    reg.apply_status(A.name, LOAD, 0.0, 0.0)
+    reg.record_choice(A.name, [11, 12], seq_len=40, hit=0, now=1.0)
+    reg.apply_cache(A.name, CacheUpdate(1, False, frozenset({11, 12}), frozenset(), frozenset(), 16))
+    reg.record_choice(A.name, [11, 13], seq_len=40, hit=16, now=5.0)  # 11 routed again: kept from 5.0 on
+    assert set(load_of(reg, A.name, 5.0).recent_keys) == {11, 12, 13}
+    # The backend evicted 12 (a diff): it stays in the working set, the prompt's home, until the window ends.
+    reg.apply_cache(A.name, CacheUpdate(2, True, frozenset(), frozenset(), frozenset({12}), 16))
+    assert 12 not in load_of(reg, A.name, 5.0).cached_keys and 12 in load_of(reg, A.name, 5.0).recent_keys
+    reg.apply_status(A.name, LOAD, 1.0 + CFG.working_set_s, 1.0 + CFG.working_set_s)
+    assert set(load_of(reg, A.name, 1.0 + CFG.working_set_s).recent_keys) == {11, 13}
+    reg.apply_status(A.name, LOAD, 5.0 + CFG.working_set_s, 5.0 + CFG.working_set_s)
+    assert not load_of(reg, A.name, 5.0 + CFG.working_set_s).recent_keys
+
+
 def test_dns_sync_adds_and_drops_and_registration_is_forgotten_when_silent() -> None:
     reg = registry_with(A)
     reg.sync_source("dns:svc:8089", [A, B], 0.0)

@@ -1,0 +1,280 @@
+"""The frontend's one generation pipeline, which every HTTP dialect calls: prepare (a rendered prompt, text
+or token ids → tokens → the context-length budget → GenerateParams) → generate (route → backend →
+detokenize → stop strings) → a stream of ChoiceEvents for the dialect to put on its wire.
+
+The context-length check lives here only (Pipeline.budget); the engine keeps its own. Stop strings are
+cut here too (StopStringMatcher), after detokenizing, so every dialect stops at the same text."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
+from frontend.config import FrontendConfig
+from frontend.protocol import GenerateConfig, SamplingRequest
+from frontend.routing import Router, model_to_route
+from kvyard.constraint import Constraint
+from kvyard.detokenize import IncrementalDetokenizer
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.tokenizer import TextTokenizer
+from renderers import RenderedPrompt, ToolParser
+
+
+@dataclass
+class PreparedRequest:
+    """Everything decided before the backend is called."""
+    request_id: str
+    rendered: RenderedPrompt
+    params: GenerateParams
+    stop_strings: list[str]
+    model: str | None = None   # as the client named it (None: this frontend's own; Pipeline.check_model);
+                               # the master routes by it and the response echoes it
+    tool_parser: type[ToolParser] | None = None  # parse the output for tool calls (the request has tools)
+
+
+@dataclass
+class ChoiceEvent:
+    """New text for one choice (may be empty when only finish_reason or logprobs change)."""
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    completion_tokens: int = 0     # this choice's total so far
+    token_ids: list[int] = field(default_factory=list)  # the ids behind this event (before stop strings)
+    backend: BackendOutput | None = None  # the backend's output, for its aux facts (timings, reuse)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a completion may have, and the request fields to name when it cannot."""
+    requested: int | None      # None: the room left in the context
+    param: str = "max_tokens"  # the field that asked for it
+    prompt_param: str = "prompt"  # the field the prompt came from
+
+
+class Pipeline:
+    def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, client: Router) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.client = client
+
+    # --- prepare ---
+
+    def check_model(self, requested: str | None) -> str | None:
+        """The model to route to and echo: as the client named it (an alias too), None for this frontend's
+        own (no name, or SGLang's router's placeholder); an unknown name is a 404 unless a master answers
+        for the cluster (frontend.routing.model_to_route). Dialects call it first, so a wrong model is
+        refused before the prompt is tokenized; prepare applies it again (idempotent)."""
+        return model_to_route(self.cfg, requested)
+
+    def tokens(self, prompt: str | list[int]) -> RenderedPrompt:
+        """A prompt given as text (special tokens parsed; BOS added when the model wants it and the text
+        has none) or as token ids, as the backend will receive it."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, parse_special=True)
+            if tok.add_bos_token and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+                ids = [tok.bos_token_id, *ids]
+            text = prompt
+        else:
+            try:
+                tok.check_ids(prompt)
+            except ValueError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), "prompt") from None
+            ids, text = list(prompt), tok.decode(prompt)
+        if not ids:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the prompt is empty", "prompt")
+        return RenderedPrompt(prompt=text, input_ids=ids, stop_words=[], renderer="none", template_source="none")
+
+    def prepare(self, request_id: str, rendered: RenderedPrompt, req: SamplingRequest, budget: Budget, *,
+                logprobs: bool = False, top_logprobs: int = 0, constraint: Constraint | None = None,
+                tool_parser: type[ToolParser] | None = None) -> PreparedRequest:
+        """The prompt's tokens within budget, and the request's sampling fields as GenerateParams."""
+        max_new = self.budget(len(rendered.input_ids), budget)
+        params = self._params(req, max_new, logprobs, top_logprobs)
+        params.constraint = constraint
+        return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
+                               self.check_model(req.model), tool_parser)
+
+    def budget(self, n_prompt: int, budget: Budget) -> int:
+        """Tokens the completion may have: as requested, else the room left in the context."""
+        limit, requested, param = self.cfg.max_seq_len, budget.requested, budget.param
+        if n_prompt >= limit:
+            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                               f"This model's maximum context length is {limit} tokens. However, your "
+                               f"{budget.prompt_param} resulted in {n_prompt} tokens, leaving no room for a "
+                               "completion.", budget.prompt_param)
+        if requested is None:
+            return limit - n_prompt
+        if requested <= 0:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} must be at least 1, got {requested}", param)
+        if n_prompt + requested > limit:
+            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                               f"This model's maximum context length is {limit} tokens. However, you "
+                               f"requested {n_prompt + requested} tokens ({n_prompt} in the "
+                               f"{budget.prompt_param}, {requested} in the completion).", param)
+        return requested
+
+    def _params(self, req: SamplingRequest, max_new: int, logprobs: bool, top_logprobs: int) -> GenerateParams:
+        """The request's sampling fields; `extra_configs` (RTP-LLM) fills what the request leaves unset."""
+        extra = req.extra_configs or GenerateConfig()
+
+        def pick(own: Any, rtp: Any, default: Any) -> Any:
+            return own if own is not None else rtp if rtp is not None else default
+
+        return GenerateParams(
+            max_new_tokens=max_new,
+            temperature=pick(req.temperature, extra.temperature, 1.0),
+            top_p=pick(req.top_p, extra.top_p, 1.0),
+            top_k=pick(req.top_k, extra.top_k, 0),
+            min_p=pick(req.min_p, extra.min_p, 0.0),
+            seed=pick(req.seed, extra.random_seed, None),
+            stop_sequences=[list(ids) for ids in (*self.cfg.stop_word_ids, *(extra.stop_words_list or []))],
+            return_logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=req.n if req.n != 1 else max(1, extra.num_return_sequences or 1),
+            repetition_penalty=pick(req.repetition_penalty, extra.repetition_penalty, 1.0),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=self._logit_bias(req.logit_bias),
+            min_new_tokens=extra.min_new_tokens or 0,
+            ignore_eos=bool(extra.ignore_eos),
+            timeout_ms=pick(extra.timeout_ms, None, int(self.cfg.request_timeout_s * 1000)),
+        )
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < self.tokenizer.vocab_size or not -100 <= value <= 100:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"logit_bias {key}: {value} is out of range (ids < "
+                                   f"{self.tokenizer.vocab_size}, values in [-100, 100])", "logit_bias")
+            out[token] = value
+        return out
+
+    # --- generate ---
+
+    async def generate(self, prep: PreparedRequest) -> AsyncIterator[ChoiceEvent]:
+        """One event per choice per backend step; exactly one event per choice has finish_reason.
+        Closing this closes the backend call, which aborts the request there."""
+        context = prep.rendered.input_ids
+        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids=context),
+                              StopStringMatcher(prep.stop_strings)) for i in range(prep.params.n)}
+        unfinished = len(choices)
+        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
+        try:
+            async for outs in gen:
+                for out in outs:
+                    choice = choices[out.index]
+                    if choice.done:
+                        continue
+                    choice.tokens += len(out.token_ids)
+                    text = choice.stops.feed(choice.detok.push(out.token_ids))
+                    finish = "stop" if choice.stops.stopped else None
+                    if finish is None and out.finish_reason is not None:
+                        text += choice.stops.feed(choice.detok.flush())
+                        text += choice.stops.flush()
+                        finish = "stop" if choice.stops.stopped else out.finish_reason
+                    if finish is not None:
+                        choice.done = True
+                        unfinished -= 1
+                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens, out.token_ids, out)
+                if unfinished == 0:
+                    break  # a stop string ended every choice: closing the stream aborts the backend side
+        finally:
+            await gen.aclose()
+
+    async def generate_many(self, preps: list[PreparedRequest]) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+        """generate() of several requests at once (a batch of prompts), events tagged with the request's
+        position. Closing this closes every one of them (and so aborts their backend calls)."""
+        if len(preps) == 1:
+            gen = self.generate(preps[0])
+            try:
+                async for ev in gen:
+                    yield 0, ev
+            finally:
+                await gen.aclose()
+            return
+        queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, prep: PreparedRequest) -> None:
+            try:
+                async for ev in self.generate(prep):
+                    await queue.put((i, ev))
+                await queue.put((i, None))
+            except Exception as exc:  # noqa: BLE001 (handed to the consumer, which raises it)
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(preps)]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Choice:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    tokens: int = 0
+    done: bool = False
+
+
+class StopStringMatcher:
+    """Feed text pieces; get back what is safe to emit. Once a stop string appears, the text before
+    it is released and `stopped` turns True; nothing after it is ever released."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stop:
+            return text
+        buf = self._held + text
+        # The stop string that completes first wins (ties: the one that starts first), so the result
+        # is the same however the text is split into pieces (e.g. stops "abcd" and "bc" in "abcd").
+        found = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stop) if i >= 0]
+        cut = min(found)[1] if found else -1
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end of generation the held-back text is not a stop string after all."""
+        out, self._held = self._held, ""
+        return "" if self.stopped else out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
