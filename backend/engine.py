@@ -9,7 +9,7 @@ import torch
 
 from backend.constraints import mask_words
 from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
-                                  ScoreResult, TokenOutput, WorkerStatus)
+                                  ScoreResult, TokenOutput)
 from backend.model_runner import ModelRunner
 from backend.sampler import Sample, SampleRow, sample
 from backend.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -20,6 +20,7 @@ from backend.step_stats import StepStats
 from backend.validation import validate_request
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
+from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from backend.sampler import Sample, SamplingParams
 from backend.sequence import FinishReason, Sequence, StopConditions
 from kvyard.constraint import Constraint
-from kvyard.roles import Role
 
 if TYPE_CHECKING:
     from backend.constraints import GrammarState
@@ -94,23 +93,6 @@ class ScoreResult:
     logprobs: list[Sample]
     aux: AuxInfo
     finish_reason: FinishReason = FinishReason.STOP
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    role: Role
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    step_latency_ms: float
-    prefill_tokens_per_s: float
-    free_blocks: int
-    total_blocks: int
-    block_size: int
-    version: int
-    iterate_count: int
-    alive: bool
-    cache_version: int
 
 
 @dataclass(frozen=True)

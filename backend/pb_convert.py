@@ -1,11 +1,12 @@
 """Protobuf ⇄ engine types, at the gRPC edge only: nothing past backend/server.py sees protobuf."""
 from __future__ import annotations
 
-from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
+from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
 from backend.sampler import SamplingParams
 from backend.sequence import FinishReason, StopConditions
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 
 _KIND_FROM_PB = {
