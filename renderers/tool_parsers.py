@@ -3,7 +3,8 @@ text), how its earlier calls are written back into the conversation, how its out
 calls, streaming or not, and the grammar that forces a call (tool_choice "required" or a named function).
 Output that does not parse as a call is returned as plain text, never raised.
 
-A parser is stateful and belongs to one choice of one request: `feed` text as it is generated, `finish`
+The formats themselves: renderers/hermes_tools.py and renderers/json_tools.py (registered by
+renderers/__init__.py). A parser is stateful and belongs to one choice of one request: `feed` text as it is generated, `finish`
 at the end; both return events (plain text, or one complete call). `parse` does both for a whole text.
 While a call is being written, `pending` shows it as far as it is decided, so its arguments can stream.
 A call is decided once its name is complete and its arguments have begun with valid JSON (the opening and
@@ -47,7 +48,7 @@ class ToolParser(ABC):
         """The output ended: whatever is held back, as calls if they are complete, else as text."""
 
     def parse(self, text: str) -> list[ToolEvent]:
-        return _coalesce([*self.feed(text), *self.finish()])
+        return coalesce([*self.feed(text), *self.finish()])
 
     @classmethod
     @abstractmethod
@@ -127,7 +128,7 @@ def one_of(calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @dataclass
-class _CallReader:
+class CallReader:
     """One call object being written: a JsonReader over its text, and what it has decided."""
     reader: JsonReader
     prefix: tuple[str | int, ...] = ()   # where the object sits in the reader's value ((): it is the value)
@@ -177,7 +178,7 @@ class _CallReader:
         return call
 
 
-def _choice_line(tool_choice: Any) -> str:
+def choice_line(tool_choice: Any) -> str:
     if tool_choice == "required":
         return "\n\nYou must call at least one function."
     if isinstance(tool_choice, dict) and tool_choice.get("function", {}).get("name"):
@@ -185,7 +186,7 @@ def _choice_line(tool_choice: Any) -> str:
     return ""
 
 
-def _coalesce(events: list[ToolEvent]) -> list[ToolEvent]:
+def coalesce(events: list[ToolEvent]) -> list[ToolEvent]:
     out: list[ToolEvent] = []
     for ev in events:
         if ev.call is None and not ev.text:
@@ -197,268 +198,9 @@ def _coalesce(events: list[ToolEvent]) -> list[ToolEvent]:
     return out
 
 
-def _partial_suffix(buf: str, marker: str) -> int:
+def partial_suffix(buf: str, marker: str) -> int:
     """Length of the longest suffix of buf that is a proper prefix of marker."""
     for n in range(min(len(marker) - 1, len(buf)), 0, -1):
         if buf.endswith(marker[:n]):
             return n
     return 0
-
-
-@register_tool_parser("hermes", "qwen")
-class HermesToolParser(ToolParser):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them (Hermes,
-    Qwen 2/2.5/3). A call ends at its closing tag (or the end of the output)."""
-    name = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self) -> None:
-        self._buf = ""          # held text (outside) or the call's body so far (inside)
-        self._inside = False
-        self._after_call = False  # drop the whitespace models put between and after calls
-        self._call: _CallReader | None = None  # inside: the body read as JSON (what is surely body)
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        self._buf += text
-        events: list[ToolEvent] = []
-        while True:
-            if self._inside:
-                end = self._buf.find(self.CLOSE)
-                if end < 0:
-                    self._read_body(len(self._buf) - _partial_suffix(self._buf, self.CLOSE))
-                    return _coalesce(events)
-                self._read_body(end)
-                body, self._buf = self._buf[:end], self._buf[end + len(self.CLOSE):]
-                self._inside = False
-                events.append(self._call_or_text(body, closed=True))
-                continue
-            start = self._buf.find(self.OPEN)
-            if start >= 0:
-                events.append(self._text(self._buf[:start]))
-                self._buf = self._buf[start + len(self.OPEN):]
-                self._inside = True
-                self._call = _CallReader(JsonReader(max_depth=1))
-                continue
-            keep = _partial_suffix(self._buf, self.OPEN)
-            events.append(self._text(self._buf[:len(self._buf) - keep]))
-            self._buf = self._buf[len(self._buf) - keep:]
-            return _coalesce(events)
-
-    def finish(self) -> list[ToolEvent]:
-        if self._inside:
-            self._read_body(len(self._buf))
-        buf, self._buf = self._buf, ""
-        if self._inside:
-            self._inside = False
-            return _coalesce([self._call_or_text(buf, closed=False)])  # eos before the closing tag
-        return _coalesce([self._text(buf)])
-
-    def pending(self) -> ParsedToolCall | None:
-        if not self._inside or self._call is None or not self._call.committed:
-            return None
-        assert self._call.name is not None
-        return ParsedToolCall(self._call.name, self._call.arguments_so_far())
-
-    def _read_body(self, upto: int) -> None:
-        """The body's first `upto` characters are surely body (not the start of the closing tag)."""
-        assert self._call is not None
-        seen = len(self._call.reader.text)
-        if upto > seen and self._call.reader.valid:
-            self._call.reader.feed(self._buf[seen:upto])
-
-    def _text(self, text: str) -> ToolEvent:
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        return ToolEvent(text=text)
-
-    def _call_or_text(self, body: str, closed: bool) -> ToolEvent:
-        assert self._call is not None
-        call, self._call = self._call.call(body), None
-        if call is None:
-            self._after_call = False
-            return ToolEvent(text=self.OPEN + body + (self.CLOSE if closed else ""))
-        self._after_call = True
-        return ToolEvent(call=call)
-
-    @classmethod
-    def tools_prompt(cls, tools: list[dict[str, Any]], tool_choice: Any) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to help with the user's request. "
-                f"The functions are described inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
-                "To call a function, write a JSON object with its name and arguments inside "
-                "<tool_call></tool_call> tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
-                + _choice_line(tool_choice))
-
-    @classmethod
-    def format_calls(cls, calls: list[dict[str, Any]]) -> str:
-        return "\n".join(f"{cls.OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{cls.CLOSE}" for c in calls)
-
-    @classmethod
-    def calls_grammar(cls, calls: list[dict[str, Any]], parallel: bool, answer: dict[str, Any] | None = None) -> str:
-        # Written the way format_calls writes earlier calls into the prompt, so the model sees its own style.
-        rules = [f"call: {json.dumps(cls.OPEN + chr(10))} {json_rule(one_of(calls))} {json.dumps(chr(10) + cls.CLOSE)}",
-                 'calls: call ("\\n" call)*' if parallel else "calls: call"]
-        if answer is None:
-            return "\n".join(["start: calls", *rules])
-        return "\n".join(["start: answer | calls", f"answer: {json_rule(answer)}", *rules])
-
-
-@register_tool_parser("json", "llama3_json", "mistral")
-class JsonToolParser(ToolParser):
-    """The whole output is JSON: one call object, a list of them, or several separated by `;` or
-    newlines, optionally after `[TOOL_CALLS]` (Mistral) or `<|python_tag|>` (Llama 3.1). Output that
-    starts like that is held until a call is decided (then the calls stream) or the end (then it is
-    calls only if every item is one, else text); anything else streams through as text."""
-    name = "json"
-    PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
-    SEPARATORS = " \t\r\n;,"
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._mode = "undecided"   # → "text" (stream through) or "json" (calls, decided item by item)
-        self._body_at = 0          # json: where the JSON begins in _buf (after a prefix)
-        self._values: list[tuple[int, JsonReader]] = []  # json: each top-level value, by its offset in the body
-        self._fed = 0              # json: body characters read so far
-        self._committed = False    # json: a call was decided, so the output is calls
-        self._sent = 0             # json, committed: items returned as events so far
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        if self._mode == "text":
-            return _coalesce([ToolEvent(text=text)])
-        self._buf += text
-        if self._mode == "undecided":
-            head = self._buf.lstrip()
-            if not head or any(p.startswith(head) for p in self.PREFIXES):
-                return []   # nothing decisive yet
-            if head[0] in "{[" or head.startswith(self.PREFIXES):
-                self._mode = "json"
-                self._body_at = len(self._buf) - len(head)
-                prefix = next((p for p in self.PREFIXES if head.startswith(p)), "")
-                self._body_at += len(prefix)
-            else:
-                self._mode = "text"
-                buf, self._buf = self._buf, ""
-                return _coalesce([ToolEvent(text=buf)])
-        self._read()
-        return self._ready(final=False)
-
-    def finish(self) -> list[ToolEvent]:
-        if self._mode == "json":
-            self._read()
-            if self._committed:
-                return self._ready(final=True)
-        buf, self._buf = self._buf, ""
-        if self._mode != "json":
-            return _coalesce([ToolEvent(text=buf)])
-        calls = self._calls(buf)
-        return [ToolEvent(call=c) for c in calls] if calls else _coalesce([ToolEvent(text=buf)])
-
-    def pending(self) -> ParsedToolCall | None:
-        if not self._committed:
-            return None
-        items = self._items()
-        if self._sent >= len(items):
-            return None
-        call = items[self._sent][1]
-        if not call.committed:
-            return None
-        assert call.name is not None
-        return ParsedToolCall(call.name, call.arguments_so_far())
-
-    def _read(self) -> None:
-        body = self._buf[self._body_at:]
-        while self._fed < len(body):
-            if not self._values or self._values[-1][1].done:
-                if body[self._fed] in self.SEPARATORS:
-                    self._fed += 1
-                    continue
-                self._values.append((self._fed, JsonReader(max_depth=2)))
-            reader = self._values[-1][1]
-            if not reader.valid:
-                return
-            self._fed += reader.feed(body[self._fed:])
-            if not reader.done:
-                return
-
-    def _items(self) -> list[tuple[int, _CallReader]]:
-        """Every call-shaped item so far: the value itself, or each element of a list."""
-        items = []
-        for at, reader in self._values:
-            top = reader.span()
-            if top is not None and top.kind == "array":
-                i = 0
-                while reader.span(i) is not None:
-                    items.append((at, _CallReader(reader, (i,))))
-                    i += 1
-            elif top is not None:
-                items.append((at, _CallReader(reader, ())))
-        return items
-
-    def _ready(self, final: bool) -> list[ToolEvent]:
-        """Committed: the items finished since the last call, as calls (an item that is no call: its text);
-        at the end, the last unfinished one too, and any text no item took."""
-        items = self._items()
-        self._committed = self._committed or any(call.committed for _, call in items)
-        if not self._committed:
-            return []
-        body = self._buf[self._body_at:]
-        events: list[ToolEvent] = []
-        for at, call in items[self._sent:]:
-            span = call.reader.span(*call.prefix)
-            assert span is not None
-            if span.end is None and not final:
-                break
-            parsed = call.call(body[at:] if span.end is None else body[at:at + span.end])
-            if parsed is not None:
-                events.append(ToolEvent(call=parsed))
-            else:
-                events.append(ToolEvent(text=body[at + span.start:at + (span.end or len(body) - at)]))
-            self._sent += 1
-            if span.end is None:
-                return _coalesce(events)  # an unfinished item takes the rest of the output
-        if final and items:
-            at, reader = self._values[-1]
-            rest = body[at + len(reader.text):] if reader.valid else body[at + len(reader.text) - 1:]
-            if rest.strip(self.SEPARATORS):
-                events.append(ToolEvent(text=rest))
-        return _coalesce(events)
-
-    def _calls(self, text: str) -> list[ParsedToolCall]:
-        body = text.strip()
-        for p in self.PREFIXES:
-            if body.startswith(p):
-                body = body[len(p):].lstrip()
-        decoder, pos, calls = json.JSONDecoder(), 0, []
-        while pos < len(body):
-            try:
-                value, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                return []
-            items = value if isinstance(value, list) else [value]
-            parsed = [call_from_json(item) for item in items]
-            if not parsed or any(c is None for c in parsed):
-                return []
-            calls.extend(c for c in parsed if c is not None)
-            while pos < len(body) and body[pos] in " \t\r\n;,":
-                pos += 1
-        return calls
-
-    @classmethod
-    def tools_prompt(cls, tools: list[dict[str, Any]], tool_choice: Any) -> str:
-        listed = json.dumps(tools, ensure_ascii=False, indent=1)
-        return ("You have access to the following functions:\n" + listed + "\n\nTo call functions, answer "
-                'with only a JSON list and nothing else: [{"name": <function-name>, "arguments": '
-                "<arguments-json-object>}, ...]. Otherwise answer normally." + _choice_line(tool_choice))
-
-    @classmethod
-    def format_calls(cls, calls: list[dict[str, Any]]) -> str:
-        return json.dumps(calls, ensure_ascii=False)
-
-    @classmethod
-    def calls_grammar(cls, calls: list[dict[str, Any]], parallel: bool, answer: dict[str, Any] | None = None) -> str:
-        listed = {"type": "array", "items": one_of(calls), "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        if answer is None:
-            return f"start: {json_rule(listed)}"
-        return f"start: answer | calls\nanswer: {json_rule(answer)}\ncalls: {json_rule(listed)}"

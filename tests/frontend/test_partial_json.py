@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from frontend.tool_calls import ToolCallStream
 from renderers import ParsedToolCall, ToolEvent
 from renderers.partial_json import JsonReader
-from renderers.tool_parsers import HermesToolParser, JsonToolParser, ToolParser
+from renderers.hermes_tools import HermesToolParser
+from renderers.json_tools import JsonToolParser
+from renderers.tool_parsers import ToolParser
 
 ARGS = '{"city": "Paris", "days": [1, 2.5e3, -0.25], "metric": true, "note": "a \\"quote\\" \\u00e9"}'
 HERMES = f'Checking.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>'

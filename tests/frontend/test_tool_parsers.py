@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from frontend.tool_calls import ToolCallStream, message_parts
 from renderers import ParsedToolCall, ToolEvent, get_tool_parser, register_tool_parser
-from renderers.tool_parsers import HermesToolParser, JsonToolParser
+from renderers.hermes_tools import HermesToolParser
+from renderers.json_tools import JsonToolParser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
 WEATHER_CALL = ParsedToolCall("get_weather", '{"city": "Paris", "unit": "°C"}')
