@@ -9,9 +9,10 @@ from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
+from kvyard.ports import backend_grpc_port, backend_http_port, start_port
+from kvyard.roles import Role
 from kvyard.tokenizer import TextTokenizer
 
-DEFAULT_START_PORT = 8088
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,14 @@ class BackendConfig:
     master_address: str = ""     # MASTER_ADDRESS: the master to register with (host:port); "" = none
     model_name: str = ""         # MODEL_NAME: what it registers as serving
     advertise_host: str = ""     # ADVERTISE_HOST: address the master should dial; "" = the one it sees
-    role: str = "PDFUSION"       # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
+    role: Role = Role.PDFUSION   # ROLE_TYPE: PDFUSION, PREFILL (hands KV to a decode backend) or DECODE
     decode_address: str = ""     # DECODE_ADDRESS: PREFILL's decode backend when a request names none
     cluster_token: str = ""      # CLUSTER_TOKEN(_FILE): gRPC/HTTP callers must carry it; sent to master and decode
     drain_grace_s: float = 30.0  # DRAIN_GRACE_S: after SIGTERM, how long RPCs in flight may finish (as the frontend's)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
-        start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
+        start = start_port(env)
         checkpoint = resolve_model_path(env.get("CHECKPOINT_PATH"))
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or str(checkpoint))
         device = env_choice(env, "DEVICE", _default_device(), ("cpu", "cuda"))
@@ -56,8 +57,8 @@ class BackendConfig:
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
             host=host,
-            grpc_port=start_port + 1,
-            http_port=start_port + 5,
+            grpc_port=backend_grpc_port(start),
+            http_port=backend_http_port(start),
             device=device,
             dtype=dtype,
             weight_format=weight_format,
@@ -72,7 +73,7 @@ class BackendConfig:
             master_address=env_str(env, "MASTER_ADDRESS", ""),
             model_name=env_names(env, "MODEL_NAME", default_model_name(checkpoint))[0],  # aliases: frontend
             advertise_host=env_str(env, "ADVERTISE_HOST", ""),
-            role=env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper(),
+            role=Role(env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper()),
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
             cluster_token=internal_token(env, host),
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),

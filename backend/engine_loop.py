@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 
 from backend.engine import Engine
 from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, ScoreRequest, ScoreResult,
-                                  TokenOutput, WorkerStatus)
+                                  TokenOutput)
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.metrics import BackendMetrics
+from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from backend.sampler import Sample, SamplingParams
-from backend.sequence import FinishReason, StopConditions
+from backend.sequence import FinishReason, Sequence, StopConditions
 from kvyard.constraint import Constraint
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class KVLayout:
 class ImportPlan:
     """Decode side of a hand-over: the sequence is allocated; `need` prompt blocks await their KV."""
     request: GenerationRequest       # prompt_ids = the prompt + the prefill side's first token
-    seq: object                      # the allocated backend.sequence.Sequence
+    seq: Sequence                    # allocated, holding blocks for the prompt and the first token
     need: list[int]                  # prompt block indices to load, ascending
     skipped: int                     # prompt blocks already held here by key
     num_prompt_blocks: int           # ceil(len(prompt) / block_size)
@@ -93,23 +93,6 @@ class ScoreResult:
     logprobs: list[Sample]
     aux: AuxInfo
     finish_reason: FinishReason = FinishReason.STOP
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    role: str
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    step_latency_ms: float
-    prefill_tokens_per_s: float
-    free_blocks: int
-    total_blocks: int
-    block_size: int
-    version: int
-    iterate_count: int
-    alive: bool
-    cache_version: int
 
 
 @dataclass(frozen=True)

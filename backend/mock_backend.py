@@ -26,6 +26,8 @@ from backend.grpc_server import start_grpc_server
 
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_str
+from kvyard.ports import backend_grpc_port, start_port
+from kvyard.roles import Role
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -157,7 +159,7 @@ class MockServicer(pb_grpc.ModelRpcServiceServicer):
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
                               context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
-        return pb.WorkerStatusPB(role="PDFUSION", running=self.running, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
+        return pb.WorkerStatusPB(role=Role.PDFUSION, running=self.running, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
                                  total_blocks=MOCK_TOTAL_BLOCKS, block_size=16, step_latency_ms=1.0,
                                  prefill_tokens_per_s=1e6, alive=True, version=len(self.requests))
 
@@ -180,9 +182,9 @@ class MockBackendConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockBackendConfig:
-        start = env_int(env, "START_PORT", 8088, minimum=1)
+        start = start_port(env)
         host = env_str(env, "HOST", INTERNAL_HOST)
-        return cls(host, start + 1, MockScript.from_env(env), internal_token(env, host))
+        return cls(host, backend_grpc_port(start), MockScript.from_env(env), internal_token(env, host))
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:

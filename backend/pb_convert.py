@@ -1,11 +1,12 @@
 """Protobuf ⇄ engine types, at the gRPC edge only: nothing past backend/server.py sees protobuf."""
 from __future__ import annotations
 
-from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput, WorkerStatus
+from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
 from backend.sampler import SamplingParams
 from backend.sequence import FinishReason, StopConditions
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 
 _KIND_FROM_PB = {
@@ -23,18 +24,34 @@ _FINISH_TO_PB = {
 def request_from_pb(msg: pb.GenerateInputPB, eos_token_ids: frozenset[int],
                     max_model_len: int) -> GenerationRequest:
     """Raises RequestError(INVALID_ARGUMENT) for values no engine could accept."""
-    cfg = msg.generate_config
-    prompt = list(msg.token_ids)
-    max_new = cfg.max_new_tokens or max(1, max_model_len - len(prompt))
+    return _request(msg.request_id, list(msg.token_ids), msg.generate_config, eos_token_ids, max_model_len)
+
+
+def handover_request_from_pb(h: pb.KVTransferHeaderPB, eos_token_ids: frozenset[int],
+                             max_model_len: int) -> GenerationRequest:
+    """The decode side's request: the prompt plus the prefill side's first token(s), whose share of the
+    output budget (max_new_tokens, min_new_tokens) is already spent."""
+    spent = h.first_token_output_len
+    max_new = max(1, h.generate_config.max_new_tokens - spent) if h.generate_config.max_new_tokens else 0
+    return _request(h.request_id, [*h.prompt_ids, h.first_token], h.generate_config, eos_token_ids, max_model_len,
+                    max_new, max(0, h.generate_config.min_new_tokens - spent))
+
+
+def _request(request_id: str, prompt: list[int], cfg: pb.GenerateConfigPB, eos_token_ids: frozenset[int],
+             max_model_len: int, max_new_tokens: int | None = None, min_new_tokens: int | None = None
+             ) -> GenerationRequest:
+    """max_new_tokens / min_new_tokens: the config's unless given; max_new_tokens 0 means up to the context."""
+    asked = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    max_new = asked or max(1, max_model_len - len(prompt))
     try:
-        if cfg.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+        if asked < 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {asked}")
         stop = StopConditions(
             max_new_tokens=max_new,
             eos_token_ids=eos_token_ids,
             stop_token_ids=frozenset(cfg.stop_token_ids),
             stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
-            min_new_tokens=cfg.min_new_tokens,
+            min_new_tokens=cfg.min_new_tokens if min_new_tokens is None else min_new_tokens,
             ignore_eos=cfg.ignore_eos,
             max_total_len=max_model_len,
         )
@@ -53,7 +70,7 @@ def request_from_pb(msg: pb.GenerateInputPB, eos_token_ids: frozenset[int],
         logprobs=cfg.return_logprobs or cfg.top_logprobs > 0,
         top_logprobs=cfg.top_logprobs,
     )
-    return GenerationRequest(request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
+    return GenerationRequest(request_id=request_id, prompt_ids=prompt, sampling=sampling,
                              stop=stop, n=max(1, cfg.num_return_sequences), constraint=constraint_from_pb(cfg))
 
 

@@ -24,7 +24,7 @@ from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.engine_types import GenerationRequest, ImportPlan, KVLayout, TokenOutput
-from backend.pb_convert import outputs_to_pb, request_from_pb
+from backend.pb_convert import handover_request_from_pb, outputs_to_pb
 from backend.sequence import FinishReason
 from kvyard.cluster_auth import client_interceptors
 from kvyard.errors import ErrorCode, RequestError
@@ -212,7 +212,7 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
             raise RequestError(ErrorCode.OVERLOADED, "no free KV blocks for the hand-over right now")
         yield pb.RemoteDecodeReplyPB(need=pb.BlockRequestPB(indices=plan.need, skipped=plan.skipped))
         blocks = await _receive_blocks(loop.kv_layout, messages, plan)
-        targets = plan.seq.block_table  # type: ignore[attr-defined]
+        targets = plan.seq.block_table
         await loop.call(lambda engine: [write_block(engine.runner.cache, targets[i], data)
                                         for i, data in blocks.items()])
         yield pb.RemoteDecodeReplyPB(loaded=True)
@@ -241,13 +241,7 @@ def _decode_request(loop: EngineLoop, h: pb.KVTransferHeaderPB, eos: frozenset[i
         problems.append(f"num_blocks {h.num_blocks} does not cover {prompt_len} prompt tokens")
     if problems:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "incompatible hand-over: " + "; ".join(problems))
-    cfg = pb.GenerateConfigPB()
-    cfg.CopyFrom(h.generate_config)
-    if cfg.max_new_tokens:
-        cfg.max_new_tokens = max(1, cfg.max_new_tokens - h.first_token_output_len)
-    cfg.min_new_tokens = max(0, cfg.min_new_tokens - h.first_token_output_len)
-    msg = pb.GenerateInputPB(request_id=h.request_id, token_ids=[*h.prompt_ids, h.first_token], generate_config=cfg)
-    return request_from_pb(msg, eos, max_model_len), prompt_len
+    return handover_request_from_pb(h, eos, max_model_len), prompt_len
 
 
 async def _receive_blocks(layout: KVLayout, messages: AsyncIterator[pb.KVTransferPB], plan: ImportPlan

@@ -64,7 +64,12 @@ class SchedulerStats:
     version: int                # bumps on every scheduler state change (cheap "did anything change")
 
 
-StepResult = tuple[Sequence, int | None, FinishReason | None]  # (seq, sampled token, finish reason)
+@dataclass(frozen=True)
+class StepResult:
+    """One sampling entry's outcome of a step, for a sequence that was still running."""
+    seq: Sequence
+    token: int                          # the token sampled and appended this step
+    finish_reason: FinishReason | None  # set when that token ended the sequence
 
 
 class Scheduler:
@@ -219,8 +224,8 @@ class Scheduler:
         """Apply one executed step: advance KV, cache full blocks, append sampled tokens, finish sequences.
 
         `sampled` maps seq_id -> token for every entry with samples=True. Sequences aborted between
-        schedule() and this call are skipped (abort() already reported them). Returns
-        (seq, token, finish reason or None) for every sampling entry that was still running.
+        schedule() and this call are skipped (abort() already reported them). Returns a
+        StepResult for every sampling entry that was still running.
         """
         results: list[StepResult] = []
         finished = False
@@ -250,7 +255,7 @@ class Scheduler:
                 else:
                     self.block_pool.free(seq)
                 finished = True
-            results.append((seq, token, reason))
+            results.append(StepResult(seq, token, reason))
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         self._version += 1

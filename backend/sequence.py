@@ -6,7 +6,15 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+from backend.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from backend.constraints import GrammarState
+    from backend.scoring import ScoreState
 
 
 class SequenceStatus(Enum):
@@ -55,7 +63,11 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         stop: StopConditions,
         *,
-        payload: object = None,
+        index: int = 0,
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+        grammar: GrammarState | None = None,
+        scoring: ScoreState | None = None,
         extra_key: bytes = b"",
         arrival_time: float | None = None,
     ) -> None:
@@ -78,7 +90,13 @@ class Sequence:
         self.first_token_time: float | None = None      # when its first output token was sampled
         self.num_preemptions: int = 0                   # times it was preempted by recompute
         self.stop: StopConditions = stop                # what ends generation
-        self.payload: object = payload                  # opaque to the scheduler (sampling params, stream handle...)
+        # How its tokens are drawn: read by the engine, never by the scheduler or the block pool.
+        self.index: int = index                         # which of the request's n sequences
+        self.sampling: SamplingParams = sampling or SamplingParams()
+        self.generator: torch.Generator | None = generator  # its own RNG; None when greedy
+        self.grammar: GrammarState | None = grammar     # a constraint's state: masks each sampled token, advanced by it
+        self.scoring: ScoreState | None = scoring       # a ScoreRequest: the scored positions and their logprobs
+        self.iter_count: int = 0                        # steps it took part in (aux_info.iter_count)
         self.max_cached_tokens: int | None = None       # cap on prefix-cache hits (scoring needs logits from there on)
         self.hold_blocks: bool = False                  # keep blocks after finishing (prefill hand-over) until released
 

@@ -16,6 +16,7 @@ from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, request_from_
                                 score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.roles import Role
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -23,7 +24,7 @@ log = logging.getLogger("kvyard.backend")
 
 class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
     def __init__(self, engine_loop: EngineLoop, eos_token_ids: frozenset[int], max_model_len: int,
-                 role: str = "PDFUSION", decode_address: str = "", grammars: GrammarCompiler | None = None) -> None:
+                 role: Role = Role.PDFUSION, decode_address: str = "", grammars: GrammarCompiler | None = None) -> None:
         self.engine_loop = engine_loop
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -39,7 +40,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
                 await compile_constraint(self.grammars, req)
-                if self.role == "PREFILL":
+                if self.role is Role.PREFILL:
                     address = request.decode_address or self.decode_address
                     if not address:
                         raise RequestError(ErrorCode.INVALID_ARGUMENT,
@@ -65,7 +66,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
 
     async def RemoteDecode(self, request_iterator: AsyncIterator[pb.KVTransferPB],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RemoteDecodeReplyPB]:
-        if self.role == "PREFILL":
+        if self.role is Role.PREFILL:
             yield pb.RemoteDecodeReplyPB(outputs=error_to_pb("", RequestError(
                 ErrorCode.INVALID_ARGUMENT, "a PREFILL backend does not decode hand-overs")))
             return

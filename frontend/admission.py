@@ -15,8 +15,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from frontend.config import FrontendConfig
-from frontend.errors import request_error_response
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import request_error_response
 
 # Always answered, key or not: probes and scrapers carry no key.
 OPEN_PATHS = frozenset({"/health", "/status", "/health_check", "/GraphService/cm2_status",

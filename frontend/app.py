@@ -19,7 +19,6 @@ from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatDialect, chat_routes
 from frontend.completions import completion_routes
 from frontend.config import FrontendConfig
-from frontend.errors import error_body, install_error_handlers
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
@@ -30,6 +29,7 @@ from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
 from frontend.worker_info import worker_info_routes
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
 from kvyard.tokenizer import TextTokenizer

@@ -11,9 +11,9 @@ from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
+from kvyard.ports import backend_grpc_port, start_port
 from kvyard.tokenizer import TextTokenizer
 
-DEFAULT_START_PORT = 8088
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,16 @@ class FrontendConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
-        start_port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
+        port = start_port(env)
         tokenizer = resolve_model_path(env.get("TOKENIZER_PATH") or env.get("CHECKPOINT_PATH"))
         TextTokenizer.check_path(tokenizer)  # an unsupported tokenizer fails the launch, by name
-        backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{start_port + 1}")
+        backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{backend_grpc_port(port)}")
         service = _model_service_config(env)
         fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
         names = env_names(env, "MODEL_NAME", default_model_name(tokenizer))
         return cls(
             host=env_str(env, "HOST", "0.0.0.0"),
-            port=start_port,
+            port=port,
             tokenizer_path=tokenizer,
             model_name=names[0],
             model_aliases=names[1:],

@@ -1,44 +1,13 @@
-"""The one table from error kind to HTTP status, and the OpenAI error object every failure returns."""
+"""The frontend's error tail: what a stream sends once its 200 and headers are gone."""
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import request_error_body
 
 log = logging.getLogger("kvyard.frontend")
-
-# kind → (HTTP status, OpenAI error type)
-ERROR_TABLE: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
-    ErrorCode.OUT_OF_KV_CACHE: (400, "invalid_request_error"),
-    ErrorCode.UNAUTHENTICATED: (401, "authentication_error"),
-    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
-    ErrorCode.PAYLOAD_TOO_LARGE: (413, "invalid_request_error"),
-    ErrorCode.BODY_TIMEOUT: (408, "invalid_request_error"),
-    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
-    ErrorCode.TIMEOUT: (504, "timeout_error"),
-    ErrorCode.CANCELLED: (499, "cancelled"),
-    ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
-    ErrorCode.INTERNAL: (500, "internal_error"),
-}
-
-
-def error_body(message: str, err_type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any]]:
-    status, err_type = ERROR_TABLE[exc.code]
-    return status, error_body(exc.message, err_type, exc.param, exc.code.value)
 
 
 def stream_error_body(exc: Exception) -> dict[str, Any]:
@@ -49,41 +18,3 @@ def stream_error_body(exc: Exception) -> dict[str, Any]:
         log.error("a stream failed after its headers were sent", exc_info=exc)
         exc = RequestError(ErrorCode.INTERNAL, "internal error; see the frontend log")
     return request_error_body(exc)[1]
-
-
-def request_error_response(exc: RequestError) -> JSONResponse:
-    status, body = request_error_body(exc)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return request_error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI says 422; OpenAI clients expect 400 with one readable message.
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', 'parse error')}", None
-        else:
-            param = ".".join(loc) or None
-            message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), err_type), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body("internal error; see the frontend log", "internal_error"), 500)

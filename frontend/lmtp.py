@@ -20,12 +20,12 @@ from starlette.websockets import WebSocketState
 
 from frontend.admission import Admission
 from frontend.config import FrontendConfig
-from frontend.errors import ERROR_TABLE
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
                                   parse_frame, score_items, token_item, unknown_model)
 from frontend.metered_router import MeteredRouter
 from frontend.routing import model_to_route
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import ERROR_TABLE
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.frontend")

@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from frontend.errors import ERROR_TABLE
+from kvyard.http_errors import ERROR_TABLE
+
 
 # Routes whose 200 is an SSE stream when the request asks for one ("stream": true, or always for /generate).
 STREAMING = {("/v1/chat/completions", "post"), ("/chat/completions", "post"), ("/v1/completions", "post"),

@@ -5,7 +5,7 @@ chat and `POST /` bodies share.
 A stream that fails after its 200 and headers are gone cannot change its status any more: the error
 travels as the dialect's own error event (frontend/errors.py's stream_error_body), then its end marker.
 Starlette cancels a StreamingResponse whose client disconnects; a plain handler it would let run to the
-end, so respond() cancels that work itself (frontend/disconnect.py, which the master and gateway use too),
+end, so respond() cancels that work itself (kvyard/disconnect.py, which the master and gateway use too),
 which closes the backend call and so aborts the request there and frees its KV."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.backend_client import AuxInfo, BackendOutput
-from frontend.disconnect import cancel_on_disconnect
 from frontend.errors import stream_error_body
+from kvyard.disconnect import cancel_on_disconnect
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what SSE itself treats as the end of a line

@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from kvyard.block_keys import block_cache_keys
 from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -30,7 +31,6 @@ log = logging.getLogger("kvyard.frontend")
 ROUTER_PLACEHOLDER_MODEL = "unknown"
 MASTER_RETRY_S = 1.0  # after a failed master call, go direct for this long before asking it again
 ATTEMPTS = 2          # backends tried per request (only before its first output)
-DECODE_ROLE = 2       # RTP-LLM's RoleType.DECODE in the master's server_status
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ class Router:
         if resp.status_code == 200:
             try:
                 servers = data["server_status"]
-                server = next(s for s in servers if s["role"] != DECODE_ROLE)
-                decode = next((f"{s['server_ip']}:{int(s['grpc_port'])}" for s in servers if s["role"] == DECODE_ROLE), "")
+                server = next(s for s in servers if s["role"] != Role.DECODE.rtp_type)
+                decode = next((f"{s['server_ip']}:{int(s['grpc_port'])}" for s in servers if s["role"] == Role.DECODE.rtp_type), "")
                 return Route(f"{server['server_ip']}:{int(server['grpc_port'])}", True,
                              int((server.get("debug_info") or {}).get("hit_cache_len", 0)), decode)
             except (KeyError, IndexError, TypeError, ValueError, StopIteration):

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from frontend.errors import request_error_body
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import request_error_body
 
 MIN_TOKEN_CHARS = 16
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"  # load balancers and probes check it with no token

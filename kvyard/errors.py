@@ -1,4 +1,4 @@
-"""Per-request error kinds shared by every role; frontend/errors.py maps them to HTTP statuses."""
+"""Per-request error kinds shared by every role; kvyard/http_errors.py maps them to HTTP statuses."""
 from __future__ import annotations
 
 from enum import Enum

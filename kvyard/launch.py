@@ -7,31 +7,12 @@ import multiprocessing as mp
 import signal
 import sys
 from collections.abc import Callable, Mapping
-from enum import Enum
 
 from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
+from kvyard.roles import Role, parse_role
 
 log = logging.getLogger("kvyard.launch")
-
-
-class RoleType(Enum):
-    PDFUSION = 0   # backend (prefill + decode) and frontend
-    PREFILL = 1    # prefill-only backend (prefill/decode disaggregation)
-    DECODE = 2     # decode-only backend
-    FRONTEND = 4   # HTTP API only: tokenizer and templates, no weights
-    MASTER = 5     # the cluster scheduler: routes each request to a backend (master/)
-    MOCK_BACKEND = 6  # a gRPC backend with no model streaming scripted tokens (backend/mock_backend.py)
-    MOCK_MASTER = 7   # answers /rtp_llm/schedule with configured backends (master/mock_master.py)
-    GATEWAY = 8       # HTTP proxy over OpenAI-compatible upstreams, queueing when all are busy (gateway/)
-
-
-def parse_role(value: str | None) -> RoleType:
-    name = (value or "PDFUSION").strip().upper()
-    try:
-        return RoleType[name]
-    except KeyError:
-        raise ValueError(f"unknown ROLE_TYPE {value!r}; one of: {', '.join(r.name for r in RoleType)}") from None
 
 
 def run_backend(env: Mapping[str, str]) -> None:
@@ -89,34 +70,34 @@ def frontend_count(env: Mapping[str, str]) -> int:
     return count
 
 
-def with_cluster_token(role: RoleType, env: dict[str, str]) -> dict[str, str]:
+def with_cluster_token(role: Role, env: dict[str, str]) -> dict[str, str]:
     """PDFUSION starts both ends of its internal gRPC port itself: unless a cluster token is configured it
     makes one that only its own processes know, so nothing else on the machine can call the backend."""
     configured = env.get("CLUSTER_TOKEN") or env.get("CLUSTER_TOKEN_FILE")
-    if role is not RoleType.PDFUSION or not frontend_count(env) or configured:
+    if role is not Role.PDFUSION or not frontend_count(env) or configured:
         return env
     from kvyard.cluster_auth import new_token
     return {**env, "CLUSTER_TOKEN": new_token()}
 
 
-def _check_configs(role: RoleType, env: Mapping[str, str]) -> None:
+def _check_configs(role: Role, env: Mapping[str, str]) -> None:
     """Validate every config this role needs before starting anything, so mistakes fail fast."""
-    if role is RoleType.FRONTEND or (role is RoleType.PDFUSION and frontend_count(env)):
+    if role is Role.FRONTEND or (role is Role.PDFUSION and frontend_count(env)):
         from frontend.config import FrontendConfig
         FrontendConfig.from_env(env)
-    if role in (RoleType.PDFUSION, RoleType.PREFILL, RoleType.DECODE):
+    if role.is_backend:
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
-    if role is RoleType.MASTER:
+    if role is Role.MASTER:
         from master.config import MasterConfig
         MasterConfig.from_env(env)
-    if role is RoleType.GATEWAY:
+    if role is Role.GATEWAY:
         from gateway.config import GatewayConfig
         GatewayConfig.from_env(env)
-    if role is RoleType.MOCK_BACKEND:
+    if role is Role.MOCK_BACKEND:
         from backend.mock_backend import MockBackendConfig
         MockBackendConfig.from_env(env)
-    if role is RoleType.MOCK_MASTER:
+    if role is Role.MOCK_MASTER:
         from master.mock_master import MockMasterConfig
         MockMasterConfig.from_env(env)
 
@@ -190,15 +171,15 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
     generated = env.get("CLUSTER_TOKEN", "") != configured.get("CLUSTER_TOKEN", "")
     log.info("starting ROLE_TYPE=%s%s", role.name, ", its backend and frontend sharing a cluster token generated "
              "for this launch (no CLUSTER_TOKEN set)" if generated else "")
-    if role is RoleType.FRONTEND:
+    if role is Role.FRONTEND:
         run_frontend(env)
         return 0
-    single = {RoleType.MASTER: run_master, RoleType.GATEWAY: run_gateway, RoleType.MOCK_BACKEND: run_mock_backend,
-              RoleType.MOCK_MASTER: run_mock_master}
+    single = {Role.MASTER: run_master, Role.GATEWAY: run_gateway, Role.MOCK_BACKEND: run_mock_backend,
+              Role.MOCK_MASTER: run_mock_master}
     if role in single:
         single[role](env)
         return 0
-    if role in (RoleType.PREFILL, RoleType.DECODE) or not frontend_count(env):
+    if role in (Role.PREFILL, Role.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)
 

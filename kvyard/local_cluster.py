@@ -26,6 +26,8 @@ import httpx
 from kvyard.cli import USAGE_ERROR, UsageError, explain
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
+from kvyard.ports import backend_grpc_port, backend_http_port
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.cluster")
 
@@ -40,20 +42,20 @@ LOOPBACK = "127.0.0.1"
 class Part:
     """One process of the local cluster."""
     name: str            # "frontend-1", "master", "backend-2", "prefill-1", "decode-1"
-    role: str            # its ROLE_TYPE
+    role: Role           # its ROLE_TYPE
     start_port: int      # its START_PORT
 
     @property
     def is_backend(self) -> bool:
-        return self.role in ("PDFUSION", "PREFILL", "DECODE")
+        return self.role.is_backend
 
     @property
     def grpc_address(self) -> str:
-        return f"{LOOPBACK}:{self.start_port + 1}"
+        return f"{LOOPBACK}:{backend_grpc_port(self.start_port)}"
 
     @property
     def health_url(self) -> str:
-        port = self.start_port + 5 if self.is_backend else self.start_port
+        port = backend_http_port(self.start_port) if self.is_backend else self.start_port
         return f"http://{LOOPBACK}:{port}/health"
 
 
@@ -83,35 +85,35 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) ->
                          "PREFILL backend hands every request to a DECODE one")
     if pdfusion + prefill == 0:
         raise UsageError("no backend: give --backends N (N >= 1) or --prefill P --decode D")
-    kinds = [("backend", "PDFUSION", pdfusion), ("prefill", "PREFILL", prefill), ("decode", "DECODE", decode)]
+    kinds = [("backend", Role.PDFUSION, pdfusion), ("prefill", Role.PREFILL, prefill), ("decode", Role.DECODE, decode)]
     backends: list[Part] = []
     for name, role, count in kinds:
         for i in range(count):
             backends.append(Part(f"{name}-{i + 1}", role, port + BACKEND_OFFSET + BACKEND_STRIDE * len(backends)))
-    last = backends[-1].start_port + 5
+    last = backend_http_port(backends[-1].start_port)
     if last > 65535:
         raise UsageError(f"--port {port} leaves no room for {len(backends)} backends (they need ports up to {last})")
-    return Layout(master=Part("master", "MASTER", port + MASTER_OFFSET),
+    return Layout(master=Part("master", Role.MASTER, port + MASTER_OFFSET),
                   backends=tuple(backends),
-                  frontends=tuple(Part(f"frontend-{i + 1}", "FRONTEND", port + i) for i in range(frontends)))
+                  frontends=tuple(Part(f"frontend-{i + 1}", Role.FRONTEND, port + i) for i in range(frontends)))
 
 
 def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host: str) -> dict[str, str]:
     """The environment of one part: the shared settings, then what its place in the cluster fixes."""
-    env = {**base, "ROLE_TYPE": part.role, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
+    env = {**base, "ROLE_TYPE": part.role.value, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
     for wired in ("MASTER_ADDRESS", "BACKEND_ADDRESS", "BACKEND_ADDRESSES", "DECODE_ADDRESS", "ADVERTISE_HOST",
                   "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG"):
         env.pop(wired, None)  # the cluster wires these itself
     if part.is_backend:
         env["MASTER_ADDRESS"] = layout.master_address
-        if part.role == "PDFUSION":  # the cluster's frontends are parts of their own
+        if part.role == Role.PDFUSION:  # the cluster's frontends are parts of their own
             env["FRONTEND_SERVER_COUNT"] = "0"
-        if part.role == "PREFILL":  # used when the master is unreachable and a frontend calls it directly
-            decodes = [b for b in layout.backends if b.role == "DECODE"]
-            prefills = [b for b in layout.backends if b.role == "PREFILL"]
+        if part.role == Role.PREFILL:  # used when the master is unreachable and a frontend calls it directly
+            decodes = [b for b in layout.backends if b.role == Role.DECODE]
+            prefills = [b for b in layout.backends if b.role == Role.PREFILL]
             env["DECODE_ADDRESS"] = decodes[prefills.index(part) % len(decodes)].grpc_address
-    elif part.role == "FRONTEND":
-        direct = [b.grpc_address for b in layout.backends if b.role != "DECODE"]
+    elif part.role == Role.FRONTEND:
+        direct = [b.grpc_address for b in layout.backends if b.role != Role.DECODE]
         env.update(HOST=frontend_host, MASTER_ADDRESS=layout.master_address, BACKEND_ADDRESS=direct[0],
                    BACKEND_ADDRESSES=",".join(direct))
     return env
@@ -240,7 +242,7 @@ class LocalCluster:
             lines.append(f"  {f.name:<12} http://{host}:{f.start_port}  (OpenAI API)")
         lines.append(f"  {'master':<12} http://{lay.master_address}  (dashboard: http://{lay.master_address}/dashboard)")
         for b in lay.backends:
-            lines.append(f"  {b.name:<12} {b.role:<8} gRPC {b.grpc_address}  HTTP {LOOPBACK}:{b.start_port + 5}")
+            lines.append(f"  {b.name:<12} {b.role:<8} gRPC {b.grpc_address}  HTTP {LOOPBACK}:{backend_http_port(b.start_port)}")
         model = self.shared.get("MODEL_NAME", "").split(",")[0]
         model_field = f'"model": "{model}", ' if model else ""
         key = self.shared.get("API_KEY")
@@ -277,8 +279,8 @@ class LocalCluster:
         """Frontends (they drain), then backends, then the master: each group stopped together."""
         grace = float(self.shared.get("DRAIN_GRACE_S") or 30)
         parts = self.layout.parts
-        groups = [[p for p in parts if p.role == "FRONTEND"], [p for p in parts if p.is_backend],
-                  [p for p in parts if p.role == "MASTER"]]
+        groups = [[p for p in parts if p.role == Role.FRONTEND], [p for p in parts if p.is_backend],
+                  [p for p in parts if p.role == Role.MASTER]]
         for group in groups:
             running = [self.procs[p] for p in group if p in self.procs and self.procs[p].poll() is None]
             for proc in running:

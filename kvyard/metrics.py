@@ -125,7 +125,7 @@ class RequestTimer:
 
 
 class EngineGauges(Protocol):
-    """What the backend's engine reports (backend.engine_types.WorkerStatus has these fields)."""
+    """What the backend's engine reports (kvyard.worker_status.WorkerStatus has these fields)."""
     running: int
     waiting: int
     free_blocks: int

@@ -13,12 +13,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from frontend.disconnect import cancel_on_disconnect
-from frontend.errors import error_body, install_error_handlers
 from kvyard.cluster_auth import install_cluster_auth
+from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from kvyard.roles import Role
 from master.config import BackendEndpoint, MasterConfig
 from master.dashboard import PATHS as DASHBOARD_PATHS
 from master.dashboard import DecisionHistory, dashboard_routes
@@ -27,7 +28,7 @@ from master.hold import ScheduleQueue
 from master.policy import Decision, RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
-from master.schemas import ROLE_VALUES, RegisterRequest, ScheduleRequest, candidates_view, debug_info
+from master.schemas import RegisterRequest, ScheduleRequest, candidates_view, debug_info
 
 log = logging.getLogger("kvyard.master")
 
@@ -108,13 +109,13 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         metrics.record_decision(decision.reason, model, req.seq_len, chosen.hit_cache_len)
         state = registry.backends[decision.chosen]
         e, st = state.endpoint, state.status
-        server = {"role": ROLE_VALUES[e.role], "server_ip": e.host, "http_port": e.http_port,
+        server = {"role": e.role.rtp_type, "server_ip": e.host, "http_port": e.http_port,
                   "grpc_port": e.grpc_port,
                   "debug_info": debug_info(chosen, st.running if st else 0, st.step_latency_ms if st else 0.0)}
         servers = [server]
         if decision.decode is not None:
             d = registry.backends[decision.decode].endpoint
-            servers.append({"role": ROLE_VALUES[d.role], "server_ip": d.host, "http_port": d.http_port,
+            servers.append({"role": d.role.rtp_type, "server_ip": d.host, "http_port": d.http_port,
                             "grpc_port": d.grpc_port, "debug_info": None})
         out: dict[str, Any] = {"server_status": servers, "cache_local": 0, "inter_request_id": next(request_ids)}
         if req.debug:
@@ -132,7 +133,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         if not host:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",
                                "server_ip")
-        endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, req.role)
+        endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, Role(req.role))
         registry.add(endpoint, SOURCE_REGISTERED, clock())
         return {"name": endpoint.name, "registered": True}
 

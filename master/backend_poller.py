@@ -1,4 +1,5 @@
-"""Master → backend gRPC edge: worker status and prefix-cache keys as plain dataclasses (no protobuf past here)."""
+"""Master → backend gRPC edge: worker status (kvyard.worker_status) and prefix-cache keys as plain dataclasses,
+checked for sanity (no protobuf past here)."""
 from __future__ import annotations
 
 import math
@@ -7,28 +8,12 @@ from dataclasses import dataclass
 import grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.roles import BACKEND_ROLES, Role
+from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
-_ROLES = ("PDFUSION", "PREFILL", "DECODE")
 _MAX_KEY = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """A backend's load report, checked for sanity."""
-    role: str                    # "PDFUSION", "PREFILL" or "DECODE"
-    running: int                 # sequences holding KV blocks
-    waiting: int                 # sequences queued
-    queued_prefill_tokens: int   # prompt tokens still to compute
-    step_latency_ms: float       # recent engine step time
-    prefill_tokens_per_s: float  # recent prefill throughput (0 = not measured yet)
-    free_blocks: int             # free KV blocks
-    total_blocks: int            # KV blocks in the pool
-    block_size: int              # tokens per block
-    iterate_count: int           # engine steps since start (drops when the backend restarted)
-    alive: bool                  # its engine thread runs
-    cache_version: int           # compare with the keys we hold; fetch a diff when it moved
 
 
 @dataclass(frozen=True)
@@ -68,9 +53,9 @@ class BackendPoller:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def worker_status(self) -> WorkerLoad:
+    async def worker_status(self) -> WorkerStatus:
         msg = await self._call(self._stub.GetWorkerStatus, pb.WorkerStatusRequestPB(latest_version=-1))
-        return worker_load_from_pb(msg)
+        return worker_status_from_pb(msg)
 
     async def cache_status(self, since_version: int) -> CacheUpdate:
         msg = await self._call(self._stub.GetCacheStatus, pb.CacheStatusRequestPB(since_version=since_version))
@@ -85,10 +70,10 @@ class BackendPoller:
             raise StatusError(f"{code.name}: {exc.details()}", definitive) from None
 
 
-def worker_load_from_pb(m: pb.WorkerStatusPB) -> WorkerLoad:
+def worker_status_from_pb(m: pb.WorkerStatusPB) -> WorkerStatus:
     """Raises StatusError(definitive) for a report no real backend would send."""
     problems = []
-    if m.role not in _ROLES:
+    if m.role not in BACKEND_ROLES:
         problems.append(f"role {m.role!r}")
     for name in ("running", "waiting", "queued_prefill_tokens", "free_blocks", "iterate_count", "cache_version"):
         if getattr(m, name) < 0:
@@ -101,11 +86,11 @@ def worker_load_from_pb(m: pb.WorkerStatusPB) -> WorkerLoad:
         problems.append(f"blocks free={m.free_blocks} total={m.total_blocks} size={m.block_size}")
     if problems:
         raise StatusError("garbage worker status: " + ", ".join(problems), definitive=True)
-    return WorkerLoad(role=m.role, running=m.running, waiting=m.waiting,
-                      queued_prefill_tokens=m.queued_prefill_tokens, step_latency_ms=m.step_latency_ms,
-                      prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
-                      total_blocks=m.total_blocks, block_size=m.block_size, iterate_count=m.iterate_count,
-                      alive=m.alive, cache_version=m.cache_version)
+    return WorkerStatus(role=Role(m.role), running=m.running, waiting=m.waiting,
+                        queued_prefill_tokens=m.queued_prefill_tokens, step_latency_ms=m.step_latency_ms,
+                        prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
+                        total_blocks=m.total_blocks, block_size=m.block_size, version=m.version,
+                        iterate_count=m.iterate_count, alive=m.alive, cache_version=m.cache_version)
 
 
 def cache_update_from_pb(m: pb.CacheStatusPB, since_version: int) -> CacheUpdate:

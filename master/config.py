@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from kvyard.cluster_auth import internal_token
 from kvyard.env import INTERNAL_HOST, env_int, env_names, env_str
 from kvyard.model_path import EMBEDDED_MODEL_NAME
+from kvyard.ports import backend_http_for_grpc, start_port
+from kvyard.roles import Role
 from master.hold import HoldConfig
 from master.policy import PolicyConfig
 
-DEFAULT_START_PORT = 8088
-HTTP_PORT_OFFSET = 4  # a backend's HTTP port is its gRPC port + 4 (START_PORT+5 vs START_PORT+1)
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class BackendEndpoint:
     grpc_port: int       # its START_PORT + 1
     http_port: int       # its START_PORT + 5
     model: str           # the model name clients ask for
-    role: str = "PDFUSION"
+    role: Role = Role.PDFUSION
 
     @property
     def name(self) -> str:
@@ -57,7 +57,7 @@ class MasterConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MasterConfig:
-        port = env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)
+        port = start_port(env)
         host = env_str(env, "HOST", INTERNAL_HOST)
         model = env_names(env, "MODEL_NAME", EMBEDDED_MODEL_NAME)[0]  # aliases are the frontends' business
         advertise = env_str(env, "ADVERTISE_HOST", "127.0.0.1" if host == "0.0.0.0" else host)
@@ -110,7 +110,7 @@ def _host_port(address: str, what: str, item: str) -> tuple[str, int]:
 def _endpoint(item: str, default_model: str, what: str) -> BackendEndpoint:
     model, address = _split_model(item, default_model)
     host, port = _host_port(address, what, item)
-    return BackendEndpoint(host, port, port + HTTP_PORT_OFFSET, model)
+    return BackendEndpoint(host, port, backend_http_for_grpc(port), model)
 
 
 def _dns(item: str, default_model: str) -> DnsTarget:

@@ -7,7 +7,8 @@ import socket
 import time
 from collections.abc import Callable
 
-from master.config import HTTP_PORT_OFFSET, BackendEndpoint, DnsTarget, MasterConfig
+from kvyard.ports import backend_http_for_grpc
+from master.config import BackendEndpoint, DnsTarget, MasterConfig
 from master.registry import SOURCE_STATIC, Registry
 
 log = logging.getLogger("kvyard.master")
@@ -23,7 +24,7 @@ async def resolve(target: DnsTarget) -> list[BackendEndpoint]:
     infos = await asyncio.get_running_loop().getaddrinfo(target.host, target.grpc_port,
                                                          type=socket.SOCK_STREAM)
     hosts = sorted({info[4][0] for info in infos})
-    return [BackendEndpoint(h, target.grpc_port, target.grpc_port + HTTP_PORT_OFFSET, target.model)
+    return [BackendEndpoint(h, target.grpc_port, backend_http_for_grpc(target.grpc_port), target.model)
             for h in hosts]
 
 

@@ -17,10 +17,12 @@ import uvicorn
 from fastapi import Body, FastAPI
 from fastapi.responses import PlainTextResponse
 
-from frontend.errors import install_error_handlers
-from kvyard.env import INTERNAL_HOST, env_int, env_str
+from kvyard.env import INTERNAL_HOST, env_str
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.http_errors import install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.ports import backend_http_for_grpc, start_port
+from kvyard.roles import Role
 
 log = logging.getLogger("kvyard.mock_master")
 
@@ -48,7 +50,7 @@ class MockMasterConfig:
                 raise ValueError(f"MOCK_MASTER_ERROR must be one of {', '.join(c.value for c in ErrorCode)}, "
                                  f"got {env['MOCK_MASTER_ERROR']!r}") from None
         models = tuple(m.strip() for m in env.get("MOCK_MASTER_MODELS", "").split(",") if m.strip())
-        return cls(env_str(env, "HOST", INTERNAL_HOST), env_int(env, "START_PORT", 8088, minimum=1), backends,
+        return cls(env_str(env, "HOST", INTERNAL_HOST), start_port(env), backends,
                    models, error)
 
 
@@ -68,7 +70,7 @@ def create_mock_master_app(cfg: MockMasterConfig) -> FastAPI:
         if cfg.models and model not in cfg.models:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist", "model")
         host, _, port = cfg.backends[next(turn) % len(cfg.backends)].rpartition(":")
-        return {"server_status": [{"role": 0, "server_ip": host, "http_port": int(port) + 4,
+        return {"server_status": [{"role": Role.PDFUSION.rtp_type, "server_ip": host, "http_port": backend_http_for_grpc(int(port)),
                                    "grpc_port": int(port), "debug_info": None}],
                 "cache_local": 0, "inter_request_id": len(app.state.schedule_requests)}
 

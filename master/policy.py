@@ -54,6 +54,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
 
 from kvyard.errors import ErrorCode
+from kvyard.roles import Role
 
 # Why a backend was not a candidate (Candidate.skipped).
 SKIP_UNHEALTHY = "unhealthy"
@@ -87,7 +88,7 @@ class BackendLoad:
     name: str                        # "host:grpc_port", unique
     model: str                       # the model it serves
     healthy: bool                    # answered a sane status within the expiry window
-    role: str = "PDFUSION"           # PDFUSION, PREFILL or DECODE
+    role: Role = Role.PDFUSION       # PDFUSION, PREFILL or DECODE
     running: int = 0                 # sequences holding KV blocks
     waiting: int = 0                 # sequences queued
     queued_prefill_tokens: int = 0   # prompt tokens still to compute
@@ -185,13 +186,13 @@ def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
         models = sorted({b.model for b in backends})
         return Decision(None, "unknown_model", [], ErrorCode.MODEL_NOT_FOUND,
                         f"The model '{request.model}' does not exist; this cluster serves: {', '.join(models)}")
-    prefill = [b for b in serving if b.role == "PREFILL"]
+    prefill = [b for b in serving if b.role == Role.PREFILL]
     if not prefill:
-        return _choose_first_stage(request, [b for b in serving if b.role != "DECODE"] or serving, cfg)
+        return _choose_first_stage(request, [b for b in serving if b.role != Role.DECODE] or serving, cfg)
     decision = _choose_first_stage(request, prefill, cfg)
     if decision.chosen is None:
         return decision
-    decode = choose_decode(request, [b for b in serving if b.role == "DECODE"])
+    decode = choose_decode(request, [b for b in serving if b.role == Role.DECODE])
     if decode is None:
         return Decision(None, "no_decode", decision.candidates, ErrorCode.OVERLOADED,
                         f"no DECODE backend of '{request.model}' is healthy with KV room for "

@@ -6,7 +6,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from master.backend_poller import CacheUpdate, WorkerLoad
+from kvyard.roles import Role
+from kvyard.worker_status import WorkerStatus
+from master.backend_poller import CacheUpdate
 from master.config import BackendEndpoint, MasterConfig
 from master.policy import BackendLoad
 
@@ -28,7 +30,7 @@ class BackendState:
     endpoint: BackendEndpoint
     sources: set[str]                      # "static", "dns:<name>", "registered"
     last_seen: float                       # last registration or good poll (for forgetting)
-    status: WorkerLoad | None = None       # last sane status
+    status: WorkerStatus | None = None       # last sane status
     last_ok: float = 0.0                   # when it arrived (0 = never)
     error: str | None = None               # last poll failure, None once a poll succeeds
     definitive_error: bool = False         # that failure takes it out of routing at once
@@ -122,7 +124,7 @@ class Registry:
 
     # ---- poll results -----------------------------------------------------------------------
 
-    def apply_status(self, name: str, status: WorkerLoad, sent_at: float, now: float) -> None:
+    def apply_status(self, name: str, status: WorkerStatus, sent_at: float, now: float) -> None:
         state = self.backends.get(name)
         if state is None:
             return
@@ -198,7 +200,7 @@ class Registry:
         state.routed_requests += 1
         # A decode backend gets its KV handed over, not looked up, and its half of a PD choice is the same
         # request as the prefill half: its prompt and the request count once, on the prefill side.
-        if state.endpoint.role != "DECODE":
+        if state.endpoint.role != Role.DECODE:
             state.routed_prompt_tokens += seq_len
             state.routed_hit_tokens += hit
             self.stats.requests += 1

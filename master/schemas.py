@@ -9,7 +9,6 @@ from master.policy import Candidate, Decision
 
 INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PORT = Annotated[int, Field(ge=1, le=65535)]
-ROLE_VALUES = {"PDFUSION": 0, "PREFILL": 1, "DECODE": 2}  # RTP-LLM's RoleType values
 
 
 class _Strict(BaseModel):

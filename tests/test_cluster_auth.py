@@ -24,7 +24,8 @@ from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.cluster_auth import read_cluster_token
 from kvyard.errors import RequestError
-from kvyard.launch import RoleType, with_cluster_token
+from kvyard.launch import with_cluster_token
+from kvyard.roles import Role
 from master.backend_poller import BackendPoller, StatusError
 from master.config import MasterConfig
 from proto import model_rpc_pb2 as pb
@@ -70,14 +71,14 @@ def test_an_open_bind_needs_a_token() -> None:
 
 
 def test_launcher_generates_a_token_for_pdfusion_only() -> None:
-    first = with_cluster_token(RoleType.PDFUSION, {})["CLUSTER_TOKEN"]
-    second = with_cluster_token(RoleType.PDFUSION, {})["CLUSTER_TOKEN"]
+    first = with_cluster_token(Role.PDFUSION, {})["CLUSTER_TOKEN"]
+    second = with_cluster_token(Role.PDFUSION, {})["CLUSTER_TOKEN"]
     assert len(first) >= 32 and first != second and read_cluster_token({"CLUSTER_TOKEN": first}) == first
-    assert with_cluster_token(RoleType.PDFUSION, {"CLUSTER_TOKEN": TOKEN})["CLUSTER_TOKEN"] == TOKEN
-    assert "CLUSTER_TOKEN" not in with_cluster_token(RoleType.PDFUSION, {"CLUSTER_TOKEN_FILE": "/run/t"})
+    assert with_cluster_token(Role.PDFUSION, {"CLUSTER_TOKEN": TOKEN})["CLUSTER_TOKEN"] == TOKEN
+    assert "CLUSTER_TOKEN" not in with_cluster_token(Role.PDFUSION, {"CLUSTER_TOKEN_FILE": "/run/t"})
     # A lone backend or master is called by processes it did not start: a made-up token would lock them out.
-    assert with_cluster_token(RoleType.PDFUSION, {"FRONTEND_SERVER_COUNT": "0"}) == {"FRONTEND_SERVER_COUNT": "0"}
-    for role in (RoleType.MASTER, RoleType.PREFILL, RoleType.DECODE, RoleType.FRONTEND):
+    assert with_cluster_token(Role.PDFUSION, {"FRONTEND_SERVER_COUNT": "0"}) == {"FRONTEND_SERVER_COUNT": "0"}
+    for role in (Role.MASTER, Role.PREFILL, Role.DECODE, Role.FRONTEND):
         assert with_cluster_token(role, {}) == {}
 
 

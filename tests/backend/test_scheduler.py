@@ -112,7 +112,7 @@ def drive(sched: Scheduler, model: FakeModel, max_steps: int = 100_000,
         if mid_step:
             mid_step()
         results = sched.update_from_output(out, sampled)
-        assert {s.seq_id for s, _, _ in results} <= set(sampled)
+        assert {r.seq.seq_id for r in results} <= set(sampled)
         outs.append(out)
         if on_step:
             on_step(step)

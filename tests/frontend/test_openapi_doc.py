@@ -6,7 +6,7 @@ import json
 
 from frontend.app import create_app
 from frontend.config import FrontendConfig
-from frontend.errors import ERROR_TABLE
+from kvyard.http_errors import ERROR_TABLE
 from kvyard.tokenizer import TextTokenizer
 
 

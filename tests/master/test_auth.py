@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from backend.http_server import create_backend_http_app
 from kvyard.metrics import BackendMetrics
 from master.app import create_master_app
-from master.backend_poller import worker_load_from_pb
+from master.backend_poller import worker_status_from_pb
 from master.config import BackendEndpoint, MasterConfig
 from master.registry import SOURCE_STATIC, Registry
 from tests.support.stub_backend import sane_status
@@ -31,7 +31,7 @@ def master(token: str) -> tuple[TestClient, Registry]:
     cfg = MasterConfig.from_env({"CLUSTER_TOKEN": token} if token else {})
     registry = Registry(cfg)
     registry.add(BACKEND, SOURCE_STATIC, 0.0)
-    registry.apply_status(BACKEND.name, worker_load_from_pb(sane_status(cache_version=0)), 0.0, 0.0)
+    registry.apply_status(BACKEND.name, worker_status_from_pb(sane_status(cache_version=0)), 0.0, 0.0)
     return TestClient(create_master_app(cfg, registry, clock=lambda: 0.5)), registry
 
 

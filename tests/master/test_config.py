@@ -6,7 +6,8 @@ import json
 import pytest
 
 from frontend.config import FrontendConfig
-from kvyard.launch import _check_configs, RoleType
+from kvyard.launch import _check_configs
+from kvyard.roles import Role
 from master.config import BackendEndpoint, DnsTarget, MasterConfig
 
 
@@ -33,11 +34,11 @@ def test_master_env_errors_name_the_value(env: dict[str, str], needle: str) -> N
 
 
 def test_launcher_validates_the_master_role() -> None:
-    _check_configs(RoleType.MASTER, {"MASTER_BACKENDS": "127.0.0.1:8089"})
+    _check_configs(Role.MASTER, {"MASTER_BACKENDS": "127.0.0.1:8089"})
     with pytest.raises(ValueError, match="MASTER_BACKENDS"):
-        _check_configs(RoleType.MASTER, {"MASTER_BACKENDS": "nonsense"})
+        _check_configs(Role.MASTER, {"MASTER_BACKENDS": "nonsense"})
     with pytest.raises(ValueError, match="FRONTEND_SERVER_COUNT"):
-        _check_configs(RoleType.PDFUSION, {"FRONTEND_SERVER_COUNT": "3"})
+        _check_configs(Role.PDFUSION, {"FRONTEND_SERVER_COUNT": "3"})
 
 
 def test_frontend_master_settings() -> None:

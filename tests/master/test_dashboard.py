@@ -9,7 +9,7 @@ from dataclasses import replace
 from fastapi.testclient import TestClient
 
 from master.app import create_master_app
-from master.backend_poller import worker_load_from_pb
+from master.backend_poller import worker_status_from_pb
 from master.config import BackendEndpoint, MasterConfig
 from master.dashboard import DecisionHistory, snapshot
 from master.registry import SOURCE_STATIC, Registry
@@ -37,7 +37,7 @@ def test_snapshot_shows_each_backend() -> None:
     reg = Registry(CFG)
     for e in (A, B):
         reg.add(e, SOURCE_STATIC, 0.0)
-    load = worker_load_from_pb(sane_status(cache_version=0))
+    load = worker_status_from_pb(sane_status(cache_version=0))
     reg.apply_status(A.name, replace(load, running=3, waiting=1, free_blocks=load.total_blocks // 4,
                                      step_latency_ms=12.5, prefill_tokens_per_s=800.0), 0.0, 0.002)
     reg.record_choice(A.name, [1], 64, 48, 0.1)

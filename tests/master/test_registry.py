@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from master.backend_poller import CacheUpdate, StatusError, cache_update_from_pb, worker_load_from_pb
+from master.backend_poller import CacheUpdate, StatusError, cache_update_from_pb, worker_status_from_pb
 from master.config import BackendEndpoint, MasterConfig
 from master.registry import SOURCE_REGISTERED, SOURCE_STATIC, Registry
 from proto import model_rpc_pb2 as pb
@@ -15,7 +15,7 @@ from tests.support.stub_backend import sane_status
 CFG = MasterConfig.from_env({})
 A = BackendEndpoint("10.0.0.1", 8089, 8093, "m")
 B = BackendEndpoint("10.0.0.2", 8089, 8093, "m")
-LOAD = worker_load_from_pb(sane_status(cache_version=0))
+LOAD = worker_status_from_pb(sane_status(cache_version=0))
 
 
 def registry_with(*endpoints: BackendEndpoint) -> Registry:
@@ -58,7 +58,7 @@ def test_refused_or_garbage_status_is_unhealthy_at_once() -> None:
                                     dict(prefill_tokens_per_s=float("inf")), dict(block_size=0)])
 def test_garbage_worker_status_is_rejected(fields: dict[str, object]) -> None:
     with pytest.raises(StatusError) as exc:
-        worker_load_from_pb(sane_status(**fields))
+        worker_status_from_pb(sane_status(**fields))
     assert exc.value.definitive and "garbage" in str(exc.value)
 
 
