@@ -28,6 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(READY_TIMEOUT_S + 120)]
 ARTIFACTS = REPO / "tests" / "artifacts"
 SYSTEM = ("You are a patient assistant for a museum of printing. Visitors ask about presses, type, ink and "
           "paper; answer in one short sentence. ") * 4
+# A second long prefix: the master keeps each prefix with the backend that holds it (a shared one goes to
+# one backend however concurrent the requests), so two prefixes are what makes both backends serve.
+SYSTEM_2 = ("You are a cheerful guide in a museum of weaving. Visitors ask about looms, yarn, dyes and "
+            "patterns; answer in one short sentence. ") * 4
 
 
 @dataclass
@@ -71,9 +75,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
                 proc.wait()
 
 
-def chat(frontend: str, question: str) -> str:
+def chat(frontend: str, question: str, system: str = SYSTEM) -> str:
     resp = httpx.post(f"{frontend}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
         "max_tokens": 4, "temperature": 0})
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])
@@ -95,17 +99,17 @@ def test_it_prints_where_each_part_listens(cluster: RunningCluster) -> None:
 
 
 def test_chat_goes_through_the_master_to_both_backends_and_prefixes_hit(cluster: RunningCluster) -> None:
-    questions = [f"Question {i}: what did {name} print?" for i, name in
-                 enumerate(["Gutenberg", "Caxton", "Aldus", "Plantin", "Baskerville", "Bodoni"])]
-    with ThreadPoolExecutor(3) as pool:  # concurrent, so the load spreads whatever the policy's ties
-        answers = list(pool.map(lambda q: chat(cluster.frontend, q), questions))
+    questions = [(f"Question {i}: what did {name} make?", SYSTEM if i < 3 else SYSTEM_2) for i, name in
+                 enumerate(["Gutenberg", "Caxton", "Aldus", "Jacquard", "Arkwright", "Morris"])]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda q: chat(cluster.frontend, *q), questions))
     assert all(answers)
     view = state(cluster)
     backends = {b["name"]: b for b in view["backends"]}
     assert len(backends) == 2 and all(b["healthy"] for b in backends.values()), backends
     assert all(b["routed_requests"] >= 1 for b in backends.values()), backends  # both served chat
     assert view["totals"]["routed"] >= len(questions)
-    assert view["totals"]["hit_tokens"] > 0  # the shared system prompt came from a cache
+    assert view["totals"]["hit_tokens"] > 0  # a system prompt came from a cache
     assert sum(view["decisions"].values()) >= len(questions)
     # Only the master can say which backend: the frontend asked it for every request.
     metrics = httpx.get(f"{cluster.master}/metrics").text
