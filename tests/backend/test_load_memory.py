@@ -40,14 +40,16 @@ def test_gguf_into_blocks_peaks_below_the_weights() -> None:
 
 
 def test_bfloat16_directory_into_float32_peaks_near_the_weights(tmp_path: Path) -> None:
-    """A bfloat16 Hugging Face checkpoint, sharded, served as float32 (twice the file): measured 1.11x
-    on ~35M weights. A whole shard or state dict read first would be 1.5x and more."""
-    tiny = tiny_model("llama", hidden=1024, heads=8, kv_heads=2, layers=2)
+    """A bfloat16 Hugging Face checkpoint, sharded, served as float32 (twice the file): measured 1.09x
+    on ~42M weights (160 MB served). A whole shard or state dict read first would be 1.5x and more.
+    Big enough that the process's fixed first-use allocations (10-17 MB whatever the model: 1.23x at
+    73 MB, 1.54x at 19 MB, up to 1.32x at 73 MB from a fresh clone) do not decide the ratio."""
+    tiny = tiny_model("llama", hidden=1536, heads=8, kv_heads=2, layers=2)
     tiny.hf_model.to(torch.bfloat16)
     path = save_hf_dir(tiny, tmp_path / "bf16", max_shard_size="30MB")
     assert len(list(path.glob("*.safetensors"))) > 1
     r = measure(path, "dense")
-    assert r["weights_mb"] > 60
+    assert r["weights_mb"] > 150
     assert r["peak_over_mb"] <= PEAK_BOUND * r["weights_mb"], r
 
 
