@@ -1,13 +1,16 @@
-"""ROLE_TYPE=MOCK_BACKEND: the backend's gRPC surface with no model. Every request streams the same scripted
-token ids, one per step, for each of its sequences, so a frontend's templates, stop strings, detokenizing
-and tool-call parsing can be debugged in seconds with no weights loaded.
+"""ROLE_TYPE=MOCK_BACKEND: the real backend's gRPC servicer (backend/server.py) over a scripted engine, no
+model. Every request streams the same scripted token ids, one per step, for each of its sequences, so a
+frontend's templates, stop strings, detokenizing and tool-call parsing can be debugged in seconds with no
+weights loaded; requests are parsed, checked and answered exactly as the real backend does.
 
 The script comes from MOCK_TOKEN_IDS (a JSON list), MOCK_TOKEN_FILE (a file of ids: a JSON list or ids
 separated by whitespace/commas) or MOCK_TEXT (encoded with TOKENIZER_PATH's tokenizer, eos appended).
 MOCK_DELAY_MS waits before each token; MOCK_ERROR=<kind>[@<tokens>] fails every request after that many
-tokens (0 = before the first) with one of ErrorCodePB's names, or UNAVAILABLE (the call itself aborts).
-A script that ends finishes with "stop"; max_new_tokens reached first finishes with "length".
+tokens (0 = before the first) with one of ErrorCodePB's names, answered as the real backend answers errors.
+A script that ends finishes with "stop"; max_new_tokens reached first finishes with "length" (0 means up to
+the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
 Logprobs are made up but fixed per token id (mock_logprob); ScoreCall answers with the same numbers.
+Constraints (guided decoding) are taken but not enforced, and PD hand-overs (RemoteDecode) are not mocked.
 """
 from __future__ import annotations
 
@@ -16,24 +19,33 @@ import json
 import logging
 import re
 import signal
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
 from backend.grpc_server import start_grpc_server
+from backend.sampler import Sample, SamplingParams
+from backend.sequence import FinishReason, Sequence
+from backend.server import ModelRpcServicer
 
 from kvyard.cluster_auth import internal_token
+from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
+from kvyard.errors import RequestError
+from kvyard.pb_errors import error_from_pb
 from kvyard.ports import backend_grpc_port, start_port
 from kvyard.roles import Role
+from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvyard.mock_backend")
 
 MOCK_TOTAL_BLOCKS = 1024  # what GetWorkerStatus reports; each running sequence holds one block
+MOCK_MAX_MODEL_LEN = 1 << 20  # the context the servicer checks against: no script comes near it
 
 
 def mock_logprob(token_id: int) -> float:
@@ -44,7 +56,7 @@ def mock_logprob(token_id: int) -> float:
 class MockScript:
     token_ids: tuple[int, ...]           # streamed one per step, for every sequence of every request
     delay_s: float = 0.0                 # before each token
-    error: str | None = None             # an ErrorCodePB name, or "UNAVAILABLE" (abort the gRPC call)
+    error: str | None = None             # an ErrorCodePB name
     error_after: int = 0                 # tokens streamed before the error
 
     @classmethod
@@ -55,9 +67,9 @@ class MockScript:
         if raw:
             name, _, count = raw.partition("@")
             error = name.strip().upper()
-            if error != "UNAVAILABLE" and error not in pb.ErrorCodePB.keys():
-                raise ValueError(f"MOCK_ERROR must be one of {', '.join(pb.ErrorCodePB.keys()[1:])} or "
-                                 f"UNAVAILABLE, optionally @<tokens>; got {raw!r}")
+            if error not in pb.ErrorCodePB.keys()[1:]:
+                raise ValueError(f"MOCK_ERROR must be one of {', '.join(pb.ErrorCodePB.keys()[1:])}, "
+                                 f"optionally @<tokens>; got {raw!r}")
             if count and not count.isdigit():
                 raise ValueError(f"MOCK_ERROR's @<tokens> must be a number, got {raw!r}")
             after = int(count or 0)
@@ -96,76 +108,131 @@ def _parse_ids(text: str, where: str) -> list[int]:
     return value
 
 
-class MockServicer(pb_grpc.ModelRpcServiceServicer):
-    """Reads `script` on every call, so a test can swap it between requests."""
+class ScriptedEngine:
+    """What ModelRpcServicer calls on its EngineLoop (generate, score, worker_status, cache_status), answered
+    from a MockScript instead of a model. The real servicer sits in front, so request parsing, defaults
+    (max_new_tokens=0 means up to the context), errors and protobuf encoding are the real backend's.
+
+    Each sequence takes the script's tokens in order and stops where the engine would stop it (stop token ids,
+    stop sequences, max_new_tokens → "length"); a script that runs out finishes with "stop", like an eos.
+    Reads `script` on every request, so a test can swap it between requests."""
+
+    alive = True
 
     def __init__(self, script: MockScript) -> None:
         self.script = script
+        self.generation_requests: list[GenerationRequest] = []  # as the servicer handed them over
+        self.cancelled = 0                      # requests whose caller left mid-stream
+        self.cancelled_ids: list[str] = []
+        self.running = 0                        # sequences streaming now
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenOutput]]:
+        self.generation_requests.append(req)
+        script = self.script
+        seqs = [Sequence(req.request_id, req.prompt_ids, req.stop, index=i) for i in range(req.n)]
+        self.running += req.n
+        steps = 0
+        try:
+            for step, token in enumerate(script.token_ids):
+                if script.error is not None and step == script.error_after:
+                    raise _scripted_error(script.error)
+                if script.delay_s:
+                    await asyncio.sleep(script.delay_s)
+                aux = AuxInfo(input_len=len(req.prompt_ids), output_len=step + 1, iter_count=step + 1, reuse_len=0,
+                              cost_time_us=int((step + 1) * script.delay_s * 1e6), first_token_cost_time_us=0,
+                              wait_time_us=0)
+                outs = []
+                for seq in seqs:
+                    seq.append_token(token)
+                    reason = seq.check_stop()
+                    if reason is None and step == len(script.token_ids) - 1:
+                        reason = FinishReason.STOP  # the script ran out: its end stands for an eos
+                    outs.append(TokenOutput(req.request_id, seq.index, token, _sample(token, req.sampling), reason,
+                                            aux))
+                steps += 1
+                yield outs
+                if all(out.finish_reason is not None for out in outs):
+                    break
+            if script.error is not None and script.error_after >= steps:
+                raise _scripted_error(script.error)
+        except (asyncio.CancelledError, GeneratorExit):  # at an await, or closed at a yield: the caller left
+            self.cancelled += 1
+            self.cancelled_ids.append(req.request_id)
+            raise
+        finally:
+            self.running -= req.n
+
+    async def score(self, req: ScoreRequest) -> ScoreResult:
+        samples = [Sample(t, mock_logprob(t), [(t + k, mock_logprob(t) - k) for k in range(req.top_logprobs)] or None)
+                   for t in req.scored_ids]
+        return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
+
+    def worker_status(self) -> WorkerStatus:
+        return WorkerStatus(role=Role.PDFUSION, running=self.running, waiting=0, queued_prefill_tokens=0,
+                            step_latency_ms=1.0, prefill_tokens_per_s=1e6, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
+                            total_blocks=MOCK_TOTAL_BLOCKS, block_size=16, version=len(self.generation_requests),
+                            iterate_count=0, alive=True, cache_version=0)
+
+    def cache_status(self, since_version: int) -> CacheStatus:
+        return CacheStatus(version=0, is_diff=False, cached_keys=[], added_keys=[], removed_keys=[], block_size=16)
+
+
+def _sample(token: int, sampling: SamplingParams) -> Sample:
+    if not sampling.logprobs:
+        return Sample(token, None, None)
+    top = [(token if k == 0 else token + k, mock_logprob(token) - k) for k in range(sampling.top_logprobs)]
+    return Sample(token, mock_logprob(token), top or None)
+
+
+def _scripted_error(name: str) -> RequestError:
+    error = error_from_pb(pb.ErrorDetailsPB(code=pb.ErrorCodePB.Value(name)))
+    return RequestError(error.code, f"mock backend: scripted {name}")
+
+
+class _UncheckedGrammars:
+    """Takes every constraint and masks nothing: a script is fixed, whatever grammar the request asks for."""
+
+    async def compile(self, constraint: Constraint) -> None:
+        return None
+
+
+class MockServicer(ModelRpcServicer):
+    """The real servicer over a ScriptedEngine; it also keeps every GenerateStreamCall request as received."""
+
+    def __init__(self, script: MockScript, max_model_len: int = MOCK_MAX_MODEL_LEN) -> None:
+        self.engine = ScriptedEngine(script)
+        super().__init__(self.engine, frozenset(), max_model_len,  # type: ignore[arg-type]  # EngineLoop-shaped
+                         grammars=_UncheckedGrammars())  # type: ignore[arg-type]
         self.requests: list[pb.GenerateInputPB] = []   # every request received, in order
-        self.cancelled = 0                              # calls the client cancelled mid-stream
-        self.running = 0                                # sequences streaming now
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         self.requests.append(request)
-        script, cfg = self.script, request.generate_config
-        n = max(1, cfg.num_return_sequences)
-        steps = min(len(script.token_ids), cfg.max_new_tokens or len(script.token_ids))
-        self.running += n
+        stream = super().GenerateStreamCall(request, context)
         try:
-            for i in range(steps):
-                if script.error is not None and i == script.error_after:
-                    yield await self._failure(request, context, script.error)
-                    return
-                if script.delay_s:
-                    await asyncio.sleep(script.delay_s)
-                out = pb.GenerateOutputsPB(request_id=request.request_id)
-                token = script.token_ids[i]
-                last = i == steps - 1
-                reason = pb.FINISH_REASON_STOP if i == len(script.token_ids) - 1 else pb.FINISH_REASON_LENGTH
-                for seq in range(n):
-                    o = out.generate_outputs.add(
-                        index=seq, output_ids=[token], finished=last,
-                        finish_reason=reason if last else pb.FINISH_REASON_UNSPECIFIED,
-                        aux_info=pb.AuxInfoPB(input_len=len(request.token_ids), output_len=i + 1,
-                                              iter_count=i + 1, cost_time_us=int((i + 1) * script.delay_s * 1e6)))
-                    if cfg.return_logprobs:
-                        lp = o.logprobs.add(token_id=token, logprob=mock_logprob(token))
-                        for k in range(cfg.top_logprobs):
-                            alt = token if k == 0 else token + k
-                            lp.top_logprobs.add(token_id=alt, logprob=mock_logprob(token) - k)
+            async for out in stream:
                 yield out
-            if script.error is not None and script.error_after >= steps:
-                yield await self._failure(request, context, script.error)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
         finally:
-            self.running -= n
+            await stream.aclose()
 
-    async def _failure(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext,
-                       error: str) -> pb.GenerateOutputsPB:
-        if error == "UNAVAILABLE":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "mock backend: scripted failure")
-        return pb.GenerateOutputsPB(request_id=request.request_id, error=pb.ErrorDetailsPB(
-            code=pb.ErrorCodePB.Value(error), message=f"mock backend: scripted {error}"))
+    # A scripted engine holds no KV to hand over: PD hand-overs are not mocked (UNIMPLEMENTED).
+    RemoteDecode = pb_grpc.ModelRpcServiceServicer.RemoteDecode
 
-    async def ScoreCall(self, request: pb.ScoreInputPB, context: grpc.aio.ServicerContext) -> pb.ScoreOutputPB:
-        out = pb.ScoreOutputPB(aux_info=pb.AuxInfoPB(input_len=len(request.prompt_ids) + len(request.scored_ids)))
-        for token in request.scored_ids:
-            lp = out.logprobs.add(token_id=token, logprob=mock_logprob(token))
-            for k in range(request.top_logprobs):
-                lp.top_logprobs.add(token_id=token + k, logprob=mock_logprob(token) - k)
-        return out
+    # What tests read and set, kept on the engine.
+    @property
+    def script(self) -> MockScript:
+        return self.engine.script
 
-    async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
-                              context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
-        return pb.WorkerStatusPB(role=Role.PDFUSION, running=self.running, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
-                                 total_blocks=MOCK_TOTAL_BLOCKS, block_size=16, step_latency_ms=1.0,
-                                 prefill_tokens_per_s=1e6, alive=True, version=len(self.requests))
+    @script.setter
+    def script(self, script: MockScript) -> None:
+        self.engine.script = script
 
-    async def GetCacheStatus(self, request: pb.CacheStatusRequestPB,
-                             context: grpc.aio.ServicerContext) -> pb.CacheStatusPB:
-        return pb.CacheStatusPB(version=0, is_diff=False, block_size=16)
+    @property
+    def cancelled(self) -> int:
+        return self.engine.cancelled
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
 
 
 async def start_mock_server(servicer: MockServicer, host: str, port: int, token: str = "") -> grpc.aio.Server:
