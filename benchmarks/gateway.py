@@ -22,7 +22,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,16 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvyard.cluster_auth import new_token  # noqa: E402
+from kvyard.ports import free_port_block  # noqa: E402
 
 TOKEN = new_token()
 MODEL = "smol"
 MOCK = "mock-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:
@@ -90,7 +84,7 @@ class Procs:
         self.procs.clear()
 
     def gateway(self, name: str, upstreams: list[str], **env: str) -> str:
-        port = free_port()
+        port = free_port_block()
         url = f"http://127.0.0.1:{port}"
         self.start(name, {"ROLE_TYPE": "GATEWAY", "TIB_PORT": str(port), "UPSTREAMS": ",".join(upstreams), **env},
                    f"{url}/health", 60)
@@ -137,13 +131,13 @@ async def burst_run(name: str, bases: list[str], n: int, max_retries: int) -> Bu
 
 
 def burst(args: argparse.Namespace, procs: Procs) -> None:
-    mock_port = free_port()  # the mock backend's gRPC port is its START_PORT + 1; it has no HTTP health
+    mock_port = free_port_block()  # the mock backend's gRPC port is its START_PORT + 1; it has no HTTP health
     procs.spawn("mock_backend", {"ROLE_TYPE": "MOCK_BACKEND", "START_PORT": str(mock_port - 1),
                                  "MOCK_TOKEN_IDS": json.dumps([30] * args.mock_tokens + [2]),
                                  "MOCK_DELAY_MS": str(args.mock_delay_ms)})
     fronts = []
     for i in range(2):
-        port = free_port()
+        port = free_port_block()
         url = f"http://127.0.0.1:{port}"
         procs.start(f"front{i}", {"ROLE_TYPE": "FRONTEND", "START_PORT": str(port), "MODEL_NAME": MOCK,
                                   "BACKEND_ADDRESS": f"127.0.0.1:{mock_port}", "CONCURRENCY_LIMIT": str(args.slots)},
@@ -241,7 +235,7 @@ async def prefix_run(name: str, gateway: str, requests: list[list[dict[str, str]
 def prefix(args: argparse.Namespace, procs: Procs) -> None:
     upstreams = []
     for i in range(2):
-        port = free_port_block()
+        port = free_port_block(6)
         url = f"http://127.0.0.1:{port}"
         procs.start(f"pdfusion{i}", {"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "MODEL_NAME": MODEL,
                                      "KV_CACHE_MB": str(args.kv_cache_mb), "TORCH_NUM_THREADS": "1"},
@@ -261,23 +255,6 @@ def prefix(args: argparse.Namespace, procs: Procs) -> None:
         print(f"{r.name:<18} {pct(r.ttft_s, 50) * 1000:>7.0f}ms {pct(r.ttft_s, 99) * 1000:>7.0f}ms "
               f"{r.hit_rate:>8.1%} {r.failures:>6} {r.seconds:>6.1f}s")
     print(f"least_connection / prefix TTFT p50: x{pct(runs[1].ttft_s, 50) / pct(runs[0].ttft_s, 50):.2f}")
-
-
-def free_port_block(span: int = 6) -> int:
-    for _ in range(200):
-        base = free_port()
-        if base + span < 65535 and all(_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no free block of ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def main() -> None:

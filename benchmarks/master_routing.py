@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from kvyard.cluster_auth import auth_headers, new_token  # noqa: E402
 from kvyard.model_path import EMBEDDED_MODEL_NAME, embedded_model_path  # noqa: E402
+from kvyard.ports import free_port_block  # noqa: E402
 from kvyard.tokenizer import TextTokenizer  # noqa: E402
 
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -88,24 +89,6 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def free_port_run(span: int) -> int:
-    """p such that p .. p+span-1 are free (a kvyard role takes START_PORT+0..+5)."""
-    for _ in range(200):
-        base = free_ports(1)[0]
-        if base + span < 65535 and all(_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no free run of ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 class Cluster:
     """Two PDFUSION processes, a kvyard master and frontend, two SGLang routers; all stopped by stop()."""
 
@@ -125,7 +108,7 @@ class Cluster:
     def _start(self, kv_mb: int, routers: list[str], sglang_python: Path | None, master_log_level: str) -> None:
         starts = []
         for i in range(2):
-            start = free_port_run(6)
+            start = free_port_block(6)
             starts.append(start)
             self._kvyard(f"pdfusion{i}", {"ROLE_TYPE": "PDFUSION", "START_PORT": str(start),
                                           "KV_CACHE_MB": str(kv_mb), "TORCH_NUM_THREADS": "1"})
@@ -133,7 +116,7 @@ class Cluster:
         grpc = ",".join(f"127.0.0.1:{s + 1}" for s in starts)
         workers = [f"http://127.0.0.1:{s}" for s in starts]
         if "kvyard" in routers:
-            master, frontend = free_port_run(1), free_port_run(6)
+            master, frontend = free_port_block(1), free_port_block(6)
             self._kvyard("master", {"ROLE_TYPE": "MASTER", "START_PORT": str(master), "MASTER_BACKENDS": grpc,
                                     "LOG_LEVEL": master_log_level})
             self._kvyard("frontend", {"ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -14,15 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from kvyard.ports import free_port_block
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CACHE = Path(os.environ.get("KVYARD_PEER_CACHE", Path.home() / ".cache" / "kvyard"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llama_server_binary() -> Path:
@@ -98,7 +93,7 @@ def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 1
     """(base_url, pid) of a llama-server on the GGUF, as PERF_NOTES ran it (`-t 2 -np 32 -c 16384`:
     512 tokens a slot, its fastest setting for many streams); peers.py starts a one-slot server for the
     long-prompt TTFT (`--kv-unified` would fit it in the 32-slot one but costs it ~25 % decode speed)."""
-    port = free_port()
+    port = free_port_block()
     proc = subprocess.Popen([str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
                              "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", str(context),
                              "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -113,9 +108,7 @@ def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 1
 @contextmanager
 def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
     """(base_url, launcher pid) of `python -m kvyard` (PDFUSION) as a user starts it."""
-    port = free_port()
-    while any(_busy(port + k) for k in (1, 5)):
-        port = free_port()
+    port = free_port_block(6)  # START_PORT .. +5: the frontend, the backend's gRPC (+1) and HTTP (+5)
     env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
            "LOG_LEVEL": "INFO", **env_overrides}
     log = open(CACHE / "kvyard-peer.log", "w")
@@ -127,8 +120,3 @@ def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
     finally:
         _stop(proc)
         log.close()
-
-
-def _busy(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0

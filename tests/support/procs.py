@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+
+from kvyard import ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,25 +29,8 @@ def cluster_metadata() -> tuple[tuple[str, str], ...]:
 
 
 def free_port_block(span: int = 6) -> int:
-    """A port p such that p .. p+span-1 are all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span >= 65535:
-            continue
-        if all(_is_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no free block of ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """A port p such that p .. p+span-1 are all free on 127.0.0.1 right now (a role's ports)."""
+    return ports.free_port_block(span)
 
 
 class RoleProcess:
