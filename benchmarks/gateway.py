@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,29 +34,21 @@ sys.path.insert(0, str(REPO))
 
 from kvyard.cluster_auth import new_token  # noqa: E402
 from kvyard.ports import free_port_block  # noqa: E402
+from role_procs import ProcessGroup  # noqa: E402  (this folder: the script's own)
 
 TOKEN = new_token()
 MODEL = "smol"
 MOCK = "mock-model"
 
 
-class Procs:
+class Procs(ProcessGroup):
     """Role processes on free loopback ports, logs in one temporary folder, stopped by pid on exit."""
 
     def __init__(self) -> None:
-        self.logs = Path(tempfile.mkdtemp(prefix="kvyard-gateway-bench-"))
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(self, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        full = {**os.environ, "HOST": "127.0.0.1", "PYTHONPATH": str(REPO), "CLUSTER_TOKEN": TOKEN, **env}
-        log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "kvyard"], env=full, cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
+        super().__init__("kvyard-gateway-bench-", TOKEN)
 
     def start(self, name: str, env: dict[str, str], health: str, timeout_s: float = 300.0) -> None:
-        proc = self.spawn(name, env)
+        proc = self.kvyard(name, env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -71,17 +60,6 @@ class Procs:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"{name} not healthy in {timeout_s} s; see {self.logs / name}.log")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-        self.procs.clear()
 
     def gateway(self, name: str, upstreams: list[str], **env: str) -> str:
         port = free_port_block()
@@ -132,7 +110,7 @@ async def burst_run(name: str, bases: list[str], n: int, max_retries: int) -> Bu
 
 def burst(args: argparse.Namespace, procs: Procs) -> None:
     mock_port = free_port_block()  # the mock backend's gRPC port is its START_PORT + 1; it has no HTTP health
-    procs.spawn("mock_backend", {"ROLE_TYPE": "MOCK_BACKEND", "START_PORT": str(mock_port - 1),
+    procs.kvyard("mock_backend", {"ROLE_TYPE": "MOCK_BACKEND", "START_PORT": str(mock_port - 1),
                                  "MOCK_TOKEN_IDS": json.dumps([30] * args.mock_tokens + [2]),
                                  "MOCK_DELAY_MS": str(args.mock_delay_ms)})
     fronts = []

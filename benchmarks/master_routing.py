@@ -31,12 +31,10 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from kvyard.cluster_auth import auth_headers, new_token  # noqa: E402
 from kvyard.model_path import EMBEDDED_MODEL_NAME, embedded_model_path  # noqa: E402
 from kvyard.ports import free_port_block  # noqa: E402
+from role_procs import ProcessGroup  # noqa: E402  (this folder: the script's own)
 from kvyard.tokenizer import TextTokenizer  # noqa: E402
 
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -94,9 +93,8 @@ class Cluster:
 
     def __init__(self, kv_mb: int, routers: list[str], sglang_python: Path | None,
                  master_log_level: str = "INFO") -> None:
-        self.logs = Path(tempfile.mkdtemp(prefix=f"kvyard-routers-{kv_mb}mb-"))
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.names: list[str] = []
+        self.group = ProcessGroup(f"kvyard-routers-{kv_mb}mb-", TOKEN)
+        self.logs = self.group.logs
         self.urls: dict[str, str] = {}
         self.backend_metrics: list[str] = []
         try:
@@ -110,16 +108,16 @@ class Cluster:
         for i in range(2):
             start = free_port_block(6)
             starts.append(start)
-            self._kvyard(f"pdfusion{i}", {"ROLE_TYPE": "PDFUSION", "START_PORT": str(start),
+            self.group.kvyard(f"pdfusion{i}", {"ROLE_TYPE": "PDFUSION", "START_PORT": str(start),
                                           "KV_CACHE_MB": str(kv_mb), "TORCH_NUM_THREADS": "1"})
             self.backend_metrics.append(f"http://127.0.0.1:{start + 5}/metrics")
         grpc = ",".join(f"127.0.0.1:{s + 1}" for s in starts)
         workers = [f"http://127.0.0.1:{s}" for s in starts]
         if "kvyard" in routers:
             master, frontend = free_port_block(1), free_port_block(6)
-            self._kvyard("master", {"ROLE_TYPE": "MASTER", "START_PORT": str(master), "MASTER_BACKENDS": grpc,
+            self.group.kvyard("master", {"ROLE_TYPE": "MASTER", "START_PORT": str(master), "MASTER_BACKENDS": grpc,
                                     "LOG_LEVEL": master_log_level})
-            self._kvyard("frontend", {"ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend),
+            self.group.kvyard("frontend", {"ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend),
                                       "MASTER_ADDRESS": f"127.0.0.1:{master}", "BACKEND_ADDRESSES": grpc})
             self.urls["kvyard"] = f"http://127.0.0.1:{frontend}"
             self.master_url = f"http://127.0.0.1:{master}"
@@ -127,25 +125,15 @@ class Cluster:
         for policy in (r for r in routers if r != "kvyard"):
             assert sglang_python is not None
             port, metrics_port = free_ports(2)
-            self._spawn(f"sglang-{policy}", [str(sglang_python), "-m", "sglang_router.launch_router",
+            self.group.spawn(f"sglang-{policy}", [str(sglang_python), "-m", "sglang_router.launch_router",
                                              "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                                              "--worker-urls", *workers, "--log-level", "warn"], {})
             self.urls[policy] = f"http://127.0.0.1:{port}"
 
-    def _kvyard(self, name: str, env: dict[str, str]) -> None:
-        self._spawn(name, [sys.executable, "-m", "kvyard"],
-                    {"HOST": "127.0.0.1", "PYTHONPATH": str(REPO), "CLUSTER_TOKEN": TOKEN, **env})
-
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = open(self.logs / f"{name}.log", "wb")
-        self.procs.append(subprocess.Popen(argv, env={**os.environ, **env}, cwd=REPO, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True))
-        self.names.append(name)
-
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds each started process and its children have used so far."""
-        return {name: tree_cpu_s(p.pid) for name, p in zip(self.names, self.procs)}
+        return {name: tree_cpu_s(p.pid) for name, p in zip(self.group.names, self.group.procs)}
 
     def wait_ready(self) -> None:
         self._wait(self.urls)
@@ -154,7 +142,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         pending = dict(urls)
         while pending and time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.procs):
+            if any(p.poll() is not None for p in self.group.procs):
                 raise RuntimeError(f"a process exited; logs in {self.logs}")
             for name, url in list(pending.items()):
                 if _answers(url):
@@ -164,15 +152,7 @@ class Cluster:
             raise TimeoutError(f"{sorted(pending)} not ready in {timeout_s:.0f} s; logs in {self.logs}")
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        self.group.stop()
 
 
 def tree_cpu_s(pid: int) -> float:

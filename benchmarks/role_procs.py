@@ -1,0 +1,47 @@
+"""Processes a benchmark starts (kvyard roles, peer routers): each in its own session with its log in one
+temporary folder, stopped by pid (SIGTERM to its process group, SIGKILL after a grace)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ProcessGroup:
+    def __init__(self, prefix: str, cluster_token: str) -> None:
+        self.logs = Path(tempfile.mkdtemp(prefix=prefix))
+        self.token = cluster_token
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """argv with os.environ plus env, output into logs/<name>.log."""
+        log = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        self.names.append(name)
+        return proc
+
+    def kvyard(self, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """`python -m kvyard` on loopback with the cluster token, env choosing the role."""
+        return self.spawn(name, [sys.executable, "-m", "kvyard"],
+                          {"HOST": "127.0.0.1", "PYTHONPATH": str(REPO), "CLUSTER_TOKEN": self.token, **env})
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+        self.names.clear()
