@@ -36,7 +36,7 @@ test-fast: setup
 # `make test` skips that one test without it). The screenshot lands in tests/artifacts/dashboard.png.
 test-dashboard: setup
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
-	$(PY) -m pytest -q tests/kvyard/test_local_cluster.py
+	$(PY) -m pytest -q tests/launcher/test_local_cluster.py
 
 # Schema fuzzing of the frontend's HTTP API (thousands of cases; make test runs a few hundred): no 5xx.
 fuzz: setup

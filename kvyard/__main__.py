@@ -1,6 +1,6 @@
-"""`python -m kvyard`: the command line (kvyard/cli.py); with no arguments, start the roles ROLE_TYPE names."""
+"""`python -m kvyard`: the command line (launcher/cli.py); with no arguments, start the roles ROLE_TYPE names."""
 import sys
 
-from kvyard.cli import main
+from launcher.cli import main
 
 sys.exit(main())

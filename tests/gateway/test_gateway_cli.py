@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import GatewayConfig
-from kvyard.cli import gateway_env, gateway_parser, main
+from launcher.cli import gateway_env, gateway_parser, main
 
 
 def test_arguments_become_the_gateways_environment() -> None:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from frontend.config import FrontendConfig
-from kvyard.launch import _check_configs
+from launcher.launch import _check_configs
 from kvyard.roles import Role
 from master.config import BackendEndpoint, DnsTarget, MasterConfig
 

@@ -33,7 +33,7 @@ class RecordingEnv(Mapping[str, str]):
 def role_reads(values: Mapping[str, str]) -> set[str]:
     """The variables the launcher and the configs of the role ROLE_TYPE names read, given these values
     (they must form a valid configuration: a config that fails stops reading)."""
-    from kvyard.launch import _check_configs, drain_grace_s, frontend_count
+    from launcher.launch import _check_configs, drain_grace_s, frontend_count
     from kvyard.roles import parse_role
     from kvyard.logs import check_log_level
 

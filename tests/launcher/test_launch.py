@@ -64,7 +64,7 @@ def test_pdfusion_stops_frontend_first_and_lets_each_drain_its_grace(tmp_path: P
     import threading
     import time
 
-    from kvyard import launch
+    from launcher import launch
     from tests.support.fake_roles import fake_backend, fake_frontend
 
     events = tmp_path / "events"

@@ -1,4 +1,4 @@
-"""Starts the role processes ROLE_TYPE names (`kvyard serve`, `python -m kvyard`; flags parsed in kvyard/cli.py)."""
+"""Starts the role processes ROLE_TYPE names (`kvyard serve`, `python -m kvyard`; flags parsed in launcher/cli.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
 from kvyard.roles import Role, parse_role
 
-log = logging.getLogger("kvyard.launch")
+log = logging.getLogger("kvyard.launcher")
 
 
 def run_backend(env: Mapping[str, str]) -> None:
@@ -185,6 +185,6 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line (kvyard/cli.py): flags over the environment, `serve` and `cluster`."""
-    from kvyard.cli import main as cli_main
+    """The command line (launcher/cli.py): flags over the environment, `serve` and `cluster`."""
+    from launcher.cli import main as cli_main
     return cli_main(argv)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvyard.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, serve_env
-from kvyard.local_cluster import check, part_env, plan
+from launcher.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, serve_env
+from launcher.local_cluster import check, part_env, plan
 from kvyard.model_path import embedded_model_path
 from tests.support.env_reads import role_reads
 from tests.support.procs import CLUSTER_TOKEN, REPO

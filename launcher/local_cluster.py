@@ -23,7 +23,7 @@ from typing import IO
 
 import httpx
 
-from kvyard.cli import USAGE_ERROR, UsageError, explain
+from launcher.cli import USAGE_ERROR, UsageError, explain
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
 from kvyard.ports import backend_grpc_port, backend_http_port

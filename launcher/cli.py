@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args and args[0] == "cluster":
-            from kvyard.local_cluster import run_cluster
+            from launcher.local_cluster import run_cluster
             ns = cluster_parser().parse_args(args[1:])
             overrides = flag_env(ns, cluster=True)
             setup_logging("cluster", {**os.environ, **overrides})
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start(overrides: dict[str, str], flags: Sequence[Flag]) -> int:
-    from kvyard.launch import start
+    from launcher.launch import start
     from kvyard.logs import setup_logging
 
     env = with_local_host({**os.environ, **overrides})  # handed to every role process it starts

@@ -1,0 +1,72 @@
+"""Which package may import which: the shared package imports no role, a role imports no other role (but
+for the few pure pieces named here), and protobuf stays at the gRPC edges."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support.procs import REPO
+
+ROLES = ("frontend", "master", "backend", "gateway")
+PACKAGES = ("kvyard", "launcher", "renderers", *ROLES)
+
+# Imports across role lines that are meant: each names the module imported and why.
+ALLOWED = {
+    ("frontend", "renderers"),          # chat templates and tool-call formats are the frontend's
+    ("gateway", "master.policy"),       # the gateway routes with the master's pure policy (no state)
+}
+# The gRPC edges: the only files that see protobuf messages.
+PROTO_EDGES = {
+    "kvyard/pb_errors.py",              # the error table's protobuf side
+    "frontend/backend_client.py",
+    "master/backend_poller.py",
+    "backend/server.py", "backend/pb_convert.py", "backend/grpc_server.py",
+    "backend/pd_transfer.py",           # the KV hand-over stream is itself a gRPC protocol
+    "backend/mock_backend.py",          # the real servicer's set-up, over a scripted engine
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((Path(REPO) / package).rglob("*.py"))
+
+
+def _allowed(package: str, module: str) -> bool:
+    return any(package == src and (module == dst or module.startswith(dst + ".")) for src, dst in ALLOWED)
+
+
+def test_packages_import_only_what_they_may() -> None:
+    wrong = []
+    for package in PACKAGES:
+        if package == "launcher":
+            continue  # the command line starts every role: the one package that knows them all
+        for path in _files(package):
+            if path == Path(REPO) / "kvyard/__main__.py":
+                continue  # `python -m kvyard` is the command line: it calls launcher.cli, nothing else
+            for module in _imports(path):
+                top = module.split(".")[0]
+                if top in PACKAGES and top not in (package, "kvyard") and not _allowed(package, module):
+                    wrong.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_protobuf_only_at_the_edges() -> None:
+    seen = {str(path.relative_to(REPO)) for package in PACKAGES for path in _files(package)
+            if any(m == "proto" or m.startswith("proto.") for m in _imports(path))}
+    assert seen <= PROTO_EDGES, sorted(seen - PROTO_EDGES)
+
+
+def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom master.registry import Registry\nif True:\n    from proto import model_rpc_pb2\n")
+    assert {"master.registry", "proto", "os"} <= _imports(bad)
+    assert not _allowed("frontend", "master.registry") and _allowed("gateway", "master.policy")
