@@ -30,6 +30,7 @@ from backend.grpc_server import start_grpc_server
 from backend.sampler import Sample, SamplingParams
 from backend.sequence import FinishReason, Sequence
 from backend.server import ModelRpcServicer
+from backend.validation import check_token_ids
 
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
@@ -58,6 +59,7 @@ class MockScript:
     delay_s: float = 0.0                 # before each token
     error: str | None = None             # an ErrorCodePB name
     error_after: int = 0                 # tokens streamed before the error
+    error_message: str | None = None     # what the error says (default: "mock backend: scripted <kind>")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockScript:
@@ -115,27 +117,39 @@ class ScriptedEngine:
 
     Each sequence takes the script's tokens in order and stops where the engine would stop it (stop token ids,
     stop sequences, max_new_tokens → "length"); a script that runs out finishes with "stop", like an eos.
-    Reads `script` on every request, so a test can swap it between requests."""
+    Reads `script` on every request, so a test can swap it between requests. With a vocab_size, token ids
+    outside it are refused as the engine refuses them. Tests choose a script per request through script_for
+    (tests/support/stub_backend.py)."""
 
     alive = True
 
-    def __init__(self, script: MockScript) -> None:
+    def __init__(self, script: MockScript, vocab_size: int | None = None) -> None:
         self.script = script
+        self.vocab_size = vocab_size
         self.generation_requests: list[GenerationRequest] = []  # as the servicer handed them over
         self.cancelled = 0                      # requests whose caller left mid-stream
         self.cancelled_ids: list[str] = []
         self.running = 0                        # sequences streaming now
 
+    def script_for(self, req: GenerationRequest) -> MockScript:
+        """What this request streams."""
+        return self.script
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if self.vocab_size is not None:
+            check_token_ids(ids, self.vocab_size)
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenOutput]]:
         self.generation_requests.append(req)
-        script = self.script
+        self._check_ids(req.prompt_ids)
+        script = self.script_for(req)
         seqs = [Sequence(req.request_id, req.prompt_ids, req.stop, index=i) for i in range(req.n)]
         self.running += req.n
         steps = 0
         try:
             for step, token in enumerate(script.token_ids):
                 if script.error is not None and step == script.error_after:
-                    raise _scripted_error(script.error)
+                    raise _scripted_error(script)
                 if script.delay_s:
                     await asyncio.sleep(script.delay_s)
                 aux = AuxInfo(input_len=len(req.prompt_ids), output_len=step + 1, iter_count=step + 1, reuse_len=0,
@@ -154,7 +168,7 @@ class ScriptedEngine:
                 if all(out.finish_reason is not None for out in outs):
                     break
             if script.error is not None and script.error_after >= steps:
-                raise _scripted_error(script.error)
+                raise _scripted_error(script)
         except (asyncio.CancelledError, GeneratorExit):  # at an await, or closed at a yield: the caller left
             self.cancelled += 1
             self.cancelled_ids.append(req.request_id)
@@ -163,6 +177,7 @@ class ScriptedEngine:
             self.running -= req.n
 
     async def score(self, req: ScoreRequest) -> ScoreResult:
+        self._check_ids([*req.prompt_ids, *req.scored_ids])
         samples = [Sample(t, mock_logprob(t), [(t + k, mock_logprob(t) - k) for k in range(req.top_logprobs)] or None)
                    for t in req.scored_ids]
         return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
@@ -184,9 +199,10 @@ def _sample(token: int, sampling: SamplingParams) -> Sample:
     return Sample(token, mock_logprob(token), top or None)
 
 
-def _scripted_error(name: str) -> RequestError:
-    error = error_from_pb(pb.ErrorDetailsPB(code=pb.ErrorCodePB.Value(name)))
-    return RequestError(error.code, f"mock backend: scripted {name}")
+def _scripted_error(script: MockScript) -> RequestError:
+    assert script.error is not None
+    error = error_from_pb(pb.ErrorDetailsPB(code=pb.ErrorCodePB.Value(script.error)))
+    return RequestError(error.code, script.error_message or f"mock backend: scripted {script.error}")
 
 
 class _UncheckedGrammars:
@@ -199,8 +215,8 @@ class _UncheckedGrammars:
 class MockServicer(ModelRpcServicer):
     """The real servicer over a ScriptedEngine; it also keeps every GenerateStreamCall request as received."""
 
-    def __init__(self, script: MockScript, max_model_len: int = MOCK_MAX_MODEL_LEN) -> None:
-        self.engine = ScriptedEngine(script)
+    def __init__(self, engine: ScriptedEngine, max_model_len: int = MOCK_MAX_MODEL_LEN) -> None:
+        self.engine = engine
         super().__init__(self.engine, frozenset(), max_model_len,  # type: ignore[arg-type]  # EngineLoop-shaped
                          grammars=_UncheckedGrammars())  # type: ignore[arg-type]
         self.requests: list[pb.GenerateInputPB] = []   # every request received, in order
@@ -255,7 +271,7 @@ class MockBackendConfig:
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:
-    server = await start_mock_server(MockServicer(cfg.script), cfg.host, cfg.grpc_port, cfg.cluster_token)
+    server = await start_mock_server(MockServicer(ScriptedEngine(cfg.script)), cfg.host, cfg.grpc_port, cfg.cluster_token)
     log.info("mock backend on %s:%d: %d scripted tokens, %.0f ms apart%s", cfg.host, cfg.grpc_port,
              len(cfg.script.token_ids), cfg.script.delay_s * 1000,
              f", failing with {cfg.script.error} after {cfg.script.error_after}" if cfg.script.error else "")

@@ -14,10 +14,7 @@ def validate_request(req: GenerationRequest | ScoreRequest, vocab_size: int, max
     ids = req.prompt_ids + (req.scored_ids if isinstance(req, ScoreRequest) else [])
     if not req.prompt_ids:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "the prompt has no tokens", "token_ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                           f"token ids out of the vocabulary (size {vocab_size}): {bad[:5]}", "token_ids")
+    check_token_ids(ids, vocab_size)
     if len(ids) >= max_model_len:
         raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                            f"the request has {len(ids)} tokens; this model's context is {max_model_len} tokens, "
@@ -41,3 +38,11 @@ def validate_request(req: GenerationRequest | ScoreRequest, vocab_size: int, max
         req.sampling.validate(vocab_size)
     except ValueError as exc:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Raises RequestError when an id is outside the vocabulary (the mock backend asks the same)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                           f"token ids out of the vocabulary (size {vocab_size}): {bad[:5]}", "token_ids")

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from backend.config import BackendConfig
-from backend.mock_backend import MockBackendConfig, MockScript, MockServicer, start_mock_server
+from backend.mock_backend import MockBackendConfig, MockScript, MockServicer, ScriptedEngine, start_mock_server
 from backend.pd_transfer import DecodeChannels
 from frontend.backend_client import BackendClient, GenerateParams
 from frontend.config import FrontendConfig
@@ -31,7 +31,7 @@ from master.config import MasterConfig
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 from tests.support.procs import free_port_block
-from tests.support.scoring_stub import AppThread
+from tests.support.app_thread import AppThread
 
 TOKEN = "cluster-secret-for-tests-0123"
 
@@ -86,7 +86,7 @@ def test_launcher_generates_a_token_for_pdfusion_only() -> None:
 
 async def _mock_backend(token: str) -> tuple[grpc.aio.Server, str]:
     port = free_port_block(1)
-    server = await start_mock_server(MockServicer(MockScript((5, 6, 2))), "127.0.0.1", port, token)
+    server = await start_mock_server(MockServicer(ScriptedEngine(MockScript((5, 6, 2)))), "127.0.0.1", port, token)
     return server, f"127.0.0.1:{port}"
 
 

@@ -20,7 +20,7 @@ from kvyard.metrics import (VLLM_EQUIVALENTS, BackendMetrics, FrontendMetrics, H
                             MasterMetrics, add_metrics_route)
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
-from tests.support.scoring_stub import stub_frontend
+from tests.support.stub_backend import stub_frontend
 
 REQUEST_METRICS = ["kvyard:time_to_first_token_seconds", "kvyard:inter_token_latency_seconds",
                    "kvyard:e2e_request_latency_seconds", "kvyard:prompt_tokens", "kvyard:generation_tokens",
@@ -187,7 +187,7 @@ def test_master_app_serves_metrics() -> None:
 
 def test_frontend_counters_move(tokenizer: TextTokenizer) -> None:
     ids = [*tokenizer.encode("Hi there!"), 2]
-    with stub_frontend(tokenizer, lambda _req: [[i] for i in ids]) as stub:
+    with stub_frontend(tokenizer, lambda _req: ids) as stub:
         before = samples(httpx.get(f"{stub.url}/metrics").text)
         chat = httpx.post(f"{stub.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert chat.status_code == 200

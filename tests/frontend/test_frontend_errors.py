@@ -21,7 +21,7 @@ from master.mock_master import MockMasterConfig, create_mock_master_app
 from tests.support.sse import sse_data
 from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
 from tests.support.procs import free_port_block
-from tests.support.scoring_stub import AppThread
+from tests.support.app_thread import AppThread
 
 HI = [{"role": "user", "content": "Hi"}]
 ERROR_KEYS = {"message", "type", "param", "code"}

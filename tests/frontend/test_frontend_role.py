@@ -6,7 +6,6 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +14,10 @@ import jinja2
 import openai
 import pytest
 
+from backend.mock_backend import MockServicer
 from kvyard.tokenizer import TextTokenizer
-from proto import model_rpc_pb2 as pb
 from tests.support.procs import RoleProcess, free_port_block
-from tests.support.stub_backend import StubBackend, StubServicer
+from tests.support.stub_backend import StubEngine, reconfigured, stub_backend
 
 SCRIPT_TEXT = "Hello there, friend!"
 EOS_ID = 2
@@ -37,7 +36,8 @@ class Frontend:
 @dataclass
 class Stack:
     url: str                    # the frontend backed by the stub
-    servicer: StubServicer
+    engine: StubEngine
+    servicer: MockServicer      # keeps every request as received
     script_ids: list[int]       # what the stub streams, one id per step, <|im_end|> last
     down: Frontend              # a frontend whose backend address has nothing listening
 
@@ -61,26 +61,23 @@ def stack(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) ->
     base = free_port_block(4)
     stub_port, port, down_port, dead_port = base, base + 1, base + 2, base + 3
     script_ids = [*tokenizer.encode(SCRIPT_TEXT), EOS_ID]
-    servicer = StubServicer(lambda _req: [[i] for i in script_ids])
-    stub = StubBackend(servicer, stub_port)
     logs = tmp_path_factory.mktemp("frontend_role")
     common = {"ROLE_TYPE": "FRONTEND", "MAX_SEQ_LEN": str(MAX_SEQ_LEN), "MODEL_NAME": MODEL}
     procs: list[RoleProcess] = []
-    try:
-        stub.start()
-        # Both frontends start together: most of their start-up is imports and the tokenizer.
-        procs.append(RoleProcess({**common, "START_PORT": str(port),
-                                  "BACKEND_ADDRESS": f"127.0.0.1:{stub_port}"}, logs / "frontend.log"))
-        procs.append(RoleProcess({**common, "START_PORT": str(down_port),
-                                  "BACKEND_ADDRESS": f"127.0.0.1:{dead_port}"}, logs / "down.log"))
-        url, down_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{down_port}"
-        procs[0].wait_healthy(f"{url}/health", timeout_s=60)
-        _wait_answering(procs[1], f"{down_url}/health")
-        yield Stack(url, servicer, script_ids, Frontend(down_url, procs[1]))
-    finally:
-        for p in procs:
-            p.stop()
-        stub.stop()
+    with stub_backend(lambda _req: script_ids, stub_port) as (engine, backend):
+        try:
+            # Both frontends start together: most of their start-up is imports and the tokenizer.
+            procs.append(RoleProcess({**common, "START_PORT": str(port),
+                                      "BACKEND_ADDRESS": f"127.0.0.1:{stub_port}"}, logs / "frontend.log"))
+            procs.append(RoleProcess({**common, "START_PORT": str(down_port),
+                                      "BACKEND_ADDRESS": f"127.0.0.1:{dead_port}"}, logs / "down.log"))
+            url, down_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{down_port}"
+            procs[0].wait_healthy(f"{url}/health", timeout_s=60)
+            _wait_answering(procs[1], f"{down_url}/health")
+            yield Stack(url, engine, backend.servicer, script_ids, Frontend(down_url, procs[1]))
+        finally:
+            for p in procs:
+                p.stop()
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +89,6 @@ def client(stack: Stack) -> openai.OpenAI:
 def http(stack: Stack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.url, timeout=10) as c:
         yield c
-
-
-@contextmanager
-def reconfigured(servicer: StubServicer, **attrs: Any) -> Iterator[None]:
-    """Change the stub's behaviour for one test (it reads its attributes on every call)."""
-    old = {k: getattr(servicer, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(servicer, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(servicer, k, v)
 
 
 def sse_data(text: str) -> list[str]:
@@ -411,18 +395,18 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
 
 # ---- backend failures ---------------------------------------------------------------------------
 
-BACKEND_ERROR = pb.ErrorDetailsPB(code=pb.INVALID_ARGUMENT, message="token id 99 is not allowed here")
+BACKEND_ERROR = ("INVALID_ARGUMENT", "token id 99 is not allowed here")  # an ErrorCodePB name, the message
 
 
 def test_backend_error_non_stream(http: httpx.Client, stack: Stack) -> None:
-    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+    with reconfigured(stack.engine, error=BACKEND_ERROR):
         resp = http.post("/v1/chat/completions", json={"messages": HI})
     err = assert_error(resp, 400, "invalid_argument")
-    assert err["message"] == BACKEND_ERROR.message
+    assert err["message"] == BACKEND_ERROR[1]
 
 
 def test_backend_error_stream(http: httpx.Client, stack: Stack) -> None:
-    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+    with reconfigured(stack.engine, error=BACKEND_ERROR):
         resp = http.post("/v1/chat/completions", json={"messages": HI, "stream": True})
     assert resp.status_code == 200  # the headers went out before the backend answered
     data = sse_data(resp.text)
@@ -430,12 +414,12 @@ def test_backend_error_stream(http: httpx.Client, stack: Stack) -> None:
     body = json.loads(data[-2])
     assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS
     assert body["error"]["code"] == "invalid_argument"
-    assert body["error"]["message"] == BACKEND_ERROR.message
+    assert body["error"]["message"] == BACKEND_ERROR[1]
     assert all("error" not in json.loads(d) for d in data[:-2])
 
 
 def test_backend_error_stream_with_openai_client(client: openai.OpenAI, stack: Stack) -> None:
-    with reconfigured(stack.servicer, error=BACKEND_ERROR):
+    with reconfigured(stack.engine, error=BACKEND_ERROR):
         with pytest.raises(openai.APIError, match="token id 99"):
             list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
 
@@ -464,9 +448,9 @@ def test_backend_down(stack: Stack) -> None:
 
 
 def test_client_disconnect_cancels_backend_call(stack: Stack) -> None:
-    steps = [[t] for t in (stack.script_ids[:-1] * 50)[:50]]
+    steps = (stack.script_ids[:-1] * 50)[:50]
     servicer = stack.servicer
-    with reconfigured(servicer, script=lambda _req: steps, delay_s=0.2):
+    with reconfigured(stack.engine, steps=lambda _req: steps, delay_s=0.2):
         time.sleep(0.3)  # let any earlier call's late cancellation land before the baseline
         before, n_requests = servicer.cancelled, len(servicer.requests)
         with httpx.Client(base_url=stack.url, timeout=10) as c:

@@ -14,7 +14,7 @@ import pytest
 from frontend.respond import EVENT_SSE, sse_message
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
-from tests.support.scoring_stub import StubFrontend, stub_frontend
+from tests.support.stub_backend import StubFrontend, stub_frontend
 
 TEXT = "Line one\nLine two\n\n  indented: yes\nend"
 SSE = {"Accept": "text/event-stream"}
@@ -44,7 +44,7 @@ def parse_sse(raw: str) -> list[tuple[str, str | None]]:
 @pytest.fixture(scope="module")
 def stub(tokenizer: TextTokenizer) -> Iterator[StubFrontend]:
     ids = [*tokenizer.encode(TEXT), 2]
-    with stub_frontend(tokenizer, lambda _req: [[i] for i in ids], delay_s=0.03) as frontend:
+    with stub_frontend(tokenizer, lambda _req: ids, delay_s=0.03) as frontend:
         yield frontend
 
 
@@ -78,7 +78,7 @@ def test_sse_framing(stub: StubFrontend) -> None:
     assert events[-1] == ("end", None)
     assert all(name == "message" for name, _ in events[:-1])
     assert "".join(data or "" for _, data in events[:-1]) == TEXT
-    stub_request = stub.servicer.requests[-1].generate_config
+    stub_request = stub.backend.servicer.requests[-1].generate_config
     assert stub_request.max_new_tokens == 50 and stub_request.temperature == 0
 
 
@@ -129,7 +129,7 @@ def test_prompt_tokenized_as_completions_does(stub: StubFrontend, tokenizer: Tex
     for path, kwargs in [("/generate?max_tokens=4", {"content": prompt}),
                          ("/v1/completions", {"json": {"prompt": prompt, "max_tokens": 4}})]:
         assert httpx.post(f"{stub.url}{path}", timeout=30, **kwargs).status_code == 200  # type: ignore[arg-type]
-        sent.append(list(stub.servicer.requests[-1].token_ids))
+        sent.append(list(stub.backend.servicer.requests[-1].token_ids))
     assert sent[0] == sent[1]
     assert tokenizer.encode("<|im_start|>", parse_special=True)[0] in sent[0]
 

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
+from backend.mock_backend import mock_logprob
 from frontend.backend_client import BackendClient
 from frontend.lmtp_client import LmtpConsole, parse_line
 from kvyard.tokenizer import TextTokenizer
 from tests.conftest import Cluster
 from tests.support.procs import CLUSTER_TOKEN
-from tests.support.scoring_stub import StubFrontend, fake_logprob, stub_frontend
+from tests.support.stub_backend import StubFrontend, stub_frontend
 
 LONG = 500  # max_tokens at or above this makes the stub stream LONG_STEPS steps (for cancellation)
 LONG_STEPS = 400
@@ -36,10 +37,10 @@ def script_ids(tokenizer: TextTokenizer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stub(tokenizer: TextTokenizer, script_ids: list[int]) -> Iterator[StubFrontend]:
-    def script(req: Any) -> list[list[int]]:
-        if req.generate_config.max_new_tokens >= LONG:
-            return [[script_ids[0]]] * LONG_STEPS
-        return [[i] for i in script_ids]
+    def script(req: Any) -> list[int]:
+        if req.stop.max_new_tokens >= LONG:
+            return [script_ids[0]] * LONG_STEPS
+        return script_ids
     with stub_frontend(tokenizer, script, delay_s=0.005) as frontend:
         yield frontend
 
@@ -93,10 +94,11 @@ def test_interleaved_streams_keep_their_order(stub: StubFrontend, script_ids: li
         assert [i["token"] for i in stream] == script_ids
         assert [i["finish_reason"] for i in stream] == [None] * (len(script_ids) - 1) + ["stop"]
         for item in stream:
-            assert item["logprob"] == pytest.approx(fake_logprob(item["token"]))
+            assert item["logprob"] == pytest.approx(mock_logprob(item["token"]))
             top = item["top_logprobs"]
             assert top[str(item["token"])] == item["logprob"]          # always the sampled token
-            assert set(map(int, top)) == {item["token"], *range(sid - 1)}
+            # the mock's alternatives: the next ids, each 1 below the one before (backend/mock_backend.py)
+            assert top == {str(item["token"] + k): pytest.approx(item["logprob"] - k) for k in range(max(sid - 1, 1))}
     first_end = min(order.index(s) + len(items[s]) - 1 for s in items)
     assert len(set(order[:first_end])) > 1, f"streams did not interleave: {order}"
 
@@ -108,7 +110,7 @@ def test_score_sends_one_item_per_token(stub: StubFrontend) -> None:
             return (await collect(ws, {1}))[0]
     items = run(go())[1]
     assert [i["token"] for i in items] == [7, 8, 9]
-    assert [i["logprob"] for i in items] == [pytest.approx(fake_logprob(t)) for t in (7, 8, 9)]
+    assert [i["logprob"] for i in items] == [pytest.approx(mock_logprob(t)) for t in (7, 8, 9)]
     assert [i["finish_reason"] for i in items] == [None, None, "stop"]
     assert all("top_logprobs" not in i for i in items)
 
@@ -133,7 +135,7 @@ def test_errors_stay_with_their_stream(stub: StubFrontend, script_ids: list[int]
             after, _, _ = await collect(ws, {9})
             return items, msgs, after
     items, msgs, after = run(go())
-    assert [i["token"] for i in items[1]] == script_ids
+    assert [i["token"] for i in items[1]] == script_ids[:4] and items[1][-1]["finish_reason"] == "length"
     for sid, needle in [(2, "model_not_found"), (3, "vocabulary"), (4, "vocabulary"), (5, "max_tokens"),
                         (6, "logit_bias"), (7, "prompt"), (10, "invalid_argument"), (11, "invalid_argument"),
                         (12, "repetition_penalty")]:
@@ -180,12 +182,12 @@ def test_model_info_and_closing_the_socket_cancels_streams(stub: StubFrontend) -
     assert "model_not_found" in msgs[2]["error"]
     # Every long stream of this module ends only by being cancelled, this one's by the closed socket. (Short
     # streams of other tests may be cancelled too when a slow machine lets their socket close first.)
-    long_ids = {r.request_id for r in stub.servicer.requests if r.generate_config.max_new_tokens >= LONG}
+    long_ids = {r.request_id for r in stub.engine.generation_requests if r.stop.max_new_tokens >= LONG}
     for _ in range(100):
-        if long_ids <= set(stub.servicer.cancelled_ids):
+        if long_ids <= set(stub.engine.cancelled_ids):
             break
         time.sleep(0.05)
-    assert long_ids <= set(stub.servicer.cancelled_ids), (long_ids, stub.servicer.cancelled_ids)
+    assert long_ids <= set(stub.engine.cancelled_ids), (long_ids, stub.engine.cancelled_ids)
 
 
 def test_parse_line_takes_options_from_the_end() -> None:
@@ -348,8 +350,8 @@ def test_real_interactive_client(pdfusion: Cluster, tokenizer: TextTokenizer) ->
 def test_each_stream_counts_against_the_concurrency_limit(tokenizer: TextTokenizer, script_ids: list[int]) -> None:
     """One WebSocket used to run any number of streams under CONCURRENCY_LIMIT=2: now every GENERATE or
     SCORE stream takes a slot of its own, and the slot comes back when the stream ends."""
-    def script(req: Any) -> list[list[int]]:
-        return [[script_ids[0]]] * 60 if req.generate_config.max_new_tokens >= LONG else [[i] for i in script_ids]
+    def script(req: Any) -> list[int]:
+        return [script_ids[0]] * 60 if req.stop.max_new_tokens >= LONG else script_ids
 
     async def go(url: str) -> tuple[dict[Any, list[dict[str, Any]]], dict[Any, list[dict[str, Any]]]]:
         async with connect(url + "/lmtp") as ws:

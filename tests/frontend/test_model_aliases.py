@@ -5,12 +5,12 @@ from __future__ import annotations
 import httpx
 
 from kvyard.tokenizer import TextTokenizer
-from tests.support.scoring_stub import stub_frontend
+from tests.support.stub_backend import stub_frontend
 
 
 def test_every_alias_is_served_and_listed(tokenizer: TextTokenizer) -> None:
     ids = [*tokenizer.encode("Hi!"), 2]
-    with stub_frontend(tokenizer, lambda _req: [[i] for i in ids], model="small,tiny") as stub:
+    with stub_frontend(tokenizer, lambda _req: ids, model="small,tiny") as stub:
         for name in ("small", "tiny"):
             resp = httpx.post(f"{stub.url}/v1/chat/completions",
                               json={"model": name, "messages": [{"role": "user", "content": "Hi"}]})

@@ -18,7 +18,7 @@ from kvyard.tokenizer import TextTokenizer
 from master.mock_master import MockMasterConfig, create_mock_master_app
 from tests.support.mock_stack import MockBackendThread, mock_frontend
 from tests.support.procs import free_port_block
-from tests.support.scoring_stub import AppThread
+from tests.support.app_thread import AppThread
 from tests.support.sse import sse_data
 
 TEXT = "Hello there, friend!"

@@ -15,7 +15,7 @@ import pytest
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from tests.support.fake_upstream import FakeUpstream, Reply, fake_upstreams, sse_reply
-from tests.support.scoring_stub import AppThread
+from tests.support.app_thread import AppThread
 
 
 @contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from kvyard.block_keys import block_cache_keys
 from kvyard.tokenizer import TextTokenizer
 from tests.support.procs import RoleProcess, cluster_headers, free_port_block
-from tests.support.stub_backend import StubBackend, StubServicer, sane_status
+from tests.support.stub_backend import StubEngine, sane_load, stub_backend
 
 MODEL = "stub-model"
 EOS_ID = 2
@@ -29,7 +30,7 @@ class Cluster:
     master: str                         # http://127.0.0.1:PORT
     frontend: str                       # a frontend routed by the master
     orphan: str                         # a frontend whose master is down (direct list: stub a)
-    stubs: dict[str, StubServicer]      # "a", "b", "c" (c is not in the master's static list)
+    stubs: dict[str, StubEngine]        # "a", "b", "c" (c is not in the master's static list)
     addresses: dict[str, str]           # their gRPC addresses
 
 
@@ -47,16 +48,15 @@ def cluster(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) 
     base = free_port_block(7)
     ports = {"a": base, "b": base + 1, "c": base + 2}
     master_port, fe_port, orphan_port, dead_port = base + 3, base + 4, base + 5, base + 6
-    script = [[i] for i in tokenizer.encode("Hello!")] + [[EOS_ID]]
-    stubs = {name: StubServicer(lambda _req: script) for name in ports}
-    servers = [StubBackend(s, ports[n]) for n, s in stubs.items()]
+    script = [*tokenizer.encode("Hello!"), EOS_ID]
     addresses = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
     logs = tmp_path_factory.mktemp("master_role")
     common = {"MODEL_NAME": MODEL, "MAX_SEQ_LEN": "512", "MASTER_QUEUE_WAIT_MS": str(HOLD_MS)}
     procs: list[RoleProcess] = []
-    try:
-        for server in servers:
-            server.start()
+    with ExitStack() as stack:
+        stubs = {name: stack.enter_context(stub_backend(lambda _req: script, port))[0]
+                 for name, port in ports.items()}
+        stack.callback(lambda: [p.stop() for p in procs])  # the role processes stop before the stubs
         procs.append(RoleProcess({**common, "ROLE_TYPE": "MASTER", "START_PORT": str(master_port),
                                   "MASTER_BACKENDS": f"{addresses['a']},{addresses['b']}"}, logs / "master.log"))
         procs.append(RoleProcess({**common, "ROLE_TYPE": "FRONTEND", "START_PORT": str(fe_port),
@@ -70,11 +70,6 @@ def cluster(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) 
         procs[1].wait_healthy(f"http://127.0.0.1:{fe_port}/health", timeout_s=60)
         procs[2].wait_healthy(f"http://127.0.0.1:{orphan_port}/health", timeout_s=60)
         yield Cluster(master, f"http://127.0.0.1:{fe_port}", f"http://127.0.0.1:{orphan_port}", stubs, addresses)
-    finally:
-        for p in procs:
-            p.stop()
-        for server in servers:
-            server.stop()
 
 
 def backends(cluster: Cluster) -> dict[str, dict[str, Any]]:
@@ -90,9 +85,9 @@ def healthy(cluster: Cluster, name: str) -> bool:
 def fresh_stubs(cluster: Cluster) -> Iterator[None]:
     """Each test starts with idle, empty, healthy stubs the master has seen as such."""
     for stub in cluster.stubs.values():
-        stub.status, stub.status_error = sane_status(), None
+        stub.status, stub.status_fails = sane_load(), False
         stub.cached_keys, stub.cache_version = set(), stub.cache_version + 1
-        stub.requests.clear()
+        stub.generation_requests.clear()
     wait_until(lambda: all(b["healthy"] and b["cached_blocks"] == 0 for name, b in backends(cluster).items()
                            if name != cluster.addresses["c"]), what="stubs idle and healthy")
     yield
@@ -180,7 +175,7 @@ def test_self_registered_backend_serves_its_model(cluster: Cluster) -> None:
     assert listed[0] == MODEL and "other-model" in listed
     resp = chat(cluster.frontend, "hi", model="other-model")
     assert resp.status_code == 200, resp.text
-    assert len(cluster.stubs["c"].requests) == 1 and not cluster.stubs["a"].requests
+    assert len(cluster.stubs["c"].generation_requests) == 1 and not cluster.stubs["a"].generation_requests
     bad = httpx.post(f"{cluster.master}/rtp_llm/register", json={"model": "x", "grpc_port": "1"},
                      headers=cluster_headers())
     assert bad.status_code == 400
@@ -195,31 +190,31 @@ def test_frontend_sends_a_cached_prefix_to_the_backend_holding_it(cluster: Clust
         cluster.stubs[holder].cache(keys)
         wait_until(lambda: backends(cluster)[cluster.addresses[holder]]["cached_blocks"] >= len(keys),
                    what="keys polled")
-        before = {n: len(s.requests) for n, s in cluster.stubs.items()}
+        before = {n: len(s.generation_requests) for n, s in cluster.stubs.items()}
         for _ in range(3):
             resp = chat(cluster.frontend, question, system)
             assert resp.status_code == 200, resp.text
-        after = {n: len(s.requests) for n, s in cluster.stubs.items()}
+        after = {n: len(s.generation_requests) for n, s in cluster.stubs.items()}
         assert after[holder] - before[holder] == 3, (holder, before, after)
-        assert list(cluster.stubs[holder].requests[-1].token_ids) == ids
+        assert cluster.stubs[holder].generation_requests[-1].prompt_ids == ids
     assert httpx.get(f"{cluster.master}/backends").json()["stats"]["hit_requests"] >= 6
 
 
 def test_garbage_status_takes_a_backend_out_and_it_comes_back(cluster: Cluster) -> None:
-    cluster.stubs["a"].status = sane_status(total_blocks=-3, step_latency_ms=float("nan"))
+    cluster.stubs["a"].status = sane_load(total_blocks=-3, step_latency_ms=float("nan"))
     wait_until(lambda: not healthy(cluster, "a"), what="a unhealthy")
     assert "garbage worker status" in backends(cluster)[cluster.addresses["a"]]["error"]
     for i in range(4):
         assert chat(cluster.frontend, f"question {i}").status_code == 200
-    assert len(cluster.stubs["b"].requests) == 4 and not cluster.stubs["a"].requests
+    assert len(cluster.stubs["b"].generation_requests) == 4 and not cluster.stubs["a"].generation_requests
     assert httpx.get(f"{cluster.master}/health").status_code == 200
-    cluster.stubs["a"].status = sane_status()
+    cluster.stubs["a"].status = sane_load()
     wait_until(lambda: healthy(cluster, "a"), what="a healthy again")
 
 
 def fill_every_backend(cluster: Cluster) -> None:
     for stub in (cluster.stubs["a"], cluster.stubs["b"]):
-        stub.status = sane_status(free_blocks=0)
+        stub.status = sane_load(free_blocks=0)
     wait_until(lambda: all(backends(cluster)[cluster.addresses[n]]["status"]["free_blocks"] == 0 for n in "ab"),
                what="full caches polled")
 
@@ -231,7 +226,7 @@ def test_no_backend_with_room_is_held_then_429_with_retry_after(cluster: Cluster
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.text
     assert time.monotonic() - start >= HOLD_MS / 1000 * 0.9  # held for MASTER_QUEUE_WAIT_MS first
     assert resp.json()["error"]["code"] == "overloaded" and "MASTER_QUEUE_WAIT_MS" in resp.json()["error"]["message"]
-    assert not cluster.stubs["a"].requests and not cluster.stubs["b"].requests
+    assert not cluster.stubs["a"].generation_requests and not cluster.stubs["b"].generation_requests
 
 
 def test_a_held_request_goes_to_the_first_backend_with_room(cluster: Cluster) -> None:
@@ -240,11 +235,11 @@ def test_a_held_request_goes_to_the_first_backend_with_room(cluster: Cluster) ->
     waiting = threading.Thread(target=lambda: result.append(chat(cluster.frontend, "patience")))
     waiting.start()
     time.sleep(0.4)
-    assert not result and not cluster.stubs["a"].requests and not cluster.stubs["b"].requests
-    cluster.stubs["b"].status = sane_status()   # room appears on b
+    assert not result and not cluster.stubs["a"].generation_requests and not cluster.stubs["b"].generation_requests
+    cluster.stubs["b"].status = sane_load()   # room appears on b
     waiting.join(10)
     assert result and result[0].status_code == 200, result
-    assert len(cluster.stubs["b"].requests) == 1 and not cluster.stubs["a"].requests
+    assert len(cluster.stubs["b"].generation_requests) == 1 and not cluster.stubs["a"].generation_requests
 
 
 def test_held_past_its_generate_timeout_is_504(cluster: Cluster) -> None:
@@ -262,18 +257,17 @@ def test_unknown_model_is_404(cluster: Cluster) -> None:
 
 
 def test_status_rpc_failures_take_a_backend_out(cluster: Cluster) -> None:
-    import grpc
-    cluster.stubs["b"].status_error = grpc.StatusCode.INTERNAL
+    cluster.stubs["b"].status_fails = True
     wait_until(lambda: not healthy(cluster, "b"), what="b unhealthy")
     assert chat(cluster.frontend, "hello").status_code == 200
-    assert len(cluster.stubs["a"].requests) == 1 and not cluster.stubs["b"].requests
+    assert len(cluster.stubs["a"].generation_requests) == 1 and not cluster.stubs["b"].generation_requests
 
 
 def test_frontend_without_its_master_uses_the_direct_list(cluster: Cluster) -> None:
     for i in range(2):
         resp = chat(cluster.orphan, f"q{i}")
         assert resp.status_code == 200, resp.text
-    assert len(cluster.stubs["a"].requests) == 2
+    assert len(cluster.stubs["a"].generation_requests) == 2
     assert httpx.get(f"{cluster.orphan}/v1/models").json()["data"][0]["id"] == MODEL
 
 

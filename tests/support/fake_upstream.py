@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.support.scoring_stub import AppThread
+from tests.support.app_thread import AppThread
 
 
 @dataclass

@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from backend.mock_backend import MockScript, MockServicer, start_mock_server
+from backend.mock_backend import MockScript, MockServicer, ScriptedEngine, start_mock_server
 from kvyard.tokenizer import TextTokenizer
+from tests.support.app_thread import AppThread
 from tests.support.procs import free_port_block
-from tests.support.scoring_stub import AppThread
 
 
 EOS = 2  # the embedded model's <|im_end|>
@@ -27,11 +27,12 @@ def script(tok: TextTokenizer, text: str, per_char: bool = False, eos: bool = Tr
 
 
 class MockBackendThread:
-    """backend.mock_backend's server on its own thread and event loop."""
+    """backend.mock_backend's server on its own thread and event loop, over a script or a scripted engine
+    (tests/support/stub_backend.py's StubEngine), on `port` or a free one."""
 
-    def __init__(self, script: MockScript) -> None:
-        self.servicer = MockServicer(script)
-        self.port = free_port_block(1)
+    def __init__(self, script: MockScript | ScriptedEngine, port: int | None = None) -> None:
+        self.servicer = MockServicer(script if isinstance(script, ScriptedEngine) else ScriptedEngine(script))
+        self.port = port or free_port_block(1)
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

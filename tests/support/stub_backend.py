@@ -1,125 +1,119 @@
-"""A scripted gRPC backend for frontend and master tests: streams fixed token ids, reports a settable
-load and prefix cache, no model."""
+"""The product mock backend's scripted engine (backend/mock_backend.py), steered the way frontend, master and
+LMTP tests need: a script chosen per request, a load report and prefix-cache keys the test sets, an error
+with its own message. The real gRPC servicer stays in front, so every answer is encoded as the real backend
+encodes it; no test builds a backend's protobuf by hand."""
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from kvyard.block_keys import block_cache_keys
+from backend.engine_types import CacheStatus, GenerationRequest
+from backend.mock_backend import MockScript, ScriptedEngine
+from kvyard.roles import Role
+from kvyard.tokenizer import TextTokenizer
+from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
-from proto import model_rpc_pb2_grpc as pb_grpc
+from tests.support.mock_stack import MockBackendThread, mock_frontend
+
+VOCAB = 49152  # the embedded model's: ids outside it are refused, as the engine refuses them
+
+Script = Callable[[GenerationRequest], list[int]]  # request → the token ids it streams, one per step
 
 
 def sane_status(**fields: object) -> pb.WorkerStatusPB:
-    """An idle backend's report with 1024 free blocks of 16 tokens, overridden by `fields`."""
+    """An idle backend's report as it arrives over gRPC (for tests of its parsing), overridden by `fields`."""
     base: dict[str, object] = dict(role="PDFUSION", running=0, waiting=0, queued_prefill_tokens=0,
                                    step_latency_ms=20.0, prefill_tokens_per_s=2000.0, free_blocks=1024,
                                    total_blocks=1024, block_size=16, version=1, iterate_count=1, alive=True)
     return pb.WorkerStatusPB(**{**base, **fields})
 
 
-class StubServicer(pb_grpc.ModelRpcServiceServicer):
-    def __init__(self, script: Callable[[pb.GenerateInputPB], list[list[int]]], delay_s: float = 0.0,
-                 error: pb.ErrorDetailsPB | None = None) -> None:
-        self.script = script        # request → list of steps, each a list of token ids
+def sane_load(**fields: Any) -> WorkerStatus:
+    """The same idle report as the engine hands it to the servicer, overridden by `fields` (which may be
+    garbage: the servicer encodes whatever it is given)."""
+    base = WorkerStatus(role=Role.PDFUSION, running=0, waiting=0, queued_prefill_tokens=0, step_latency_ms=20.0,
+                        prefill_tokens_per_s=2000.0, free_blocks=1024, total_blocks=1024, block_size=16, version=1,
+                        iterate_count=1, alive=True, cache_version=0)
+    return replace(base, **fields)
+
+
+class StubEngine(ScriptedEngine):
+    """A ScriptedEngine whose attributes a test may change at any time:
+    - `steps(request)` picks the tokens, `delay_s` waits before each, `error` (an ErrorCodePB name and a
+      message) fails the request before the first;
+    - `status` is the load report; `status_fails` makes the status calls fail;
+    - `cache(keys)` puts prefix blocks in the cache it reports to a master."""
+
+    def __init__(self, steps: Script, delay_s: float = 0.0, vocab_size: int | None = VOCAB) -> None:
+        super().__init__(MockScript((0,)), vocab_size)
+        self.steps = steps
         self.delay_s = delay_s
-        self.error = error
-        self.requests: list[pb.GenerateInputPB] = []
-        self.cancelled = 0
-        self.cancelled_ids: list[str] = []  # request ids of the streams that stopped early
-        # Load reports (GetWorkerStatus / GetCacheStatus); tests change them at any time.
-        self.status: pb.WorkerStatusPB = sane_status()
+        self.error: tuple[str, str] | None = None
+        self.status = sane_load()
+        self.status_fails = False
         self.cached_keys: set[int] = set()
         self.cache_version = 0
-        self.cache_prompts = False   # True: cache every served prompt's full blocks, like the engine
-        self.status_error: grpc.StatusCode | None = None  # answer status RPCs with this error instead
+
+    def script_for(self, req: GenerationRequest) -> MockScript:
+        kind, message = self.error or (None, None)
+        return MockScript(tuple(self.steps(req)), self.delay_s, error=kind, error_message=message)
 
     def cache(self, keys: list[int]) -> None:
         self.cached_keys.update(keys)
         self.cache_version += 1
 
-    async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
-        self.requests.append(request)
-        if self.error is not None:
-            yield pb.GenerateOutputsPB(request_id=request.request_id, error=self.error)
-            return
-        steps = self.script(request)
-        keys = block_cache_keys(list(request.token_ids), self.status.block_size or 16)
-        reuse = 0
-        for key in keys:
-            if key not in self.cached_keys:
-                break
-            reuse += self.status.block_size
-        reuse = min(reuse, max(0, len(request.token_ids) - 1))
-        if self.cache_prompts:
-            self.cache(keys)
-        finished = False
-        try:
-            for i, ids in enumerate(steps):
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
-                last = i == len(steps) - 1
-                out = pb.GenerateOutputsPB(request_id=request.request_id)
-                out.generate_outputs.add(
-                    index=0, output_ids=ids, finished=last,
-                    finish_reason=pb.FINISH_REASON_STOP if last else pb.FINISH_REASON_UNSPECIFIED,
-                    aux_info=pb.AuxInfoPB(input_len=len(request.token_ids), output_len=i + 1, reuse_len=reuse))
-                yield out
-            finished = True
-        finally:
-            # A cancelled call ends here by CancelledError (parked at an await) or by GeneratorExit
-            # (parked at a yield): either way the stream stopped early.
-            if not finished:
-                self.cancelled += 1
-                self.cancelled_ids.append(request.request_id)
+    def worker_status(self) -> WorkerStatus:
+        if self.status_fails:
+            raise RuntimeError("scripted status failure")
+        return replace(self.status, cache_version=self.cache_version)
 
-    async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
-                              context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:
-        if self.status_error is not None:
-            await context.abort(self.status_error, "scripted failure")
-        out = pb.WorkerStatusPB()
-        out.CopyFrom(self.status)
-        out.cache_version = self.cache_version
-        return out
-
-    async def GetCacheStatus(self, request: pb.CacheStatusRequestPB,
-                             context: grpc.aio.ServicerContext) -> pb.CacheStatusPB:
-        if self.status_error is not None:
-            await context.abort(self.status_error, "scripted failure")
-        return pb.CacheStatusPB(version=self.cache_version, is_diff=False, cached_keys=sorted(self.cached_keys),
-                                block_size=self.status.block_size)
+    def cache_status(self, since_version: int) -> CacheStatus:
+        if self.status_fails:
+            raise RuntimeError("scripted status failure")
+        return CacheStatus(version=self.cache_version, is_diff=False, cached_keys=sorted(self.cached_keys),
+                           added_keys=[], removed_keys=[], block_size=self.status.block_size)
 
 
-class StubBackend:
-    """Runs a grpc.aio server on its own thread and event loop."""
+@contextmanager
+def stub_backend(steps: Script, port: int | None = None, **attrs: Any) -> Iterator[tuple[StubEngine, MockBackendThread]]:
+    """A StubEngine behind the real servicer on a thread (on `port` or a free one)."""
+    engine = StubEngine(steps, **attrs)
+    with MockBackendThread(engine, port) as backend:
+        yield engine, backend
 
-    def __init__(self, servicer: StubServicer, port: int) -> None:
-        self.servicer = servicer
-        self.port = port
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: grpc.aio.Server | None = None
 
-    def start(self) -> StubBackend:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
+@contextmanager
+def reconfigured(engine: StubEngine, **attrs: Any) -> Iterator[None]:
+    """Change the stub's behaviour for one test (it reads its attributes on every call)."""
+    old = {k: getattr(engine, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(engine, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(engine, k, v)
 
-    async def _start(self) -> None:
-        self._server = grpc.aio.server()
-        pb_grpc.add_ModelRpcServiceServicer_to_server(self.servicer, self._server)
-        hs = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
-        self._server.add_insecure_port(f"127.0.0.1:{self.port}")
-        await self._server.start()
-        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
 
-    def stop(self) -> None:
-        if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+@dataclass
+class StubFrontend:
+    url: str                        # http://127.0.0.1:PORT of an in-process frontend app
+    engine: StubEngine              # the scripted engine behind it
+    backend: MockBackendThread      # its servicer keeps every request as received
+    app: Any
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.url[len("http"):]
+
+
+@contextmanager
+def stub_frontend(tokenizer: TextTokenizer, steps: Script, delay_s: float = 0.0, model: str = "stub-model",
+                  **env: str) -> Iterator[StubFrontend]:
+    """create_app() served on a thread in front of a StubEngine: no model, no subprocess."""
+    with stub_backend(steps, delay_s=delay_s) as (engine, backend), \
+            mock_frontend(tokenizer, backend.address, MAX_SEQ_LEN="256", MODEL_NAME=model, **env) as frontend:
+        yield StubFrontend(frontend.url, engine, backend, frontend.app)
+
