@@ -21,13 +21,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from gateway.config import ROUTING_PREFIX, GatewayConfig
 from gateway.dispatch import Dispatcher, Ticket
 from gateway.health import HealthLoop
+from gateway.metrics import GatewayMetrics
 from gateway.prefix import prefix_keys, request_text
 from gateway.proxy import Incoming, Proxy
 from gateway.upstreams import UpstreamTable
 from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
-from kvyard.metrics import GatewayMetrics, HttpMetricsMiddleware, add_metrics_route
+from kvyard.metrics import HttpMetricsMiddleware, add_metrics_route
 
 PRIORITY_HEADER = "x-priority"
 DASHBOARD = Path(__file__).with_name("dashboard.html")

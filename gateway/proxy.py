@@ -21,9 +21,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Lease, Ticket
+from gateway.metrics import GatewayMetrics
 from gateway.upstreams import CONNECTION, OK, SERVER_ERROR, TIMEOUT, UpstreamTable
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.metrics import GatewayMetrics
 
 log = logging.getLogger("kvyard.gateway")
 

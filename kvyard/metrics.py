@@ -1,10 +1,9 @@
-"""Prometheus metrics for every role: one CollectorRegistry per app, vLLM's names, GET /metrics.
+"""Prometheus metrics: one CollectorRegistry per app, vLLM's names, GET /metrics, the HTTP request counter.
 
 Frontend and backend record the same request metrics (TTFT, inter-token and end-to-end latency, prompt
 and generated tokens, prefix-cache queries/hits); the backend adds engine gauges read at scrape time
-(running, waiting, KV use, preemptions, step latency) and its requests' queue time; the master counts its
-routing decisions and shows each backend's load, latency and routed prefix hits; the gateway times each
-upstream (label `upstream`) and counts its failures.
+(running, waiting, KV use, preemptions, step latency) and its requests' queue time. The master's
+(master/metrics.py) and the gateway's (gateway/metrics.py) build on the pieces here.
 
 Every serving metric carries `model_name`, as vLLM's do: the name is `kvyard:` where vLLM has `vllm:`,
 the rest of the name and its meaning the same (README "Metrics" has the mapping), so a dashboard or
@@ -20,6 +19,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvyard.worker_status import WorkerStatus
 
 # vLLM's buckets, so existing dashboards read these the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -124,27 +125,17 @@ class RequestTimer:
             self.metrics.e2e.observe(time.monotonic() - self.start)
 
 
-class EngineGauges(Protocol):
-    """What the backend's engine reports (kvyard.worker_status.WorkerStatus has these fields)."""
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    step_latency_ms: float
-    prefill_tokens_per_s: float
-
-
 class BackendMetrics(ServingMetrics):
     """ServingMetrics plus the engine's gauges, read from `status()` at each scrape, its preemptions (a
     running count read from `preemptions()`), and each request's time in the queue."""
 
-    def __init__(self, status: Callable[[], EngineGauges], model_name: str,
+    def __init__(self, status: Callable[[], WorkerStatus], model_name: str,
                  preemptions: Callable[[], int] = lambda: 0, registry: CollectorRegistry | None = None) -> None:
         super().__init__(model_name, registry)
         self.queue_time = Histogram("kvyard:request_queue_time_seconds", "Time a request waited before its "
                                     "first engine step", MODEL, buckets=QUEUE_BUCKETS,
                                     registry=self.registry).labels(model_name)
-        self.registry.register(_CallbackCollector(lambda: _engine_families(status(), preemptions(), model_name)))
+        self.registry.register(CallbackCollector(lambda: _engine_families(status(), preemptions(), model_name)))
 
 
 class FrontendMetrics(ServingMetrics):
@@ -156,111 +147,6 @@ class FrontendMetrics(ServingMetrics):
                              "frontend", MODEL, registry=self.registry).labels(model_name)
         self.waiting = Gauge("kvyard:num_requests_waiting", "Requests sent to a backend, waiting for "
                              "their first token", MODEL, registry=self.registry).labels(model_name)
-
-
-class BackendView(Protocol):
-    """One backend as the master sees it (master.registry.BackendSummary has these fields)."""
-    name: str
-    model: str
-    role: str
-    healthy: bool
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    step_latency_ms: float
-    prefill_tokens_per_s: float
-    poll_latency_ms: float
-    routed_requests: int
-    routed_prompt_tokens: int
-    routed_hit_tokens: int
-
-
-UNKNOWN_MODEL = "unknown"  # the model_name of decisions for a model no backend serves (unbounded names)
-
-
-class MasterMetrics:
-    """The master's routing decisions, and each known backend's last polled load (label `backend`)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        self.requests = Counter("kvyard:requests", "Requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.routing_decisions = Counter("kvyard:master_routing_decisions", "Schedule calls by the policy's "
-                                         "reason (prefix_hit, shortest_ttft, imbalance, or why none)",
-                                         ["reason", "model_name"], registry=self.registry)
-        self.prefix_cache_queries = Counter("kvyard:prefix_cache_queries", "Prompt tokens of routed "
-                                            "requests", MODEL, registry=self.registry)
-        self.prefix_cache_hits = Counter("kvyard:prefix_cache_hits", "Of those, tokens the chosen backend "
-                                         "was expected to have cached", MODEL, registry=self.registry)
-
-    def count(self, endpoint: str, status: str | int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
-
-    def record_decision(self, reason: str, model_name: str = UNKNOWN_MODEL, prompt_tokens: int = 0,
-                        hit_tokens: int = 0) -> None:
-        """One /rtp_llm/schedule answer; `model_name` only when the cluster serves it, tokens only when a
-        backend was chosen."""
-        self.routing_decisions.labels(reason, model_name).inc()
-        if prompt_tokens:
-            self.prefix_cache_queries.labels(model_name).inc(prompt_tokens)
-            self.prefix_cache_hits.labels(model_name).inc(hit_tokens)
-
-    def watch_backends(self, backends: Callable[[], Iterable[BackendView]]) -> None:
-        """Publish every backend's load, latency, routed prefix hits and health, read at each scrape."""
-        self.registry.register(_CallbackCollector(lambda: _backend_families(backends())))
-
-
-class UpstreamView(Protocol):
-    """One gateway upstream (gateway.upstreams.Upstream has these fields)."""
-    url: str
-    healthy: bool
-    in_flight: int
-
-
-class GatewayMetrics:
-    """The gateway's view of each upstream (label `upstream`, its URL): queue wait, time to first byte,
-    exchange latency, responses by status, failures by kind, plus live in-flight/health/queue gauges."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter("kvyard:requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
-                                registry=r)
-        self.queue_wait = Histogram("kvyard:gateway_queue_wait_seconds", "From arrival to dispatch to an upstream",
-                                    ["upstream"], buckets=TTFT_BUCKETS, registry=r)
-        self.ttft = Histogram("kvyard:gateway_upstream_ttft_seconds", "From dispatch to the upstream's first "
-                              "body byte (a streamed request's time to first token)", ["upstream"],
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.latency = Histogram("kvyard:gateway_upstream_latency_seconds", "From dispatch to the end of the "
-                                 "upstream's response", ["upstream"], buckets=E2E_BUCKETS, registry=r)
-        self.responses = Counter("kvyard:gateway_upstream_responses", "Exchanges by upstream and HTTP status "
-                                 "(none: no response)", ["upstream", "status"], registry=r)
-        self.errors = Counter("kvyard:gateway_upstream_errors", "Failed exchanges by kind (5xx, connection, "
-                              "timeout); 4xx are the client's and not counted", ["upstream", "kind"], registry=r)
-        self.routing_decisions = Counter("kvyard:gateway_routing_decisions", "Dispatches by reason "
-                                         "(least_connection, prefix_hit, shortest_ttft, imbalance)", ["reason"],
-                                         registry=r)
-
-    def count(self, endpoint: str, status: str | int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
-
-    def dispatched(self, upstream: str, reason: str, waited_s: float) -> None:
-        self.queue_wait.labels(upstream).observe(waited_s)
-        self.routing_decisions.labels(reason).inc()
-
-    def first_byte(self, upstream: str, seconds: float) -> None:
-        self.ttft.labels(upstream).observe(seconds)
-
-    def finished(self, upstream: str, outcome: str, status: int | None, seconds: float) -> None:
-        """One exchange ended: `outcome` is ok, cancelled (the client left) or a failure kind."""
-        self.latency.labels(upstream).observe(seconds)
-        self.responses.labels(upstream, "none" if status is None else str(status)).inc()
-        if outcome not in ("ok", "cancelled"):
-            self.errors.labels(upstream, outcome).inc()
-
-    def watch(self, upstreams: Callable[[], Iterable[UpstreamView]], queued: Callable[[], int]) -> None:
-        """Publish each upstream's requests in flight and health, and the queue's length, at each scrape."""
-        self.registry.register(_CallbackCollector(lambda: _upstream_families(upstreams(), queued())))
 
 
 def add_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
@@ -301,7 +187,9 @@ class HttpMetricsMiddleware:
             self.metrics.count(getattr(scope.get("route"), "path", "unmatched"), status)
 
 
-class _CallbackCollector(Collector):
+class CallbackCollector(Collector):
+    """Metric families computed at each scrape by `collect`."""
+
     def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
 
@@ -309,11 +197,11 @@ class _CallbackCollector(Collector):
         yield from self._collect()
 
 
-def _kv_usage(free_blocks: int, total_blocks: int) -> float:
+def kv_usage(free_blocks: int, total_blocks: int) -> float:
     return 1.0 - free_blocks / total_blocks if total_blocks else 0.0
 
 
-def _engine_families(st: EngineGauges, preemptions: int, model: str) -> list[Metric]:
+def _engine_families(st: WorkerStatus, preemptions: int, model: str) -> list[Metric]:
     families = [
         GaugeMetricFamily("kvyard:num_requests_running", "Sequences holding KV blocks", labels=MODEL),
         GaugeMetricFamily("kvyard:num_requests_waiting", "Sequences queued, new or preempted", labels=MODEL),
@@ -325,55 +213,8 @@ def _engine_families(st: EngineGauges, preemptions: int, model: str) -> list[Met
                           labels=MODEL),
         GaugeMetricFamily("kvyard:prefill_tokens_per_second", "Recent prefill throughput (moving average)",
                           labels=MODEL)]
-    values = (st.running, st.waiting, _kv_usage(st.free_blocks, st.total_blocks), preemptions,
+    values = (st.running, st.waiting, kv_usage(st.free_blocks, st.total_blocks), preemptions,
               st.step_latency_ms / 1000, st.prefill_tokens_per_s)
     for family, value in zip(families, values):
         family.add_metric([model], value)
     return families
-
-
-def _backend_families(backends: Iterable[BackendView]) -> list[Metric]:
-    labels = ["backend", "model_name", "role"]
-    gauges = {
-        "running": GaugeMetricFamily("kvyard:num_requests_running", "Each backend's running sequences (last "
-                                     "poll)", labels=labels),
-        "waiting": GaugeMetricFamily("kvyard:num_requests_waiting", "Each backend's queued sequences (last "
-                                     "poll)", labels=labels),
-        "kv": GaugeMetricFamily("kvyard:kv_cache_usage_perc", "Each backend's KV use, 0..1 (last poll)",
-                                labels=labels),
-        "healthy": GaugeMetricFamily("kvyard:backend_healthy", "1 when the backend can be routed to",
-                                     labels=labels),
-        "step": GaugeMetricFamily("kvyard:backend_step_latency_seconds", "Each backend's recent engine step "
-                                  "time (its moving average, last poll)", labels=labels),
-        "prefill": GaugeMetricFamily("kvyard:backend_prefill_tokens_per_second", "Each backend's recent "
-                                     "prefill throughput (last poll)", labels=labels),
-        "poll": GaugeMetricFamily("kvyard:backend_poll_latency_seconds", "Round trip of the master's last "
-                                  "status poll of each backend", labels=labels),
-        "routed": CounterMetricFamily("kvyard:backend_routed_requests", "Requests the master routed to each "
-                                      "backend", labels=labels),
-        "queries": CounterMetricFamily("kvyard:backend_prefix_cache_queries", "Prompt tokens routed to each "
-                                       "backend", labels=labels),
-        "hits": CounterMetricFamily("kvyard:backend_prefix_cache_hits", "Of those, tokens its prefix cache "
-                                    "held when routed", labels=labels),
-    }
-    for b in backends:
-        key = [b.name, b.model, b.role]
-        values = {"running": b.running, "waiting": b.waiting, "kv": _kv_usage(b.free_blocks, b.total_blocks),
-                  "healthy": 1.0 if b.healthy else 0.0, "step": b.step_latency_ms / 1000,
-                  "prefill": b.prefill_tokens_per_s, "poll": b.poll_latency_ms / 1000,
-                  "routed": b.routed_requests, "queries": b.routed_prompt_tokens, "hits": b.routed_hit_tokens}
-        for name, family in gauges.items():
-            family.add_metric(key, values[name])
-    return list(gauges.values())
-
-
-def _upstream_families(upstreams: Iterable[UpstreamView], queued: int) -> list[Metric]:
-    in_flight = GaugeMetricFamily("kvyard:gateway_upstream_in_flight", "Requests dispatched to the upstream and "
-                                  "not finished", labels=["upstream"])
-    healthy = GaugeMetricFamily("kvyard:gateway_upstream_healthy", "1 when the upstream takes requests",
-                                labels=["upstream"])
-    for u in upstreams:
-        in_flight.add_metric([u.url], u.in_flight)
-        healthy.add_metric([u.url], 1.0 if u.healthy else 0.0)
-    waiting = GaugeMetricFamily("kvyard:num_requests_waiting", "Requests queued for a free upstream", queued)
-    return [in_flight, healthy, waiting]

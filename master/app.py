@@ -18,13 +18,14 @@ from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
-from kvyard.metrics import UNKNOWN_MODEL, HttpMetricsMiddleware, MasterMetrics, add_metrics_route
+from kvyard.metrics import HttpMetricsMiddleware, add_metrics_route
 from kvyard.roles import Role
 from master.config import BackendEndpoint, MasterConfig
 from master.dashboard import PATHS as DASHBOARD_PATHS
 from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
 from master.hold import ScheduleQueue
+from master.metrics import UNKNOWN_MODEL, MasterMetrics
 from master.policy import Decision, RouteRequest, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry

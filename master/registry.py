@@ -49,7 +49,7 @@ class BackendState:
 
 @dataclass(frozen=True)
 class BackendSummary:
-    """One backend for the dashboard and /metrics (kvyard.metrics.BackendView)."""
+    """One backend for the dashboard and /metrics (master/metrics.py)."""
     name: str
     model: str
     role: str

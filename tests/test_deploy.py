@@ -186,7 +186,8 @@ def served_metric_names() -> set[str]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvyard.metrics import BackendMetrics, FrontendMetrics, MasterMetrics
+    from kvyard.metrics import BackendMetrics, FrontendMetrics
+    from master.metrics import MasterMetrics
 
     status = SimpleNamespace(running=0, waiting=0, free_blocks=1, total_blocks=1, step_latency_ms=0.0,
                              prefill_tokens_per_s=0.0)

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from backend.http_server import create_backend_http_app
-from kvyard.metrics import (VLLM_EQUIVALENTS, BackendMetrics, FrontendMetrics, HttpMetricsMiddleware,
-                            MasterMetrics, add_metrics_route)
+from kvyard.metrics import VLLM_EQUIVALENTS, BackendMetrics, FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
 from kvyard.tokenizer import TextTokenizer
+from master.metrics import MasterMetrics
 from tests.conftest import Cluster
 from tests.support.stub_backend import stub_frontend
 
