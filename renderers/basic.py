@@ -179,6 +179,7 @@ class BasicRenderer(ChatRenderer):
     the model writes them, and tool results become user turns (ToolParser.format_result)."""
     name = "basic"
     fallback_template = FALLBACK_TEMPLATE  # when the model ships no template: the family's turn format
+    stop_tokens: tuple[str, ...] = ()  # the family's end-of-turn tokens (stop strings where the vocabulary has them)
 
     def render(self, request: RenderRequest) -> RenderedPrompt:
         template, source, template_text = self._template(request)
@@ -218,8 +219,10 @@ class BasicRenderer(ChatRenderer):
                               tools_in_prompt=in_prompt)
 
     def stop_words(self) -> list[str]:
-        """Strings that end the answer (the backend stops on the ids too)."""
-        return [self.tokenizer.eos_token] if self.tokenizer.eos_token else []
+        """Strings that end the answer (the backend stops on the ids too): the family's end-of-turn tokens
+        this vocabulary has, else the eos token."""
+        known = [t for t in self.stop_tokens if self.tokenizer.token_id(t) is not None]
+        return known or ([self.tokenizer.eos_token] if self.tokenizer.eos_token else [])
 
     def _template(self, request: RenderRequest) -> tuple[jinja2.Template, str, str]:
         named = self.tokenizer.chat_templates

@@ -24,10 +24,7 @@ class Llama3Renderer(BasicRenderer):
     name = "llama3"
     default_tool_parser = "llama3_json"
     fallback_template = LLAMA3_TEMPLATE
-
-    def stop_words(self) -> list[str]:
-        return [t for t in ("<|eot_id|>", "<|eom_id|>") if self.tokenizer.token_id(t) is not None] \
-            or super().stop_words()
+    stop_tokens = ("<|eot_id|>", "<|eom_id|>")
 
     def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        tool_choice: Any) -> list[dict[str, Any]]:

@@ -24,10 +24,7 @@ class Qwen25Renderer(BasicRenderer):
     name = "qwen2.5"
     default_tool_parser = "hermes"
     fallback_template = QWEN_TEMPLATE
-
-    def stop_words(self) -> list[str]:
-        return [t for t in ("<|im_end|>", "<|endoftext|>") if self.tokenizer.token_id(t) is not None] \
-            or super().stop_words()
+    stop_tokens = ("<|im_end|>", "<|endoftext|>")
 
     def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        tool_choice: Any) -> list[dict[str, Any]]:

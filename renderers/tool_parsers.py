@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvyard.constraint import JSON_STYLE
+from renderers.named import Named
 from renderers.partial_json import JsonReader
 
 
@@ -78,23 +78,9 @@ class ToolParser(ABC):
         `answer` (a JSON schema), either that JSON answer or the calls."""
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        for name in names:
-            if name in _PARSERS:
-                raise ValueError(f"a tool parser is already registered as {name!r}")
-            _PARSERS[name] = cls
-        return cls
-    return wrap
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    if name not in _PARSERS:
-        raise ValueError(f"no tool parser {name!r}; known: {', '.join(sorted(_PARSERS))}")
-    return _PARSERS[name]
+_PARSERS: Named[type[ToolParser]] = Named("tool parser")
+register_tool_parser = _PARSERS.register
+get_tool_parser = _PARSERS.get
 
 
 def call_from_json(obj: Any) -> ParsedToolCall | None:
