@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from kvyard.cluster_auth import new_token  # noqa: E402
 from kvyard.ports import free_port_block  # noqa: E402
-from role_procs import ProcessGroup  # noqa: E402  (this folder: the script's own)
+from role_procs import ProcessGroup, wait_healthy  # noqa: E402  (this folder: the script's own)
 
 TOKEN = new_token()
 MODEL = "smol"
@@ -48,18 +48,7 @@ class Procs(ProcessGroup):
         super().__init__("kvyard-gateway-bench-", TOKEN)
 
     def start(self, name: str, env: dict[str, str], health: str, timeout_s: float = 300.0) -> None:
-        proc = self.kvyard(name, env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited; see {self.logs / name}.log")
-            try:
-                if httpx.get(health, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{name} not healthy in {timeout_s} s; see {self.logs / name}.log")
+        wait_healthy(health, self.kvyard(name, env), timeout_s, lambda: f"{name}: see {self.logs / name}.log")
 
     def gateway(self, name: str, upstreams: list[str], **env: str) -> str:
         port = free_port_block()

@@ -11,15 +11,12 @@ import argparse
 import asyncio
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -27,17 +24,10 @@ sys.path.insert(0, str(REPO))
 from proto import model_rpc_pb2 as pb  # noqa: E402
 from proto import model_rpc_pb2_grpc as pb_grpc  # noqa: E402
 from kvyard.cluster_auth import grpc_metadata, new_token  # noqa: E402
+from kvyard.ports import free_port_block  # noqa: E402
+from tests.support.procs import stop_groups, wait_healthy  # noqa: E402
 
 TOKEN = new_token()  # every role of the benchmark's cluster shares it
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base < 60000:
-            return base
 
 
 def start(role: str, port: int, **env: str) -> subprocess.Popen:
@@ -48,15 +38,6 @@ def start(role: str, port: int, **env: str) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def wait_healthy(port: int) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port + 5}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"backend on {port} did not start")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -113,10 +94,11 @@ def main() -> None:
     args = ap.parse_args()
     procs: list[subprocess.Popen] = []
     try:
-        d, p, f1, f2 = free_port(), free_port() + 10, free_port() + 20, free_port() + 30
+        base = free_port_block(40)  # four backends, each START_PORT .. +5
+        d, p, f1, f2 = base, base + 10, base + 20, base + 30
         procs += [start("DECODE", d), start("PREFILL", p), start("PDFUSION", f1), start("PDFUSION", f2)]
-        for port in (d, p, f1, f2):
-            wait_healthy(port)
+        for port, proc in zip((d, p, f1, f2), procs):
+            wait_healthy(f"http://127.0.0.1:{port + 5}/health", proc, 180)
         pd_targets = [(f"127.0.0.1:{p + 1}", f"127.0.0.1:{d + 1}")]
         fused_targets = [(f"127.0.0.1:{f1 + 1}", ""), (f"127.0.0.1:{f2 + 1}", "")]
         print(f"{args.streams} decode streams ({args.out} tokens) + {args.long} prompts of {args.long_len} tokens "
@@ -129,14 +111,7 @@ def main() -> None:
         print(f"PD / PDFUSION: ITL p50 x{split['itl_p50'] / fused['itl_p50']:.2f}, "
               f"ITL p99 x{split['itl_p99'] / fused['itl_p99']:.2f}, throughput x{split['tok_s'] / fused['tok_s']:.2f}")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_groups(procs, 15)
 
 
 if __name__ == "__main__":

@@ -3,17 +3,15 @@ llama-cpp-python sdist on PyPI) and kvyard itself, each started on a free loopba
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tarfile
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from kvyard.ports import free_port_block
+from tests.support.procs import stop_groups, wait_healthy  # the tests' helpers (peers.py puts the repo on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
@@ -45,33 +43,6 @@ def llama_server_binary() -> Path:
     return binary
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy in {timeout_s:.0f} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group we started (kvyard's launcher has children), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def tree_rss_mb(pid: int) -> dict[int, float]:
     """Resident MB of pid and every descendant."""
     out: dict[int, float] = {}
@@ -99,10 +70,10 @@ def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 1
                              "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 300)
         yield f"http://127.0.0.1:{port}/v1", proc.pid
     finally:
-        _stop(proc)
+        stop_groups([proc], 30)  # kvyard's launcher has children: the whole group
 
 
 @contextmanager
@@ -115,8 +86,8 @@ def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 300)
         yield f"http://127.0.0.1:{port}/v1", proc.pid
     finally:
-        _stop(proc)
+        stop_groups([proc], 30)  # kvyard's launcher has children: the whole group
         log.close()

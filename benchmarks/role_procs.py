@@ -3,13 +3,17 @@ temporary folder, stopped by pid (SIGTERM to its process group, SIGKILL after a 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.procs import stop_groups, wait_healthy  # noqa: E402  (the tests' helpers, shared)
+
+__all__ = ["ProcessGroup", "REPO", "stop_groups", "wait_healthy"]
 
 
 class ProcessGroup:
@@ -34,14 +38,6 @@ class ProcessGroup:
                           {"HOST": "127.0.0.1", "PYTHONPATH": str(REPO), "CLUSTER_TOKEN": self.token, **env})
 
     def stop(self, grace_s: float = 20.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(self.procs, grace_s)
         self.procs.clear()
         self.names.clear()

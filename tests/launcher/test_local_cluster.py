@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.support.browser import Browser, chromium_path
-from tests.support.procs import REPO, free_port_block
+from tests.support.procs import REPO, free_port_block, stop_groups
 
 # Loading two backends takes ~30 s on an idle 2-core machine; a shared, loaded one has taken 4 minutes.
 READY_TIMEOUT_S = 480
@@ -66,13 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
             time.sleep(0.5)
         yield running
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups([proc], grace_s=60)
 
 
 def chat(frontend: str, question: str, system: str = SYSTEM) -> str:

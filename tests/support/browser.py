@@ -5,9 +5,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -17,7 +15,7 @@ from typing import Any
 import httpx
 from websockets.sync.client import ClientConnection, connect
 
-from tests.support.procs import free_port_block
+from tests.support.procs import free_port_block, stop_groups
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -108,11 +106,5 @@ class Browser:
         if self._ws is not None:
             self._ws.close()
             self._ws = None
-        if self.proc.poll() is None:  # its renderers share its process group
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_groups([self.proc], grace_s=10)  # its renderers share its process group
         self._profile.cleanup()

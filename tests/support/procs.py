@@ -1,4 +1,5 @@
-"""Start role processes on free loopback ports and always clean them up."""
+"""Start role processes on free loopback ports and always clean them up. Benchmarks stop and wait for
+their processes with the same two helpers (stop_groups, wait_healthy)."""
 from __future__ import annotations
 
 import os
@@ -6,8 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -33,6 +35,37 @@ def free_port_block(span: int = 6) -> int:
     return ports.free_port_block(span)
 
 
+def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group of each process still running (each was started in a session of its own,
+    so its children go too), all at once; SIGKILL a group still there after grace_s."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float = 120.0,
+                 log: Callable[[], str] = lambda: "") -> None:
+    """Until GET url answers 200; an error (with the process's log) when the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{log()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s:\n{log()}")
+
+
 class RoleProcess:
     """`python -m kvyard` (or `argv`, e.g. scripts/run_local.sh) with the given environment, in a session
     of its own (stop() ends its whole process group), its output kept in a log file. CLUSTER_TOKEN is the
@@ -48,17 +81,7 @@ class RoleProcess:
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, url: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"role process exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{url} not healthy after {timeout_s} s:\n{self.log()}")
+        wait_healthy(url, self.proc, timeout_s, self.log)
 
     def wait_for_log(self, text: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -72,11 +95,5 @@ class RoleProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_groups([self.proc])
         self._log.close()
