@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from kvyard.tokenizer import TextTokenizer
+from tests.frontend.role_stack import stack  # noqa: F401  (a FRONTEND process, shared by test_frontend_role*.py)
 from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
 
 

@@ -18,13 +18,14 @@ from backend.mock_backend import MockScript
 from frontend import admission
 from kvyard.tokenizer import TextTokenizer
 from master.mock_master import MockMasterConfig, create_mock_master_app
-from tests.support.sse import sse_data
-from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
-from tests.support.procs import free_port_block
 from tests.support.app_thread import AppThread
+from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
+from tests.support.openai_errors import ERROR_KEYS
+from tests.support.openai_errors import assert_error as assert_openai_error
+from tests.support.procs import free_port_block
+from tests.support.sse import sse_data
 
 HI = [{"role": "user", "content": "Hi"}]
-ERROR_KEYS = {"message", "type", "param", "code"}
 TEXT = "Hello there, friend!"
 
 
@@ -35,15 +36,11 @@ def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
 
 
 def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
-    assert body["error"]["message"] and body["error"]["type"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
+    """The OpenAI error shape, and a frontend's 429 and 503 say when to retry."""
+    error = assert_openai_error(resp, status, code)
     if status in (429, 503):
         assert resp.headers.get("retry-after") == "1"
-    return body["error"]
+    return error
 
 
 def settles(condition: Any, timeout_s: float = 3.0) -> bool:

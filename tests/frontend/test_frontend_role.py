@@ -1,12 +1,11 @@
-"""A real ROLE_TYPE=FRONTEND process against a scripted gRPC backend (no weights): the OpenAI surface,
-the debugging routes, every bad input answered 4xx with one error shape, backend failures, cancellation."""
+"""The OpenAI surface of a real ROLE_TYPE=FRONTEND process against a scripted gRPC backend (no weights):
+answers, streaming, the debugging routes, and every bad input answered 4xx with one error shape.
+Backend failures and cancellation: test_frontend_role_failures.py; the processes: role_stack.py."""
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -14,98 +13,10 @@ import jinja2
 import openai
 import pytest
 
-from backend.mock_backend import MockServicer
 from kvyard.tokenizer import TextTokenizer
-from tests.support.procs import RoleProcess, free_port_block
-from tests.support.stub_backend import StubEngine, reconfigured, stub_backend
-
-SCRIPT_TEXT = "Hello there, friend!"
-EOS_ID = 2
-MAX_SEQ_LEN = 64
-MODEL = "stub-model"
-HI = [{"role": "user", "content": "Hi"}]
-ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-@dataclass
-class Frontend:
-    url: str
-    proc: RoleProcess
-
-
-@dataclass
-class Stack:
-    url: str                    # the frontend backed by the stub
-    engine: StubEngine
-    servicer: MockServicer      # keeps every request as received
-    script_ids: list[int]       # what the stub streams, one id per step, <|im_end|> last
-    down: Frontend              # a frontend whose backend address has nothing listening
-
-
-def _wait_answering(proc: RoleProcess, url: str, timeout_s: float = 60.0) -> None:
-    """Until the HTTP server answers at all (a frontend without a backend says 503 on /health)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"frontend exited with {proc.proc.returncode}:\n{proc.log()}")
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {timeout_s} s:\n{proc.log()}")
-
-
-@pytest.fixture(scope="module")
-def stack(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    base = free_port_block(4)
-    stub_port, port, down_port, dead_port = base, base + 1, base + 2, base + 3
-    script_ids = [*tokenizer.encode(SCRIPT_TEXT), EOS_ID]
-    logs = tmp_path_factory.mktemp("frontend_role")
-    common = {"ROLE_TYPE": "FRONTEND", "MAX_SEQ_LEN": str(MAX_SEQ_LEN), "MODEL_NAME": MODEL}
-    procs: list[RoleProcess] = []
-    with stub_backend(lambda _req: script_ids, stub_port) as (engine, backend):
-        try:
-            # Both frontends start together: most of their start-up is imports and the tokenizer.
-            procs.append(RoleProcess({**common, "START_PORT": str(port),
-                                      "BACKEND_ADDRESS": f"127.0.0.1:{stub_port}"}, logs / "frontend.log"))
-            procs.append(RoleProcess({**common, "START_PORT": str(down_port),
-                                      "BACKEND_ADDRESS": f"127.0.0.1:{dead_port}"}, logs / "down.log"))
-            url, down_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{down_port}"
-            procs[0].wait_healthy(f"{url}/health", timeout_s=60)
-            _wait_answering(procs[1], f"{down_url}/health")
-            yield Stack(url, engine, backend.servicer, script_ids, Frontend(down_url, procs[1]))
-        finally:
-            for p in procs:
-                p.stop()
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=10)
-
-
-@pytest.fixture(scope="module")
-def http(stack: Stack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.url, timeout=10) as c:
-        yield c
-
-
-def sse_data(text: str) -> list[str]:
-    """The `data:` payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-
-
-def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == ERROR_KEYS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    assert isinstance(body["error"]["type"], str) and body["error"]["type"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    return body["error"]
+from tests.frontend.role_stack import EOS_ID, HI, MAX_SEQ_LEN, MODEL, SCRIPT_TEXT, Stack, client, http  # noqa: F401
+from tests.support.openai_errors import assert_error
+from tests.support.sse import sse_data
 
 
 def render(http: httpx.Client, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -391,83 +302,3 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     assert bad.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=HI)
-
-
-# ---- backend failures ---------------------------------------------------------------------------
-
-BACKEND_ERROR = ("INVALID_ARGUMENT", "token id 99 is not allowed here")  # an ErrorCodePB name, the message
-
-
-def test_backend_error_non_stream(http: httpx.Client, stack: Stack) -> None:
-    with reconfigured(stack.engine, error=BACKEND_ERROR):
-        resp = http.post("/v1/chat/completions", json={"messages": HI})
-    err = assert_error(resp, 400, "invalid_argument")
-    assert err["message"] == BACKEND_ERROR[1]
-
-
-def test_backend_error_stream(http: httpx.Client, stack: Stack) -> None:
-    with reconfigured(stack.engine, error=BACKEND_ERROR):
-        resp = http.post("/v1/chat/completions", json={"messages": HI, "stream": True})
-    assert resp.status_code == 200  # the headers went out before the backend answered
-    data = sse_data(resp.text)
-    assert data[-1] == "[DONE]"
-    body = json.loads(data[-2])
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS
-    assert body["error"]["code"] == "invalid_argument"
-    assert body["error"]["message"] == BACKEND_ERROR[1]
-    assert all("error" not in json.loads(d) for d in data[:-2])
-
-
-def test_backend_error_stream_with_openai_client(client: openai.OpenAI, stack: Stack) -> None:
-    with reconfigured(stack.engine, error=BACKEND_ERROR):
-        with pytest.raises(openai.APIError, match="token id 99"):
-            list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
-
-
-def test_backend_down(stack: Stack) -> None:
-    down = stack.down.url
-    with httpx.Client(base_url=down, timeout=10) as c:
-        start = time.monotonic()
-        health = c.get("/health")
-        assert health.status_code == 503
-        assert_error(health, 503)
-        resp = c.post("/v1/chat/completions", json={"messages": HI})
-        assert_error(resp, 503, "unavailable")
-        assert resp.headers.get("retry-after") == "1"
-        stream = c.post("/v1/chat/completions", json={"messages": HI, "stream": True})
-        data = sse_data(stream.text)
-        assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == "unavailable"
-        assert time.monotonic() - start < 8
-        # Everything that needs no backend still works.
-        assert c.post("/v1/chat/render", json={"messages": HI}).status_code == 200
-        assert c.get("/v1/models").status_code == 200
-    client = openai.OpenAI(base_url=f"{down}/v1", api_key="x", max_retries=0, timeout=5)
-    with pytest.raises(openai.InternalServerError) as exc:
-        client.chat.completions.create(model=MODEL, messages=HI)
-    assert exc.value.status_code == 503
-
-
-def test_client_disconnect_cancels_backend_call(stack: Stack) -> None:
-    steps = (stack.script_ids[:-1] * 50)[:50]
-    servicer = stack.servicer
-    with reconfigured(stack.engine, steps=lambda _req: steps, delay_s=0.2):
-        time.sleep(0.3)  # let any earlier call's late cancellation land before the baseline
-        before, n_requests = servicer.cancelled, len(servicer.requests)
-        with httpx.Client(base_url=stack.url, timeout=10) as c:
-            with c.stream("POST", "/v1/chat/completions", json={"messages": HI, "stream": True}) as resp:
-                assert resp.status_code == 200
-                seen = 0
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        seen += 1
-                        if seen == 2:
-                            break
-        closed = time.monotonic()
-        while servicer.cancelled == before and time.monotonic() - closed < 3:
-            time.sleep(0.05)
-        assert servicer.cancelled == before + 1, "backend call not cancelled within 3 s"
-        assert len(servicer.requests) == n_requests + 1
-    # The frontend is still fine afterwards.
-    with httpx.Client(base_url=stack.url, timeout=10) as c:
-        assert c.post("/v1/chat/completions", json={"messages": HI}).json()["choices"][0]["message"][
-            "content"] == SCRIPT_TEXT

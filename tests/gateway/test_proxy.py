@@ -14,8 +14,9 @@ import pytest
 
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from tests.support.fake_upstream import FakeUpstream, Reply, fake_upstreams, sse_reply
 from tests.support.app_thread import AppThread
+from tests.support.fake_upstream import FakeUpstream, Reply, fake_upstreams, sse_reply
+from tests.support.openai_errors import assert_error
 
 
 @contextmanager
@@ -35,13 +36,6 @@ def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         time.sleep(0.02)
-
-
-def assert_error(resp: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert err["code"] == code and err["message"], err
-    return err
 
 
 # ---- bytes both ways --------------------------------------------------------------------------------
