@@ -52,7 +52,11 @@ class Constraint:
                 schema = {}
             if not isinstance(schema, dict):
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "a JSON schema must be a JSON object")
-            return LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_STYLE))
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_STYLE))
+            except ValueError as exc:  # e.g. an integer beyond 64 bits, which llguidance cannot take
+                raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                                   f"the JSON schema cannot be used: {exc} (numbers must fit in 64 bits)") from None
         if self.kind is ConstraintKind.REGEX:
             return LLMatcher.grammar_from_regex(self.text)
         return LLMatcher.grammar_from_lark(self.text)

@@ -105,6 +105,10 @@ BAD = [  # (path, fields, the param named, a piece of the message)
     ("/v1/chat/completions", {"tools": [{**TOOL, "function": {**TOOL["function"], "parameters": {
         "type": "object", "properties": {"city": {"type": "strin"}}}}}], "tool_choice": "required"}, "tools", "strin"),
     ("/v1/chat/completions", {"tools": [TOOL], "guided_regex": "a+"}, "guided_regex", "only a JSON response format"),
+    # an integer past 64 bits (found by the fuzzer: llguidance cannot take it, and it was a 500)
+    ("/v1/chat/completions", {"guided_json": {"const": -223553508730973517971980288}}, "guided_json", "64 bits"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "maximum": 10**30}}}}, "response_format", "64 bits"),
 ]
 
 
