@@ -88,12 +88,12 @@ class Proxy:
             wait_s = self.cfg.wait_for_s - (self.clock() - incoming.arrived)
             lease = await self.dispatcher.acquire(ticket, wait_s)
             dispatched = self.clock()
-            self.metrics.dispatched(lease.upstream, lease.reason, dispatched - incoming.arrived)
+            self.metrics.dispatched(lease, dispatched - incoming.arrived)
             last = attempt == ATTEMPTS - 1 or not self._can_retry(ticket, lease.upstream)
             try:
                 exchange = await self._send(lease, incoming, dispatched)
             except asyncio.CancelledError:  # the client went away while the upstream was thinking
-                self.metrics.finished(lease.upstream, "cancelled", None, self.clock() - dispatched)
+                self.metrics.finished(lease, "cancelled", None, self.clock() - dispatched)
                 self.dispatcher.release(lease)
                 raise
             except _Failed as failed:
@@ -148,7 +148,7 @@ class Proxy:
                 if chunk is None:
                     break
                 if first:
-                    self.metrics.first_byte(lease.upstream, self.clock() - exchange.dispatched)
+                    self.metrics.first_byte(lease, self.clock() - exchange.dispatched)
                     self.dispatcher.started(lease)
                     first = False
                 yield chunk
@@ -163,7 +163,7 @@ class Proxy:
 
     def _finish(self, lease: Lease, outcome: str, dispatched: float, detail: str, status: int | None = None) -> None:
         self.table.record_outcome(lease.upstream, outcome, self.clock(), detail)
-        self.metrics.finished(lease.upstream, outcome, status, self.clock() - dispatched)
+        self.metrics.finished(lease, outcome, status, self.clock() - dispatched)
         self.dispatcher.release(lease)
 
 

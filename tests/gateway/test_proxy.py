@@ -139,7 +139,9 @@ def test_a_5xx_before_any_byte_is_retried_once_elsewhere_and_marks_the_upstream_
             assert not v[bad.url]["healthy"] and v[bad.url]["failures"] == {"5xx": 1}
             assert v[good.url]["healthy"] and v[good.url]["failures"] == {}
             metrics = client.get("/metrics").text
-            assert f'kvyard:gateway_upstream_errors_total{{kind="5xx",upstream="{bad.url}"}} 1.0' in metrics
+            assert f'kvyard:gateway_upstream_errors_total{{kind="5xx",model_name="m",upstream="{bad.url}"}} 1.0' in metrics
+            assert f'kvyard:gateway_upstream_responses_total{{model_name="m",status="200",upstream="{good.url}"}} 3.0' \
+                in metrics
 
 
 def test_a_5xx_with_nowhere_else_to_go_is_passed_through() -> None:
