@@ -166,7 +166,7 @@ TOOL_USE_TEMPLATE_KEY = "tool_use"   # the named template HF models ship for req
 _MENTIONS_TOOLS = re.compile(r"\btools\b")
 
 
-@register_renderer("default", "llama", "smollm2", "qwen_2", "mistral")
+@register_renderer("default", "llama", "smollm2", "qwen_2")
 class BasicRenderer(ChatRenderer):
     """The model's jinja2 template, chosen in this order (the first that applies):
     1. the request's `user_template` (sandboxed; with `template_key` as well it is a 400),

@@ -10,7 +10,7 @@ from renderers.tool_parsers import (CallReader, ParsedToolCall, ToolEvent, ToolP
                                     coalesce, json_rule, one_of, register_tool_parser)
 
 
-@register_tool_parser("json", "llama3_json", "mistral")
+@register_tool_parser("json", "llama3_json")
 class JsonToolParser(ToolParser):
     """The whole output is JSON: one call object, a list of them, or several separated by `;` or
     newlines, optionally after `[TOOL_CALLS]` (Mistral) or `<|python_tag|>` (Llama 3.1). Output that

@@ -51,7 +51,7 @@ CASES = {
     "qwen2-gguf": Served("qwen2", "gguf", env=(("MODEL_TYPE", "qwen2.5"),)),
     "llama3-gguf": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"),), stop_token="<|eom_id|>"),
     "mistral-hf": Served("mistral", "hf"),
-    "mistral-gguf": Served("mistral", "gguf"),
+    "mistral-gguf": Served("mistral", "gguf", env=(("MODEL_TYPE", "mistral"),)),
 }
 FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "llama": dict(rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

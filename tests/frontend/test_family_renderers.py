@@ -1,6 +1,7 @@
 """MODEL_TYPE renderers for families whose templates need help with tools: Llama 3 (JSON calls with
-"parameters", results in ipython turns) and Qwen2.5 (<tool_call> blocks, <tool_response> results), on
-tokenizers of those families built in tests/support/tiny_models.py."""
+"parameters", results in ipython turns), Qwen2.5 (<tool_call> blocks, <tool_response> results) and Mistral
+([INST] turns, [AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS]), on tokenizers of those families built in
+tests/support/tiny_models.py."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,13 @@ import pytest
 from kvyard.tokenizer import TextTokenizer
 from renderers import RenderRequest, get_renderer
 from renderers.llama3 import Llama3Renderer
+from renderers.mistral import MistralRenderer, MistralToolParser
 from renderers.qwen2 import Qwen25Renderer
 from tests.support.tiny_models import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, QWEN2_SPECIALS, TokenizerSpec,
                                        byte_level_tokenizer, save_hf_tokenizer, sentencepiece_tokenizer)
+
+MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]")
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -44,6 +49,11 @@ def qwen_spec() -> TokenizerSpec:
     spec = byte_level_tokenizer("qwen2", specials=QWEN2_SPECIALS, user_defined=("<tool_call>", "</tool_call>"))
     spec.specials = {"eos": "<|im_end|>"}
     return spec
+
+
+@pytest.fixture(scope="module")
+def mistral_spec() -> TokenizerSpec:
+    return sentencepiece_tokenizer(extra_specials=MISTRAL_SPECIALS)
 
 
 def test_registered_by_name(llama3_spec: TokenizerSpec, tmp_path: Path) -> None:
@@ -120,3 +130,38 @@ def test_token_bytes_of_each_vocabulary_style(qwen_spec: TokenizerSpec, tmp_path
     assert spm_tok.token_bytes(spm.id("<0xE6>")) == b"\xe6"
     ids = spm_tok.encode("a 日")
     assert b"".join(spm_tok.token_bytes(i) or b"" for i in ids) == " a 日".encode()
+
+
+def test_mistral_registered_with_its_own_call_format(mistral_spec: TokenizerSpec, tmp_path: Path) -> None:
+    renderer = get_renderer("mistral", hf_tokenizer(mistral_spec, tmp_path / "t", None))
+    assert isinstance(renderer, MistralRenderer) and renderer.tool_parser is MistralToolParser
+
+
+def test_mistral_fallback_template_folds_the_system_prompt_into_the_user_turn(mistral_spec: TokenizerSpec,
+                                                                             tmp_path: Path) -> None:
+    tok = hf_tokenizer(mistral_spec, tmp_path / "t", None)
+    out = get_renderer("mistral", tok).render(RenderRequest(messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]))
+    assert out.template_source == "fallback"
+    assert out.prompt == "<s>[INST] Be brief.\n\nHi[/INST]Hello.</s>[INST] Bye[/INST]"
+    assert out.input_ids[:2] == [mistral_spec.id("<s>"), mistral_spec.id("[INST]")]
+
+
+def test_mistral_tools_without_template_support(mistral_spec: TokenizerSpec, tmp_path: Path) -> None:
+    """No template shipped: the tools in [AVAILABLE_TOOLS] in front of the first user turn, the earlier
+    call as [TOOL_CALLS] [...], the result in [TOOL_RESULTS]; each marker is one special token, and the
+    answer's calls parse with or without the [TOOL_CALLS] prefix."""
+    tok = hf_tokenizer(mistral_spec, tmp_path / "t", None)
+    renderer = get_renderer("mistral", tok)
+    out = renderer.render(RenderRequest(messages=HISTORY, tools=TOOLS))
+    assert out.prompt.startswith("<s>[INST] [AVAILABLE_TOOLS] " + json.dumps(TOOLS) + "[/AVAILABLE_TOOLS]\n")
+    assert '[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>' in out.prompt
+    assert out.prompt.endswith('[INST] [TOOL_RESULTS] {"content": "18 C, sunny"}[/TOOL_RESULTS][/INST]')
+    assert out.tools_in_prompt
+    for marker in ("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"):
+        assert mistral_spec.id(marker) in out.input_ids, marker
+    for answer in ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+                   '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'):
+        events = renderer.tool_parser().parse(answer)
+        assert [(e.call.name, json.loads(e.call.arguments)) for e in events if e.call] == [("get_weather", {"city": "Rome"})]

@@ -109,7 +109,8 @@ def test_json_plain_text_streams_without_waiting() -> None:
 
 def test_registry() -> None:
     assert get_tool_parser("qwen") is HermesToolParser
-    assert get_tool_parser("mistral") is JsonToolParser
+    assert get_tool_parser("llama3_json") is JsonToolParser
+    assert get_tool_parser("mistral").__mro__[1] is JsonToolParser  # reads the same, writes Mistral's markers
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="hermes"):
