@@ -8,8 +8,8 @@ import time
 import torch
 
 from backend.constraints import GrammarState, mask_words
-from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
-                                  ScoreResult, TokenOutput)
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, ScoreRequest, ScoreResult,
+                                  TokenOutput)
 from backend.model_runner import ModelRunner
 from backend.sampler import Sample, SampleRow, sample
 from backend.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -18,6 +18,7 @@ from backend.sequence import Sequence
 from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
+from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus

@@ -5,10 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine_types import AuxInfo, ScoreRequest, ScoreResult
+from backend.engine_types import ScoreRequest, ScoreResult
 from backend.sampler import Sample
 from backend.scheduler import ScheduledSeq
 from backend.sequence import Sequence, StopConditions
+from kvyard.aux_info import AuxInfo
 
 
 @dataclass
