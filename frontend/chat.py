@@ -9,6 +9,7 @@ the usage when `stream_options.include_usage`; an error after the headers went o
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from frontend.respond import aux_info, respond
 from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.tokenizer import TextTokenizer
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
+
+log = logging.getLogger("kvyard.frontend")
 
 
 class ChatDialect:
@@ -49,8 +52,11 @@ class ChatDialect:
         self.pipeline.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
+        request_id, rendered = f"chatcmpl-{uuid.uuid4().hex}", self.render(req)
+        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
+            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
         return self.pipeline.prepare(
-            f"chatcmpl-{uuid.uuid4().hex}", self.render(req), req, Budget(req.requested_max_tokens(), param, "messages"),
+            request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 

@@ -214,6 +214,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
+    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:

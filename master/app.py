@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvyard.cluster_auth import install_cluster_auth
@@ -18,6 +18,7 @@ from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.logs import set_process_log_level
 from kvyard.metrics import HttpMetricsMiddleware, add_metrics_route
 from kvyard.roles import Role
 from master.config import BackendEndpoint, MasterConfig
@@ -142,6 +143,11 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         return {"real_master_host": cfg.advertise_address}
 
     app.add_api_route("/rtp_llm/master", master_host, methods=["GET", "POST"])
+
+    @app.post("/set_log_level")
+    async def set_log_level(body: dict[str, Any] = Body(...)) -> dict[str, str]:
+        """The master is one process: its level is the role's (needs the cluster token)."""
+        return {"status": "ok", "log_level": set_process_log_level(body.get("log_level"))}
 
     @app.get("/backends")
     async def backends() -> dict[str, Any]:
