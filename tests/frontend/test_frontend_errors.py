@@ -147,6 +147,10 @@ def test_api_key(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
         assert_error(c.get("/v1/models"), 401)
         ok = c.post("/v1/chat/completions", json={"messages": HI}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == TEXT
+        for scheme in ("bearer", "BEARER", "bEaReR"):  # the scheme is case-insensitive, the key is not
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200, scheme
+        assert_error(c.get("/v1/models", headers={"Authorization": "bearer S3CRET"}), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
         for path in ("/health", "/status", "/", "/metrics"):   # probes and scrapers carry no key
             assert c.get(path).status_code == 200, path
         with pytest.raises(openai.AuthenticationError):
