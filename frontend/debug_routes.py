@@ -1,7 +1,8 @@
 """RTP-LLM's debug routes on the frontend's port, proxied to the backend paired with this frontend (the one
 at BACKEND_ADDRESS, as in RTP-LLM where they work "only when locally paired with a Backend server"):
 /cache_status and /worker_status (and their /rtp_llm/ names) answer what the backend's HTTP port answers;
-/set_log_level changes this process's level, then the paired backend's."""
+/set_log_level changes this process's level, then the paired backend's. RTP-LLM's live-update routes
+(/update, /update_eplb_config) are refused with a 400 that says why."""
 from __future__ import annotations
 
 import logging
@@ -62,6 +63,17 @@ def debug_routes(cfg: FrontendConfig) -> APIRouter:
         except RequestError as exc:
             answers["backend"] = exc.message  # a FRONTEND role may have no paired backend: its own level stands
         return JSONResponse({"status": "ok", "log_level": level, "processes": answers})
+
+    @router.post("/update")
+    async def update(body: dict[str, Any] | None = Body(default=None)) -> None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "POST /update (RTP-LLM's live model, LoRA and sampler "
+                           "updates) is not supported: kvyard loads one model at start-up and has no adapters; "
+                           "restart the backend with the new CHECKPOINT_PATH")
+
+    @router.post("/update_eplb_config")
+    async def update_eplb_config(body: dict[str, Any] | None = Body(default=None)) -> None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "POST /update_eplb_config is not supported: kvyard serves "
+                           "no mixture-of-experts model, so it has no expert load balancing to configure")
 
     return router
 

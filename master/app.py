@@ -27,7 +27,7 @@ from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
 from master.hold import ScheduleQueue
 from master.metrics import UNKNOWN_MODEL, MasterMetrics
-from master.policy import Decision, RouteRequest, choose_backend
+from master.policy import Decision, RouteRequest, cache_local, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
 from master.schemas import RegisterRequest, ScheduleRequest, candidates_view, debug_info
@@ -119,7 +119,8 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
             d = registry.backends[decision.decode].endpoint
             servers.append({"role": d.role.rtp_type, "server_ip": d.host, "http_port": d.http_port,
                             "grpc_port": d.grpc_port, "debug_info": None})
-        out: dict[str, Any] = {"server_status": servers, "cache_local": 0, "inter_request_id": next(request_ids)}
+        out: dict[str, Any] = {"server_status": servers, "cache_local": cache_local(decision),
+                               "inter_request_id": next(request_ids)}
         if req.debug:
             out["reason"] = decision.reason
             out["candidates"] = candidates_view(decision)

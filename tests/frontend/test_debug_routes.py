@@ -10,11 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from backend.debug_views import BackendFacts
-from backend.http_server import create_backend_http_app
 from kvyard.tokenizer import TextTokenizer
-from tests.support.app_thread import AppThread
-from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend, script
+from tests.support.mock_stack import MOCK_MAX_CONCURRENCY, MockBackendThread, mock_frontend, script
 from tests.support.procs import free_port_block
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 8}
@@ -22,12 +19,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 
 
 @pytest.fixture(scope="module")
 def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
-    start = free_port_block(6)
-    with MockBackendThread(script(tokenizer, "Hi!"), port=start + 1) as backend:
-        facts = BackendFacts(start, start + 1, start + 5, 64)
-        app = create_backend_http_app(backend.servicer.engine, "", backend.servicer.tasks, facts)  # type: ignore[arg-type]
-        with AppThread(app, port=start + 5):
-            yield backend
+    with MockBackendThread(script(tokenizer, "Hi!")) as backend:  # its HTTP app where the frontend looks
+        yield backend
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +41,7 @@ def test_worker_status_has_the_seeds_fields_and_finished_tasks(http: httpx.Clien
         assert key in st, key
     assert st["dp_size"] == 1 and st["tp_size"] == 1 and st["alive"] is True
     assert st["http_proto_port"] == st["grpc_proto_port"] + 4 == st["server_port"] + 5
-    assert st["available_concurrency"] == 64 and st["running_task_info"] == []
+    assert st["available_concurrency"] == MOCK_MAX_CONCURRENCY and st["running_task_info"] == []
     assert st["version"] == before["version"] + 1
     task = st["finished_task_list"][-1]
     assert task["input_length"] > 0 and task["iterate_count"] >= 1 and task["status"] == "ok"
@@ -99,3 +92,9 @@ def test_without_a_paired_backend_the_debug_routes_are_503(tokenizer: TextTokeni
         assert resp.status_code == 503 and "paired with this frontend" in resp.json()["error"]["message"]
         level = httpx.post(f"{front.url}/set_log_level", json={"log_level": "warning"}, timeout=10).json()
         assert level["processes"]["frontend"] == "ok" and "does not answer" in level["processes"]["backend"]
+
+
+@pytest.mark.parametrize("path", ["/update", "/update_eplb_config"])
+def test_live_update_routes_are_refused_with_a_reason(http: httpx.Client, path: str) -> None:
+    resp = http.post(path, json={"peft_info": {"lora_info": {"lora_0": "/lora/x"}}, "mode": "ALL"})
+    assert resp.status_code == 400 and "not supported" in resp.json()["error"]["message"], resp.text
