@@ -186,6 +186,9 @@ def cluster_parser() -> _Parser:
                              "it (below)")
     counts.add_argument("--ready-timeout-s", type=_count, default=600, metavar="SECONDS",
                         help="give up when the cluster is not serving after this long (default 600)")
+    counts.add_argument("--max-restarts", type=_count, default=5, metavar="N",
+                        help="restart a part that exits on its own (backoff 1 s .. 30 s) at most N times in 10 "
+                             "minutes, the rest serving meanwhile; then leave it down (default 5; 0: never)")
     _add_flags(parser, cluster=True)
     return parser
 

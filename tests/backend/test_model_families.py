@@ -20,7 +20,7 @@ from backend import kernels
 from backend.engine import Engine, GenerationRequest
 from backend.model import LlamaModel
 from backend.ops import TorchOps
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
