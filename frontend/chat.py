@@ -52,7 +52,9 @@ class ChatDialect:
         self.pipeline.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
-        request_id, rendered = f"chatcmpl-{uuid.uuid4().hex}", self.render(req)
+        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
+        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        rendered = self.render(req)
         if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
             log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
         return self.pipeline.prepare(
@@ -114,8 +116,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
-    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
     if req.debug_info:
         body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
@@ -126,7 +128,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
 
 async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
                   events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
-    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    base = {"id": req.chat_id or prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
     include_usage = req.include_usage
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
@@ -136,7 +139,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -166,6 +169,11 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                           "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
+    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
+    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def test_a_backend_alone_hosts_the_health_and_debug_app_on_start_port(cluster: C
                                                                       tokenizer: TextTokenizer) -> None:
     """PDFUSION with FRONTEND_SERVER_COUNT=0 answers the health routes and RTP-LLM's /worker_status on
     START_PORT (as RTP-LLM's backends host the frontend's app), with the real engine's task numbers."""
-    address = next(iter(cluster.backends))
+    address = list(cluster.backends)[-1]  # the other one is killed above
     start = int(address.rpartition(":")[2]) - 1
     base = f"http://127.0.0.1:{start}"
     for path in ("/health", "/status", "/GraphService/cm2_status", "/SearchService/cm2_status"):
