@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
 from backend.grpc_server import start_grpc_server
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
@@ -34,6 +34,7 @@ from backend.sequence import FinishReason, Sequence
 from backend.server import ModelRpcServicer
 from backend.validation import check_token_ids
 
+from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
