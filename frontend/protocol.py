@@ -80,7 +80,7 @@ class GenerateConfig(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # OpenAI: random padding against side channels (none here: loopback-grade)
+    include_obfuscation: bool | None = None  # OpenAI: padding against length side channels (none is added)
 
 
 class JsonSchemaFormat(_Lenient):
