@@ -123,9 +123,21 @@ def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -
 
 
 def test_the_edge_checks_the_samplers_repetition_penalty_range() -> None:
-    from backend.sampler import REPETITION_PENALTY_RANGE
-    from frontend import protocol
-    assert protocol.REPETITION_PENALTY_RANGE == REPETITION_PENALTY_RANGE
+    """One range (kvyard/limits.py): what the edge takes, the sampler takes, and what it refuses, both refuse."""
+    from pydantic import ValidationError
+
+    from frontend.protocol import GenerateConfig
+    from kvyard.limits import REPETITION_PENALTY_RANGE
+    from kvyard.sampling_params import SamplingParams
+    low, high = REPETITION_PENALTY_RANGE
+    for ok in (low, high):
+        GenerateConfig(repetition_penalty=ok)
+        SamplingParams(repetition_penalty=ok).validate(10)
+    for bad in (low / 2, high * 2):
+        with pytest.raises(ValidationError):
+            GenerateConfig(repetition_penalty=bad)
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad).validate(10)
 
 
 def test_openai_client_gets_bad_request(front: MockFrontend) -> None:
