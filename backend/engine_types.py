@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from backend.sampler import Sample, SamplingParams
+from backend.sampler import Sample
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence, StopConditions
 from kvyard.constraint import Constraint
 

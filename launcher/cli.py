@@ -98,7 +98,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-level", "LOG_LEVEL", "CRITICAL, ERROR, WARNING, INFO (default), DEBUG", "misc", "LEVEL"),
 )
 
-# `kvyard gateway`'s flags: text-inference-batcher's settings and kvyard's GATEWAY_* ones (README "Gateway").
+# `kvyard gateway`'s flags: text-inference-batcher's settings and kvyard's GATEWAY_* ones (docs/gateway.md).
 GATEWAY_FLAGS: tuple[Flag, ...] = (
     Flag("--host", "HOST", "bind address (default 127.0.0.1)", "gateway", "ADDRESS"),
     Flag("--port", "TIB_PORT", "listening port (default 8000)", "gateway", "PORT"),
