@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence, StopConditions
+from kvyard.aux_info import AuxInfo
 from kvyard.constraint import Constraint
 
 if TYPE_CHECKING:
@@ -64,17 +65,6 @@ class ScoreRequest:
     top_logprobs: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     n: int = 1                       # one result, so the engine loop counts it like one sequence
-
-
-@dataclass
-class AuxInfo:
-    input_len: int
-    output_len: int
-    iter_count: int
-    reuse_len: int
-    cost_time_us: int
-    first_token_cost_time_us: int
-    wait_time_us: int
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
                                   ScoreResult, TokenOutput)
 from backend.grpc_server import start_grpc_server
 from backend.sampler import Sample
@@ -34,6 +34,7 @@ from backend.sequence import FinishReason, Sequence
 from backend.server import ModelRpcServicer
 from backend.validation import check_token_ids
 
+from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str

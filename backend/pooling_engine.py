@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from backend.encoder import EncoderModel
-from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, KVLayout, PoolingRequest,
+from backend.engine_types import (CacheStatus, GenerationRequest, KVLayout, PoolingRequest,
                                   PoolingResult, Pooled, PoolTask, ScoreRequest)
 from backend.pooling import run_task
 from backend.step_stats import StepStats
 from backend.validation import check_token_ids
+from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import ModelKind, PoolingSpec

@@ -39,7 +39,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
-                await compile_constraint(self.grammars, req)
+                req.grammar = await compile_constraint(self.grammars, req.constraint)
                 if self.role is Role.PREFILL:
                     address = request.decode_address or self.decode_address
                     if not address:

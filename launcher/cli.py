@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-USAGE_ERROR = 2
+from launcher.usage import USAGE_ERROR, UsageError
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,6 @@ GATEWAY_FLAGS: tuple[Flag, ...] = (
 )
 
 
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit code 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so every error is one line."""
 
@@ -183,6 +179,9 @@ def cluster_parser() -> _Parser:
                         help="the first frontend's port; the rest follow from it (below)")
     counts.add_argument("--ready-timeout-s", type=_count, default=600, metavar="SECONDS",
                         help="give up when the cluster is not serving after this long (default 600)")
+    counts.add_argument("--max-restarts", type=_count, default=5, metavar="N",
+                        help="restart a part that exits on its own (backoff 1 s .. 30 s) at most N times in 10 "
+                             "minutes, the rest serving meanwhile; then leave it down (default 5; 0: never)")
     _add_flags(parser, cluster=True)
     return parser
 
@@ -290,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides = flag_env(ns, cluster=True)
             setup_logging("cluster", {**os.environ, **overrides})
             logging.getLogger("httpx").setLevel(logging.WARNING)  # its health polls are not news
-            return run_cluster(ns, overrides)
+            return run_cluster(ns, overrides, lambda message: explain(message, overrides))
         flags: Sequence[Flag] = FLAGS
         if args and args[0] == "gateway":
             flags, overrides = GATEWAY_FLAGS, gateway_env(gateway_parser().parse_args(args[1:]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,19 @@ def _llama3_freq_factors(cfg: Any) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits each was picked from, with transformers' own KV cache (the reference)."""
+    tokens: list[int] = []
+    step_logits: list[torch.Tensor] = []
+    with torch.inference_mode():
+        out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=True)
+        for _ in range(steps):
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            step_logits.append(logits)
+            out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                           use_cache=True)
+    return tokens, step_logits
