@@ -26,6 +26,10 @@ Weight = torch.Tensor | QuantWeight
 # more than the kernel's slower arithmetic at any batch the engine runs.
 DENSE_ROWS = 64
 DENSE_MAX_NUMEL = 8 << 20
+# The head sizes backend/csrc's decode attention is compiled for (decode_attention, FusedDecoder). Any
+# other head size (Llama-family checkpoints with 16, 80 or 100 exist) runs attention in PyTorch, op by
+# op; the linears, norms and RoPE stay in the kernels.
+KERNEL_HEAD_DIMS = frozenset({32, 64, 96, 128})
 
 
 class TorchOps:
@@ -87,6 +91,8 @@ class KernelOps(TorchOps):
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
         """The C++ FusedDecoder (backend/csrc/decode_step.h) when every matrix is in GGUF blocks: one call
         and one OpenMP team per decode step instead of ~10 Python calls per layer."""
+        if config.head_dim not in KERNEL_HEAD_DIMS:
+            return None
         mats = [weights["embed"], lm_head] + [weights[f"layers.{i}.{n}"] for i in range(config.num_layers)
                                               for n in ("qkv", "o", "gate_up", "down")]
         if not all(isinstance(w, QuantWeight) for w in mats):
@@ -142,6 +148,8 @@ class KernelOps(TorchOps):
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
                   window: int = 0) -> torch.Tensor:
+        if q.shape[-1] not in KERNEL_HEAD_DIMS:
+            return super().attention(q, cache, layer, meta, window)
         if meta.decode_rows is None:
             out = torch.empty_like(q)
         elif not meta.prefills and meta.decode_rows.shape[0] == q.shape[0]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.cluster_auth import read_cluster_token
-from kvyard.env import env_int, env_names, env_str
+from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
 from kvyard.ports import backend_grpc_port, start_port
@@ -44,6 +44,7 @@ class FrontendConfig:
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
     cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
     model_aliases: tuple[str, ...] = ()  # MODEL_NAME's other names: clients may pass them for model_name
+    trust_request_chat_template: bool = False  # TRUST_REQUEST_CHAT_TEMPLATE=1: a request's chat_template runs
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -84,6 +85,7 @@ class FrontendConfig:
             tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
+            trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
         )
 
 

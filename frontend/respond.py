@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.backend_client import AuxInfo, BackendOutput
+from frontend.backend_client import BackendOutput
 from frontend.errors import stream_error_body
+from kvyard.aux_info import AuxInfo
 from kvyard.disconnect import cancel_on_disconnect
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
