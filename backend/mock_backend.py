@@ -26,7 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
+                                  ScoreResult, TokenOutput)
 from backend.grpc_server import start_grpc_server
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
-from kvyard.errors import RequestError
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from kvyard.ports import backend_grpc_port, start_port
 from kvyard.roles import Role
@@ -184,6 +185,10 @@ class ScriptedEngine:
         samples = [Sample(t, mock_logprob(t), [(t + k, mock_logprob(t) - k) for k in range(req.top_logprobs)] or None)
                    for t in req.scored_ids]
         return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
+
+    async def pool(self, req: PoolingRequest) -> PoolingResult:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "the mock backend serves a generate model: it has no pooling",
+                           "model")
 
     def worker_status(self) -> WorkerStatus:
         return WorkerStatus(role=Role.PDFUSION, running=self.running, waiting=0, queued_prefill_tokens=0,

@@ -28,6 +28,9 @@ class FrontendConfig:
     stop_words: tuple[str, ...]       # STOP_WORDS_STR: extra stop strings for every request
     stop_word_ids: tuple[tuple[int, ...], ...]  # STOP_WORDS_LIST: extra stop token sequences
     request_timeout_s: float          # whole-request limit passed to the backend (0 = none)
+    first_token_timeout_s: float = 10.0  # FIRST_TOKEN_TIMEOUT_S: quiet this long before the first output, the
+                                      # backend is health-checked; silent: re-routed once (0 = no deadline)
+    inter_token_timeout_s: float = 10.0  # INTER_TOKEN_TIMEOUT_S: the same between outputs; silent: a timeout error
     master_address: str = ""          # host:port of the master's HTTP; "" = call backend_address directly
     fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
     block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
@@ -68,6 +71,8 @@ class FrontendConfig:
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),
             stop_word_ids=tuple(tuple(ids) for ids in _json_list(env, "STOP_WORDS_LIST", list)),
             request_timeout_s=float(env_int(env, "REQUEST_TIMEOUT_S", 600, minimum=0)),
+            first_token_timeout_s=float(env_int(env, "FIRST_TOKEN_TIMEOUT_S", 10, minimum=0)),
+            inter_token_timeout_s=float(env_int(env, "INTER_TOKEN_TIMEOUT_S", 10, minimum=0)),
             master_address=env_str(env, "MASTER_ADDRESS", service.get("master_address", "")),
             fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
