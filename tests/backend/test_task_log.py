@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backend.engine_types import AuxInfo, TokenOutput
+from backend.engine_types import TokenOutput
+from kvyard.aux_info import AuxInfo
 from backend.sampler import Sample
 from backend.task_log import FINISHED_KEPT, TaskLog
 
