@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
@@ -363,6 +363,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = None   # the deprecated form of tools
+    _legacy_functions: bool = PrivateAttr(default=False)  # tools came from `functions`: answer with function_call
     # RTP-LLM extensions
     template_key: str | None = None
     user_template: str | None = None
@@ -411,6 +412,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tools is None and self.functions:
             self.tools = [ToolDefinition(function=f) for f in self.functions]
+            self._legacy_functions = True
         names = {t.function.name for t in self.tools or []}
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.get("name")
@@ -431,6 +433,11 @@ class ChatCompletionRequest(SamplingRequest):
         extra = (self.extra_configs and self.extra_configs.chat_template_kwargs) or {}
         docs = {"documents": self.documents} if self.documents is not None else {}
         return {**docs, **(self.chat_template_kwargs or {}), **extra}
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request gave `functions` (no `tools`): OpenAI's legacy API answers with one `function_call`."""
+        return self._legacy_functions
 
     def tools_in_use(self) -> list[dict[str, Any]] | None:
         """The tool definitions the model should see (none when tool_choice is "none")."""

@@ -86,3 +86,29 @@ def test_return_incremental(http: httpx.Client) -> None:
                                                                    zip(cumulative, cumulative[1:]))
     resp = http.post("/v1/chat/completions", json={**CHAT, "extra_configs": {"return_incremental": False}})
     assert resp.status_code == 400 and "return_incremental" in resp.json()["error"]["message"]
+
+
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_legacy_functions_are_answered_with_function_call(http: httpx.Client, mock: MockBackendThread,
+                                                          tokenizer: TextTokenizer) -> None:
+    """OpenAI's legacy `functions`: the answer is `function_call` (streamed as function_call deltas),
+    finish_reason "function_call"; a template reads them as the variable `functions` (RTP-LLM's)."""
+    body = {**CHAT, "max_tokens": 64, "functions": [FUNCTION]}
+    with mock.scripted(script(tokenizer, CALL)):
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "function_call"
+        assert choice["message"]["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        chunks = [json.loads(e) for e in sse_data(http.post("/v1/chat/completions",
+                                                            json={**body, "stream": True}).text) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert all("tool_calls" not in d for d in deltas)
+    calls = [d["function_call"] for d in deltas if "function_call" in d]
+    assert calls[0]["name"] == "get_weather" and json.loads("".join(c.get("arguments", "") for c in calls)) == {
+        "city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    render = http.post("/v1/chat/render", json={**body, "user_template": "{{ functions | map(attribute='name') | "
+                                                                         "join(',') }}"}).json()
+    assert render["input_prompt"] == "get_weather"
