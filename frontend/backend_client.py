@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
@@ -133,6 +134,7 @@ class BackendClient:
             # up, not after gRPC's default backoff, which grows to two minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            *CLIENT_OPTIONS,  # a backend cut off mid-stream ends the stream with an error, not a hang
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
