@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-gateway bench-routing clean
+.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,11 @@ bench: setup
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup
 	$(PY) benchmarks/peers.py
+
+# kvyard vs llama-server on a 1.7B-shaped Q4_K_M GGUF (random weights, built once into ~/.cache/kvyard by
+# llama.cpp's own llama-quantize): one stream, 32 streams, cold TTFT of a ~930-token prompt.
+bench-scale: setup
+	$(PY) benchmarks/scale.py
 
 # kvyard's master vs SGLang's router (cache_aware, round_robin; installed once into its own venv under
 # ~/.cache/kvyard, never into .venv) over the same two backends, with and without KV pressure.

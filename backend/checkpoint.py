@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from backend.quant import QK, QuantWeight, blocks_from_gguf, q8_0_from_float, serving_kind
+from backend.quant import K_KINDS, QK, QuantWeight, blocks_from_gguf, k_blocks_from_gguf, q8_0_from_float, serving_kind
 from kvyard.gguf_meta import GGUFTensorInfo, read_gguf_index, read_tensor_bytes
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError, is_gguf
@@ -29,6 +29,9 @@ class Source:
     def nbytes(self, name: str) -> int: ...
     def block_kind(self, name: str) -> str | None:
         """The GGUF block kind it would be served in (None: it cannot be kept in blocks)."""
+        return None
+    def gguf_type(self, name: str) -> str | None:
+        """Its GGUF tensor type ("q4_k", "f16", ...); None for other checkpoints."""
         return None
     def read_float(self, name: str, a: int, b: int) -> torch.Tensor:
         """Rows [a, b) as a float tensor [b - a, K] ([b - a] for a vector), in the checkpoint's precision."""
@@ -95,6 +98,9 @@ class GGUFSource(Source):
             return None
         return serving_kind(info.qtype.name.lower())
 
+    def gguf_type(self, name: str) -> str | None:
+        return self.infos[name].qtype.name.lower()
+
     def _rows(self, name: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The raw bytes of the source rows behind output rows [a, b): [rows, row bytes] uint8, and the
         index of each output row among them (None: in order)."""
@@ -120,6 +126,11 @@ class GGUFSource(Source):
     def read_blocks(self, name: str, a: int, b: int, kind: str) -> QuantWeight:
         info = self.infos[name]
         own = info.qtype.name.lower()
+        if kind in K_KINDS:  # served as it is (n16 layout)
+            assert own == kind, (own, kind)
+            raw, pick = self._rows(name, a, b)
+            blocks = k_blocks_from_gguf(own, raw, info.shape[1])
+            return blocks if pick is None else blocks.rows(pick)
         if serving_kind(own) == kind and (own in ("q4_1", "q8_0", "q4_0", "q4_k")):
             raw, pick = self._rows(name, a, b)
             blocks = blocks_from_gguf(own, raw, info.shape[1])

@@ -3,7 +3,7 @@ off the engine thread, cached by its text; each sequence then owns a GrammarStat
 a token bitmask before sampling (backend/sampler.py applies it) and advances with every accepted token.
 
 llguidance does the work: an Earley parser over the grammar plus a lexer run over a token trie, so a mask
-costs ~10-20 µs per row, and compiling a 50-property schema ~1-5 ms (see the README's figures)."""
+costs ~10-20 µs per row, and compiling a 50-property schema ~1-5 ms (see docs/performance.md)."""
 from __future__ import annotations
 
 import asyncio

@@ -152,7 +152,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sample]:
         """One token per sequence. A row that cannot be sampled fails its own request (into
         self.failed, aborted here), never the batch: the others are sampled one by one."""
-        rows = [SampleRow(seq.sampling, seq.generator, seq.prompt_token_ids, seq.output_token_ids) for seq in seqs]
+        rows = [SampleRow(seq.sampling, seq.generator, seq.prompt_token_ids, seq.output_token_ids,
+                          suppressed=_suppressed(seq)) for seq in seqs]
         keep = self._constrain(rows, seqs, logits.shape[1])
         if len(keep) < len(seqs):
             logits, seqs, rows = logits[keep], [seqs[j] for j in keep], [rows[j] for j in keep]
@@ -234,3 +235,12 @@ def _aux(seq: Sequence, now: float) -> AuxInfo:
                    iter_count=seq.iter_count, reuse_len=seq.num_cached_tokens,
                    cost_time_us=us(now), first_token_cost_time_us=us(seq.first_token_time),
                    wait_time_us=us(seq.first_scheduled_time))
+
+
+def _suppressed(seq: Sequence) -> tuple[int, ...]:
+    """Before min_new_tokens, the ids that would stop the sequence may not be sampled at all (as in vLLM):
+    its stop token ids, and eos unless ignore_eos."""
+    stop = seq.stop
+    if seq.num_output_tokens >= stop.min_new_tokens:
+        return ()
+    return (*stop.stop_token_ids, *(() if stop.ignore_eos else stop.eos_token_ids))

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backend.sampler import Sample, SamplingParams
+from backend.sampler import Sample
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence, StopConditions
 from kvyard.constraint import Constraint
 

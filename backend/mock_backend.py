@@ -27,7 +27,8 @@ import grpc
 
 from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
 from backend.grpc_server import start_grpc_server
-from backend.sampler import Sample, SamplingParams
+from backend.sampler import Sample
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence
 from backend.server import ModelRpcServicer
 from backend.validation import check_token_ids

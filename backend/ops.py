@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered, attend_prefills
-from backend.quant import QuantWeight
+from backend.quant import K_KINDS, QuantWeight
 from kvyard.model_config import ModelConfig
 
 Weight = torch.Tensor | QuantWeight
@@ -123,6 +123,8 @@ class KernelOps(TorchOps):
             dense = self._dense[:n * k].view(n, k)
             self.k.dequantize_into(w.qs, w.d, _mins(w), dense, w.kind == "q4_1")
             return super().linear(x, dense, bias, residual)
+        if w.kind in K_KINDS:
+            return self.k.kquant_linear(x, w.qs, w.d, w.m, bias, residual)
         if w.kind == "q4_1":
             return self.k.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
         return self.k.q8_0_linear(x, w.qs, w.d, bias, residual)
@@ -163,4 +165,4 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _mins(w: QuantWeight) -> torch.Tensor:
-    return w.m if w.m is not None else w.d  # Q8_0 has none; the kernel does not read it then
+    return w.m if w.m is not None else w.d  # Q8_0 has none; the kernel does not read it then (K-quants: sub-scales)

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
-from backend.sampler import SamplingParams
 from backend.sequence import FinishReason, StopConditions
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.sampling_params import SamplingParams
 from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 
@@ -37,11 +37,28 @@ def handover_request_from_pb(h: pb.KVTransferHeaderPB, eos_token_ids: frozenset[
                     max_new, max(0, h.generate_config.min_new_tokens - spent))
 
 
+def params_from_pb(cfg: pb.GenerateConfigPB) -> SamplingParams:
+    """GenerateConfigPB → SamplingParams (frontend/backend_client.py writes it): a zero value means the field's
+    off state, as the proto documents (top_p, typical_p and repetition_penalty 0 → 1)."""
+    return SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens, n=max(1, cfg.num_return_sequences),
+        temperature=cfg.temperature, top_p=cfg.top_p or 1.0, top_k=cfg.top_k, min_p=cfg.min_p,
+        typical_p=cfg.typical_p or 1.0, seed=cfg.seed if cfg.HasField("seed") else None,
+        repetition_penalty=cfg.repetition_penalty or 1.0, presence_penalty=cfg.presence_penalty,
+        frequency_penalty=cfg.frequency_penalty, logit_bias=dict(cfg.logit_bias),
+        allowed_token_ids=tuple(cfg.allowed_token_ids), bad_words_ids=tuple(tuple(w.ids) for w in cfg.bad_words_ids),
+        stop_token_ids=tuple(cfg.stop_token_ids), stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
+        ignore_eos=cfg.ignore_eos, timeout_ms=cfg.timeout_ms,
+        logprobs=cfg.return_logprobs or cfg.top_logprobs > 0, top_logprobs=cfg.top_logprobs,
+        constraint=constraint_from_pb(cfg))
+
+
 def _request(request_id: str, prompt: list[int], cfg: pb.GenerateConfigPB, eos_token_ids: frozenset[int],
              max_model_len: int, max_new_tokens: int | None = None, min_new_tokens: int | None = None
              ) -> GenerationRequest:
     """max_new_tokens / min_new_tokens: the config's unless given; max_new_tokens 0 means up to the context."""
-    asked = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    sampling = params_from_pb(cfg)
+    asked = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
     max_new = asked or max(1, max_model_len - len(prompt))
     try:
         if asked < 0:
@@ -49,29 +66,16 @@ def _request(request_id: str, prompt: list[int], cfg: pb.GenerateConfigPB, eos_t
         stop = StopConditions(
             max_new_tokens=max_new,
             eos_token_ids=eos_token_ids,
-            stop_token_ids=frozenset(cfg.stop_token_ids),
-            stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
-            min_new_tokens=cfg.min_new_tokens if min_new_tokens is None else min_new_tokens,
-            ignore_eos=cfg.ignore_eos,
+            stop_token_ids=frozenset(sampling.stop_token_ids),
+            stop_sequences=sampling.stop_sequences,
+            min_new_tokens=sampling.min_new_tokens if min_new_tokens is None else min_new_tokens,
+            ignore_eos=sampling.ignore_eos,
             max_total_len=max_model_len,
         )
     except ValueError as exc:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
-    sampling = SamplingParams(
-        temperature=cfg.temperature,
-        top_p=cfg.top_p if cfg.top_p > 0 else 1.0,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p,
-        seed=cfg.seed if cfg.HasField("seed") else None,
-        repetition_penalty=cfg.repetition_penalty or 1.0,
-        presence_penalty=cfg.presence_penalty,
-        frequency_penalty=cfg.frequency_penalty,
-        logit_bias=dict(cfg.logit_bias),
-        logprobs=cfg.return_logprobs or cfg.top_logprobs > 0,
-        top_logprobs=cfg.top_logprobs,
-    )
     return GenerationRequest(request_id=request_id, prompt_ids=prompt, sampling=sampling,
-                             stop=stop, n=max(1, cfg.num_return_sequences), constraint=constraint_from_pb(cfg))
+                             stop=stop, n=sampling.n, constraint=sampling.constraint)
 
 
 def constraint_from_pb(cfg: pb.GenerateConfigPB) -> Constraint | None:

@@ -6,7 +6,9 @@ and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights
 
 Two layouts of the same blocks: "rows" (each output row's blocks together, the GGUF's order) for the
 float32-activation kernels, and "n16" (groups of 16 output rows interleaved, backend/csrc/qlinear_vnni.h)
-for the int16-activation kernels on CPUs with AVX-512 VNNI; `to_n16()` converts once at load."""
+for the int16-activation kernels on CPUs with AVX-512 VNNI; `to_n16()` converts once at load. There the
+GGUF's K-quants are served as they are too (Q4_K, Q6_K: backend/csrc/qlinear_kquant.h), n16 only: their
+"rows" layout is just the step between the file and the groups (and the reference's way back)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,22 +24,24 @@ Q4_1_BYTES, Q8_0_BYTES = 20, 34
 
 @dataclass
 class QuantWeight:
-    """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1)."""
-    kind: str               # "q4_1" or "q8_0"
+    """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1).
+    Q4_K and Q6_K (K_KINDS) keep the file's two-level scales instead: d per 256 weights, m the sub-scales
+    per block (see _k_to_n16 for both layouts)."""
+    kind: str               # "q4_1", "q8_0", "q4_k" or "q6_k"
     qs: torch.Tensor        # rows: [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K]
                             # int8; n16: [N/16, K/32, 16 j, 16 n] uint8 or [N/16, K/32, 16 j, 16 n, 2] int8
     d: torch.Tensor         # rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
-    m: torch.Tensor | None  # minimums (Q4_1 only), laid out as d
+    m: torch.Tensor | None  # minimums (Q4_1 only), laid out as d; K-quants: sub-scales
 
     @property
     def layout(self) -> str:
-        return "n16" if self.d.dim() == 3 else "rows"
+        return "n16" if self.qs.dim() > 2 else "rows"
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.layout == "n16":
-            return self.d.shape[0] * 16, self.d.shape[1] * QK
-        return self.d.shape[0], self.d.shape[1] * QK
+            return self.qs.shape[0] * 16, self.qs.shape[1] * QK
+        return self.qs.shape[0], self.qs.shape[1] * (2 if self.kind in ("q4_1", "q4_k") else 1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
@@ -46,6 +50,8 @@ class QuantWeight:
         """The float32 matrix [N, K] these blocks encode (what the reference path multiplies by)."""
         w = self.to_rows()
         n, k = w.shape
+        if w.kind in K_KINDS:
+            return _k_dequantize(w)
         if w.kind == "q4_1":
             lo, hi = (w.qs & 0x0F), (w.qs >> 4)
             q = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], dim=-1).float()  # [N, nb, 32]
@@ -55,6 +61,8 @@ class QuantWeight:
     def to_n16(self) -> QuantWeight:
         """The same blocks in groups of 16 output rows (N must be a multiple of 16)."""
         assert self.layout == "rows" and self.shape[0] % 16 == 0
+        if self.kind in K_KINDS:
+            return _k_to_n16(self)
         n, k = self.shape
         g, nb = n // 16, k // QK
 
@@ -70,6 +78,8 @@ class QuantWeight:
     def to_rows(self) -> QuantWeight:
         if self.layout == "rows":
             return self
+        if self.kind in K_KINDS:
+            return _k_to_rows(self)
         g, nb = self.d.shape[0], self.d.shape[1]
 
         def scales(t: torch.Tensor) -> torch.Tensor:
@@ -95,6 +105,12 @@ class QuantWeight:
     def empty(kind: str, n: int, k: int, layout: str = "rows") -> QuantWeight:
         """Room for an [n, k] matrix of `kind` blocks in `layout`, filled by write_rows."""
         nb = k // QK
+        if kind in K_KINDS:
+            assert layout == "n16", "K-quant blocks are served in the n16 layout only"
+            g, nsb, q4k = n // 16, k // QK_K, kind == "q4_k"
+            return QuantWeight(kind, torch.empty((g, nb, 16 if q4k else 24, 16), dtype=torch.uint8),
+                               torch.empty((g, nsb, 2, 16) if q4k else (g, nsb, 16), dtype=torch.float16),
+                               torch.empty((g, nb, 2, 16), dtype=torch.uint8 if q4k else torch.int8))
         if layout == "n16":
             g = n // 16
             qs = torch.empty((g, nb, 16, 16) if kind == "q4_1" else (g, nb, 16, 16, 2), dtype=torch.uint8
@@ -111,6 +127,12 @@ class QuantWeight:
         matrix's own layout (n16: row0 and the length multiples of 16, except at the end)."""
         assert rows.layout == "rows" and rows.kind == self.kind and rows.shape[1] == self.shape[1]
         n, nb = rows.shape[0], rows.shape[1] // QK
+        if self.kind in K_KINDS:  # n16 only: the chunk converted, then copied into its groups
+            assert row0 % 16 == 0 and n % 16 == 0 and self.layout == "n16"
+            part = _k_to_n16(rows)
+            for dst, src in ((self.qs, part.qs), (self.d, part.d), (self.m, part.m)):
+                dst.numpy()[row0 // 16:(row0 + n) // 16] = src.numpy()  # type: ignore[union-attr]
+            return
         qs, d, m = rows.qs.numpy(), rows.d.numpy(), None if rows.m is None else rows.m.numpy()
         if self.layout == "n16":  # the same re-layout as to_n16, straight into place
             assert row0 % 16 == 0 and n % 16 == 0
@@ -162,6 +184,15 @@ Q4_0_BYTES = 18          # f16 d, 16 bytes of nibbles: w = d * (q - 8)
 Q4_K_BYTES, QK_K = 144, 256  # per 256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
 
 
+K_KINDS = ("q4_k", "q6_k")
+Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, f16 d
+
+
+def native_kind(gguf_type: str, layout: str) -> str | None:
+    """The K-quant kind a GGUF tensor type is served in as it is (n16 layout: AVX-512 VNNI), or None."""
+    return gguf_type if layout == "n16" and gguf_type in K_KINDS else None
+
+
 def serving_kind(gguf_type: str) -> str:
     """The block format a GGUF tensor type is served in: Q4_0 and Q4_K convert to Q4_1 exactly (up to the
     float16 rounding of Q4_K's scale products); every other type is requantized to Q8_0."""
@@ -185,6 +216,120 @@ def blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
     raise ValueError(f"no direct block conversion from {gguf_type}")
 
 
+def k_blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
+    """raw: [n, row bytes] uint8 rows of a Q4_K or Q6_K tensor → the same blocks, "rows" layout (to be
+    laid out n16): Q4_K codes [n, k/2] in Q4_1's nibble order, d [n, k/256, 2] float16 (d, dmin), sub-scales
+    [n, k/32, 2] uint8 (sc, mn); Q6_K codes [n, k] uint8 (0..63, in order), d [n, k/256], scales [n, k/32, 2]
+    int8 (weights 0-15 and 16-31 of each block)."""
+    n, nsb = raw.shape[0], k // QK_K
+    if gguf_type == "q4_k":
+        blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q4_K_BYTES)
+        d = blocks[..., 0:4].copy().view(np.float16).reshape(n, nsb, 2)
+        sc, mn = _q4_k_scales(blocks[..., 4:16])
+        sub = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(n, nsb * 8, 2)
+        return QuantWeight("q4_k", torch.from_numpy(_q4_k_codes(blocks)), torch.from_numpy(d), torch.from_numpy(sub))
+    if gguf_type == "q6_k":
+        blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q6_K_BYTES)
+        # Low nibbles: bytes [h*64 + i] hold weight h*128 + i (low half) and h*128 + 64 + i (high half); top
+        # bits: bytes [h*32 + i] hold weights h*128 + 32 t + i in bits 2t.
+        ql = blocks[..., 0:128].reshape(n, nsb, 2, 1, 64)
+        lo = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+        qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)
+        hi = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+        q = (lo.reshape(n, nsb * 256) | (hi.reshape(n, nsb * 256) << 4)).astype(np.uint8)
+        scales = blocks[..., 192:208].copy().view(np.int8).reshape(n, nsb * 8, 2)
+        d = blocks[..., 208:210].copy().view(np.float16).reshape(n, nsb)
+        return QuantWeight("q6_k", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(scales))
+    raise ValueError(f"{gguf_type} is not a served K-quant")
+
+
+def _q4_k_scales(sc_raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 packed bytes → the 8 runs' 6-bit scales and minimums: run j < 4 from the low six bits of
+    bytes j and j + 4; j ≥ 4 from the nibbles of byte j + 4 plus the top two bits of bytes j − 4 and j."""
+    sc_raw = sc_raw.astype(np.uint8)
+    sc = np.empty((*sc_raw.shape[:-1], 8), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = sc_raw[..., 0:4] & 63
+    mn[..., :4] = sc_raw[..., 4:8] & 63
+    sc[..., 4:] = (sc_raw[..., 8:12] & 0x0F) | ((sc_raw[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _q4_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """[n, nsb, 144] Q4_K blocks → codes [n, k/2] in Q4_1's order (byte j of a run: weights j | j+16 << 4).
+    Run 2i is the low nibbles of pair i's 32 bytes, run 2i + 1 the high ones."""
+    n, nsb = blocks.shape[:2]
+    q = blocks[..., 16:].reshape(n, nsb, 4, 32)
+    codes = np.stack([q & 0x0F, q >> 4], axis=3).reshape(n, nsb, 8, 32)
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8).reshape(n, nsb * 8 * 16)
+
+
+def _groups(t: np.ndarray) -> np.ndarray:
+    """[N, ...rest] → [N/16, ...rest, 16]: the output row becomes the innermost (vector lane) axis."""
+    g = t.reshape(t.shape[0] // 16, 16, *t.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(g, 1, -1))
+
+
+def _rows_of(t: np.ndarray) -> np.ndarray:
+    """_groups undone."""
+    r = np.moveaxis(t, -1, 1)
+    return np.ascontiguousarray(r).reshape(t.shape[0] * 16, *r.shape[2:])
+
+
+def _k_to_n16(w: QuantWeight) -> QuantWeight:
+    """K-quant "rows" blocks → n16 (backend/csrc/qlinear_kquant.h): Q4_K codes as Q4_1's n16 [G, nb, 16 j,
+    16 n], d [G, nsb, 2, 16], sub-scales [G, nb, 2, 16]; Q6_K codes [G, nb, 24, 16] (rows 0-15: step j, low
+    nibbles of weights 2j | 2j+1 << 4; rows 16-23: pair i, top bits of weights 4i..4i+3, 2 bits each),
+    d [G, nsb, 16], scales [G, nb, 2, 16]."""
+    n, k = w.shape
+    nb = k // QK
+    qs = w.qs.numpy()
+    if w.kind == "q4_k":
+        codes = _groups(qs.reshape(n, nb, 16))                                  # [G, nb, 16 j, 16 n]
+    else:
+        q = _groups(qs.reshape(n, nb, QK))                                      # [G, nb, 32 k, 16 n]
+        lows = (q[:, :, 0::2] & 0x0F) | ((q[:, :, 1::2] & 0x0F) << 4)
+        tops = (q >> 4).reshape(q.shape[0], nb, 8, 4, 16)
+        highs = tops[:, :, :, 0] | (tops[:, :, :, 1] << 2) | (tops[:, :, :, 2] << 4) | (tops[:, :, :, 3] << 6)
+        codes = np.concatenate([lows, highs], axis=2).astype(np.uint8)
+    return QuantWeight(w.kind, torch.from_numpy(codes), torch.from_numpy(_groups(w.d.numpy())),
+                       torch.from_numpy(_groups(w.m.numpy())))  # type: ignore[union-attr]
+
+
+def _k_to_rows(w: QuantWeight) -> QuantWeight:
+    n, k = w.shape
+    codes = w.qs.numpy()
+    if w.kind == "q4_k":
+        qs = _rows_of(codes).reshape(n, k // 2)
+    else:
+        g, nb = codes.shape[:2]
+        q = np.empty((g, nb, QK, 16), dtype=np.uint8)
+        q[:, :, 0::2] = codes[:, :, :16] & 0x0F
+        q[:, :, 1::2] = codes[:, :, :16] >> 4
+        tops = np.stack([(codes[:, :, 16:] >> (2 * t)) & 0x03 for t in range(4)], axis=3).reshape(g, nb, QK, 16)
+        qs = _rows_of(q | (tops << 4)).reshape(n, k)
+    return QuantWeight(w.kind, torch.from_numpy(qs), torch.from_numpy(_rows_of(w.d.numpy())),
+                       torch.from_numpy(_rows_of(w.m.numpy())))  # type: ignore[union-attr]
+
+
+def _k_dequantize(w: QuantWeight) -> torch.Tensor:
+    """The float32 [N, K] a K-quant "rows" weight encodes, with gguf's reference arithmetic: (d sc) q -
+    (dmin mn) for Q4_K, (d sc) (q - 32) for Q6_K."""
+    n, k = w.shape
+    nb = k // QK
+    sub = w.m.numpy().astype(np.float32)  # type: ignore[union-attr]  # [n, nb, 2]
+    d = np.repeat(w.d.numpy().astype(np.float32), 8, axis=1)   # [n, nb(, 2)]: each super-block's 8 blocks
+    if w.kind == "q4_k":
+        qs = w.qs.numpy().reshape(n, nb, 16)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # [n, nb, 32]
+        out = (d[..., 0] * sub[..., 0])[..., None] * q - (d[..., 1] * sub[..., 1])[..., None]
+    else:
+        q = w.qs.numpy().reshape(n, nb, 2, 16).astype(np.float32) - np.float32(32)
+        out = (d[..., None] * sub)[..., None] * q
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(n, k))
+
+
 def _q4_1_from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:
     """Q4_K: each 256 weights are 8 runs of 32 with 6-bit scale sc and minimum m: w = d·sc·q − dmin·m.
     A run is a Q4_1 block with scale d·sc and minimum −dmin·m (rounded to float16 as Q4_1 stores them)."""
@@ -192,22 +337,11 @@ def _q4_1_from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:
     blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q4_K_BYTES)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)        # [n, nsb, 1]
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    sc_raw = blocks[..., 4:16].astype(np.uint8)                             # [n, nsb, 12]
-    q = blocks[..., 16:].reshape(n, nsb, 4, 32)                             # 4 pairs of runs, 32 bytes each
-    # The 6-bit scale and minimum of run j: j < 4 from the low six bits of bytes j and j + 4; j ≥ 4 from the
-    # nibbles of byte j + 4 plus the top two bits of bytes j − 4 and j.
-    sc = np.empty((n, nsb, 8), dtype=np.float32)
-    mn = np.empty((n, nsb, 8), dtype=np.float32)
-    sc[..., :4] = sc_raw[..., 0:4] & 63
-    mn[..., :4] = sc_raw[..., 4:8] & 63
-    sc[..., 4:] = (sc_raw[..., 8:12] & 0x0F) | ((sc_raw[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
+    sc, mn = _q4_k_scales(blocks[..., 4:16])                                # [n, nsb, 8]
     scale = (d * sc).astype(np.float16).reshape(n, nsb * 8)
     minimum = (-(dmin * mn)).astype(np.float16).reshape(n, nsb * 8)
-    # Run 2i is the low nibbles of pair i's 32 bytes, run 2i + 1 the high ones: codes [n, nsb, 8, 32].
-    codes = np.stack([q & 0x0F, q >> 4], axis=3).reshape(n, nsb, 8, 32)
-    qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8).reshape(n, nsb * 8 * 16)
-    return QuantWeight("q4_1", torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(minimum))
+    return QuantWeight("q4_1", torch.from_numpy(_q4_k_codes(blocks)), torch.from_numpy(scale),
+                       torch.from_numpy(minimum))
 
 
 def q8_0_from_float(x: torch.Tensor) -> QuantWeight:

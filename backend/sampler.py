@@ -1,65 +1,13 @@
 """Logits of the sampling rows → next tokens (and their logprobs), each row with its own parameters."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Sequence
 
 import torch
 
-from kvyard.limits import MAX_TOP_LOGPROBS
-
-GREEDY_BELOW = 1e-5                      # temperatures under this sample greedily (as vLLM does)
-REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0         # 0 → greedy
-    top_p: float = 1.0               # 1 → off
-    top_k: int = 0                   # 0 → off
-    min_p: float = 0.0               # 0 → off
-    seed: int | None = None          # per-request RNG: same seed, same tokens, whatever the batch
-    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens; 1 → off
-    presence_penalty: float = 0.0    # OpenAI-style, over output tokens
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = False           # return the sampled token's logprob
-    top_logprobs: int = 0            # and this many alternatives (<= MAX_TOP_LOGPROBS)
-
-    @property
-    def greedy(self) -> bool:
-        # Below this, logits / temperature overflows float32: such a temperature means "the top token".
-        return self.temperature < GREEDY_BELOW
-
-    def validate(self, vocab_size: int) -> None:
-        """Raises ValueError naming the bad field."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
-            raise ValueError(f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, "
-                             f"{REPETITION_PENALTY_RANGE[1]}], got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+from kvyard.sampling_params import SamplingParams
 
 
 @dataclass
@@ -71,6 +19,7 @@ class SampleRow:
     output_ids: Sequence[int]
     allowed: torch.Tensor | None = None  # [ceil(V / 32)] int32 from a grammar: bit t % 32 of word t // 32
                                          # set = token t may come next; None = every token may
+    suppressed: Sequence[int] = ()       # ids that may not come next (eos and stop tokens before min_new_tokens)
 
 
 @dataclass
@@ -119,7 +68,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
 
 
 def _apply_penalties_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    touched = [i for i, r in enumerate(rows) if _needs_history(r.params) or r.params.logit_bias]
+    touched = [i for i, r in enumerate(rows) if _needs_history(r.params) or _bans(r) or r.params.logit_bias]
     if not touched:
         return logits
     logits = logits.clone()
@@ -139,7 +88,31 @@ def _apply_penalties_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -
         if p.logit_bias:
             idx = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
             row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        banned = _banned(rows[i])
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+        if p.allowed_token_ids:
+            keep = torch.full_like(row, float("-inf"))
+            idx = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+            keep[idx] = row[idx]
+            row.copy_(keep)
     return logits
+
+
+def _bans(row: SampleRow) -> bool:
+    return bool(row.suppressed or row.params.bad_words_ids or row.params.allowed_token_ids)
+
+
+def _banned(row: SampleRow) -> list[int]:
+    """Ids this row may not pick next: suppressed ones, and the last id of each bad word whose other ids
+    the output ends with. Logprobs are taken after this (as after logit_bias): a banned token shows -inf."""
+    out = list(row.suppressed)
+    history = row.output_ids
+    for word in row.params.bad_words_ids:
+        head = word[:-1]
+        if not head or (len(history) >= len(head) and tuple(history[len(history) - len(head):]) == head):
+            out.append(word[-1])
+    return out
 
 
 def _apply_masks(logits: torch.Tensor, rows: Sequence[SampleRow], constrained: list[int]) -> None:
@@ -184,7 +157,7 @@ def _pick(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
     every row without a top_k/top_p/min_p filter goes through one kernel call (greedy or inverse CDF,
     one pass over the row); filtered rows, and everything elsewhere, through _draw."""
     kernels = _cpu_kernels(logits)
-    filtered = [i for i, r in enumerate(rows) if not r.params.greedy and _filters(r.params)]
+    filtered = [i for i, r in enumerate(rows) if not r.params.greedy and (_filters(r.params) or _bans(r))]
     if kernels is None or len(filtered) == len(rows):
         tokens = logits.argmax(dim=-1)
         drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -215,7 +188,7 @@ def _cpu_kernels(logits: torch.Tensor) -> ModuleType | None:
 
 
 def _filters(p: SamplingParams) -> bool:
-    return bool(p.top_k) or p.min_p > 0 or p.top_p < 1.0
+    return bool(p.top_k) or p.min_p > 0 or p.top_p < 1.0 or p.typical_p < 1.0
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -231,7 +204,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     for j, row in enumerate(rows):
         p = row.params
-        if (p.top_k and p.top_k < probs.shape[1]) or p.min_p > 0 or p.top_p < 1.0:
+        if _filters(p):
             probs[j] = _filter(probs[j], p)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
@@ -243,12 +216,22 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 
 def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """probs: [V] after temperature → the same with tokens outside top_k, min_p and top_p set to 0."""
+    """probs: [V] after temperature → the same with tokens outside top_k, min_p, typical_p and top_p set to 0."""
     if p.top_k and p.top_k < probs.shape[0]:
         kth = probs.topk(p.top_k).values[-1]
         probs = probs.masked_fill(probs < kth, 0.0)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.typical_p < 1.0:
+        # Locally typical sampling: rank tokens by how far their surprisal is from the entropy; keep the
+        # closest until they hold typical_p of the mass (the closest always survives).
+        q = probs / probs.sum()
+        logq = torch.log(q.clamp_min(1e-38))
+        entropy = -(q * logq).sum()
+        order = (-logq - entropy).abs().masked_fill(q == 0, float("inf")).argsort()
+        mass = q[order]
+        drop = (mass.cumsum(0) - mass) >= p.typical_p
+        probs = probs.scatter(0, order, probs[order].masked_fill(drop, 0.0))
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep a token when the mass before it is < top_p of the total: the top token always survives.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

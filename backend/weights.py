@@ -9,7 +9,8 @@ Loading streams: every matrix is allocated once in its serving format and filled
 time, read with pread from the file (no memory map, whose touched pages would count as resident), so
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
-- keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; Q4_0 and Q4_K become Q4_1
+- keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K and Q6_K in the
+  n16 layout (int16 activations, AVX-512 VNNI) when every part of a matrix has that type. Elsewhere Q4_0 and Q4_K become Q4_1
   (the same weights; Q4_K's scale products rounded to float16); every other type (F32, F16, BF16, Q5_*,
   Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time. A fused
   matrix whose parts would differ (Q4_K_M files mix Q4_K and Q6_K) is Q8_0 throughout.
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from backend.checkpoint import GGUFSource, Source, open_checkpoint
-from backend.quant import QK, QuantWeight
+from backend.quant import QK, QuantWeight, native_kind
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError
 
@@ -87,8 +88,12 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
     n = sum(s[0] for s in shapes)
     kinds = [source.block_kind(p) for p in parts]
     if target.keep_blocks and k % QK == 0 and all(kinds):
-        kind = "q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"
         layout = "n16" if target.block_layout == "n16" and n % 16 == 0 else "rows"
+        native = {native_kind(source.gguf_type(p) or "", layout) for p in parts}
+        if len(native) == 1 and None not in native and all(s[0] % 16 == 0 for s in shapes):
+            kind = native.pop()  # K-quants as the file has them (n16: the int16 kernels)
+        else:
+            kind = "q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"
         dest: Tensor = QuantWeight.empty(kind, n, k, layout)
         rows_per_chunk = max(16, BLOCK_CHUNK_ELEMENTS // k // 16 * 16)
         for r0, pieces in _row_chunks(shapes, rows_per_chunk):

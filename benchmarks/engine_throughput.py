@@ -26,7 +26,7 @@ from backend.engine import Engine, GenerationRequest  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.main import build_engine_loop  # noqa: E402
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner  # noqa: E402
-from backend.sampler import SamplingParams  # noqa: E402
+from kvyard.sampling_params import SamplingParams  # noqa: E402
 from backend.sequence import StopConditions  # noqa: E402
 
 

@@ -18,10 +18,23 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CACHE = Path(os.environ.get("KVYARD_PEER_CACHE", Path.home() / ".cache" / "kvyard"))
 
 
-def llama_server_binary() -> Path:
-    """Build llama-server once (cmake, Release, native, no curl; ~10 min on 2 cores), then reuse it."""
+def llama_cpp_flags() -> list[str]:
+    """llama.cpp's instruction-set options for this CPU, spelled out: `-DGGML_NATIVE=ON` emits AMX tile
+    code on CPUs that list AMX, which dies with SIGILL where the OS grants no tile state (seen here)."""
+    try:
+        cpu = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        cpu = set()
+    wanted = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
+              "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+    return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{opt}={'ON' if flag in cpu else 'OFF'}" for opt, flag in wanted.items()]
+
+
+def llama_binary(name: str = "llama-server") -> Path:
+    """llama-server or llama-quantize, built once (cmake, Release, this CPU's instruction sets, no curl;
+    ~10 min on 2 cores), then reused."""
     src = CACHE / "llama-src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    binary = src / "build" / "bin" / "llama-server"
+    binary = src / "build" / "bin" / name
     if binary.exists():
         return binary
     sdist_dir = CACHE / "llama-src"
@@ -34,11 +47,12 @@ def llama_server_binary() -> Path:
     if not src.exists():
         with tarfile.open(sdist) as tar:
             tar.extractall(sdist_dir, filter="data")
-    print("building llama-server (cmake, Release, -DGGML_NATIVE=ON -DLLAMA_CURL=OFF) ...", flush=True)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    flags = llama_cpp_flags()
+    print(f"building {name} (cmake, Release, {' '.join(flags)}) ...", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release", *flags,
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server",
+    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server", "llama-quantize",
                     f"-j{os.cpu_count() or 2}"], check=True)
     return binary
 
@@ -65,7 +79,7 @@ def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 1
     512 tokens a slot, its fastest setting for many streams); peers.py starts a one-slot server for the
     long-prompt TTFT (`--kv-unified` would fit it in the 32-slot one but costs it ~25 % decode speed)."""
     port = free_port_block()
-    proc = subprocess.Popen([str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
+    proc = subprocess.Popen([str(llama_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1",
                              "--port", str(port), "-t", str(threads), "-np", str(slots), "-c", str(context),
                              "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -61,9 +61,10 @@ def client_for(base_url: str):  # type: ignore[no-untyped-def]
     return client, model
 
 
-def measure_single(client, model: str, n: int, offset: int) -> float:  # type: ignore[no-untyped-def]
+def measure_single(client, model: str, n: int, offset: int,  # type: ignore[no-untyped-def]
+                   out_tokens: int = OUT_TOKENS) -> float:
     t0 = time.perf_counter()
-    tokens = sum(chat_tokens(client, model, story(offset + i), OUT_TOKENS) for i in range(n))
+    tokens = sum(chat_tokens(client, model, story(offset + i), out_tokens) for i in range(n))
     return tokens / (time.perf_counter() - t0)
 
 
@@ -78,10 +79,11 @@ def measure_itl(client, model: str, offset: int) -> float:  # type: ignore[no-un
     return 1000 * statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
-def measure_agg(client, model: str, concurrency: int, offset: int) -> float:  # type: ignore[no-untyped-def]
+def measure_agg(client, model: str, concurrency: int, offset: int,  # type: ignore[no-untyped-def]
+                out_tokens: int = OUT_TOKENS) -> float:
     with ThreadPoolExecutor(concurrency) as pool:
         t0 = time.perf_counter()
-        tokens = sum(pool.map(lambda i: chat_tokens(client, model, story(offset + i), OUT_TOKENS), range(concurrency)))
+        tokens = sum(pool.map(lambda i: chat_tokens(client, model, story(offset + i), out_tokens), range(concurrency)))
         return tokens / (time.perf_counter() - t0)
 
 

@@ -31,7 +31,7 @@ from backend.config import BackendConfig  # noqa: E402
 from backend.constraints import GrammarCompiler, mask_words  # noqa: E402
 from backend.engine import Engine, GenerationRequest  # noqa: E402
 from backend.main import build_engine_loop  # noqa: E402
-from backend.sampler import SamplingParams  # noqa: E402
+from kvyard.sampling_params import SamplingParams  # noqa: E402
 from backend.sequence import StopConditions  # noqa: E402
 from benchmarks.engine_throughput import Result, make_prompts, pct  # noqa: E402
 from kvyard.constraint import JSON_STYLE, Constraint  # noqa: E402

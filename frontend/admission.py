@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from frontend.config import FrontendConfig
+from kvyard.cluster_auth import bearer
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import request_error_response
 
@@ -75,7 +76,7 @@ class Admission:
         if not self.api_key:
             return True
         given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        key = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        key = bearer(given)  # the scheme is case-insensitive (RFC 9110), as for the cluster token
         if not key and scope["type"] == "websocket":  # WebSocket clients often cannot set headers
             key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0]
         return hmac.compare_digest(key.encode(), self.api_key.encode())

@@ -10,10 +10,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.constraint import ConstraintKind
 from kvyard.grpc_keepalive import CLIENT_OPTIONS
-from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
+from kvyard.sampling_params import SamplingParams
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -24,46 +25,25 @@ _CONSTRAINT_KIND = {ConstraintKind.JSON_SCHEMA: pb.CONSTRAINT_KIND_JSON_SCHEMA, 
                     ConstraintKind.LARK: pb.CONSTRAINT_KIND_LARK}
 
 
-@dataclass
-class GenerateParams:
-    """What the frontend asks of the backend for one request (mirrors GenerateConfigPB)."""
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_sequences: list[list[int]] = field(default_factory=list)
-    return_logprobs: bool = False
-    top_logprobs: int = 0
-    n: int = 1
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_new_tokens: int = 0
-    ignore_eos: bool = False
-    timeout_ms: int = 0
-    constraint: Constraint | None = None   # the grammar the output must follow (frontend/guided.py)
-
-    def to_pb(self) -> pb.GenerateConfigPB:
-        cfg = pb.GenerateConfigPB(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, return_logprobs=self.return_logprobs,
-            top_logprobs=self.top_logprobs, timeout_ms=self.timeout_ms,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            min_new_tokens=self.min_new_tokens, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias, num_return_sequences=self.n)
-        if self.seed is not None:
-            cfg.seed = self.seed
-        for ids in self.stop_sequences:
-            cfg.stop_words_list.add(ids=ids)
-        if self.constraint is not None:
-            cfg.constraint.kind = _CONSTRAINT_KIND[self.constraint.kind]
-            cfg.constraint.text = self.constraint.text
-        return cfg
+def params_to_pb(p: SamplingParams) -> pb.GenerateConfigPB:
+    """SamplingParams → GenerateConfigPB (backend/pb_convert.py reads it back): every field, none defaulted here."""
+    cfg = pb.GenerateConfigPB(
+        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, num_return_sequences=p.n,
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, typical_p=p.typical_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias), allowed_token_ids=p.allowed_token_ids,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, timeout_ms=p.timeout_ms,
+        return_logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+    if p.seed is not None:
+        cfg.seed = p.seed
+    for ids in p.stop_sequences:
+        cfg.stop_words_list.add(ids=ids)
+    for ids in p.bad_words_ids:
+        cfg.bad_words_ids.add(ids=ids)
+    if p.constraint is not None:
+        cfg.constraint.kind = _CONSTRAINT_KIND[p.constraint.kind]
+        cfg.constraint.text = p.constraint.text
+    return cfg
 
 
 @dataclass
@@ -149,14 +129,14 @@ class BackendClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
+    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        decode_address: str = "") -> AsyncIterator[list[BackendOutput]]:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
         cancels the gRPC call, which aborts the request in the backend and frees its KV.
         decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend."""
         with _fits_the_proto():
             msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
-                                     generate_config=params.to_pb(), decode_address=decode_address)
+                                     generate_config=params_to_pb(params), decode_address=decode_address)
         call = self._stub.GenerateStreamCall(msg, metadata=self._metadata)
         try:
             async for out in call:

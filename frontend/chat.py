@@ -106,7 +106,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
-                        "logprobs": {"content": logprobs[i]} if prep.params.return_logprobs else None,
+                        "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
     body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prep, sum(tokens.values()))}
@@ -151,7 +151,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         for k, delta in enumerate(deltas):
             is_last = k == len(deltas) - 1
             lp = None
-            if prep.params.return_logprobs:
+            if prep.params.logprobs:
                 lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer) if k == 0 else []}
             extra = {}
             if is_last and reason is not None and req.aux_info and ev.backend is not None:
@@ -173,12 +173,11 @@ def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:
         "max_seq_len": cfg.max_seq_len,
         "eos_token_id": tok.eos_token_id,
         "stop_words_list": prep.stop_strings,
-        "stop_word_ids_list": p.stop_sequences,
+        "stop_word_ids_list": [list(ids) for ids in p.stop_sequences],
         "renderer_info": {"class_name": prep.rendered.renderer, "template_source": prep.rendered.template_source,
                           "model_type": cfg.model_type, "tool_parser": chat.renderer.tool_parser.name,
                           "tools_in_prompt": prep.rendered.tools_in_prompt},
-        "generate_config": {**p.__dict__, "constraint": p.constraint and
-                            {"kind": p.constraint.kind.value, "text": p.constraint.text}},
+        "generate_config": p.describe(),
     }
 
 

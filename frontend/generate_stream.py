@@ -23,10 +23,9 @@ from frontend.pipeline import Budget, ChoiceEvent, Pipeline
 from frontend.protocol import INT32_MAX, INT64_MAX, SamplingRequest
 from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.sampling_params import Dialect
 
 log = logging.getLogger("kvyard.frontend")
-
-DEFAULT_MAX_TOKENS = 128
 
 
 def generate_stream_routes(pipeline: Pipeline) -> APIRouter:
@@ -34,10 +33,10 @@ def generate_stream_routes(pipeline: Pipeline) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request,
-                       max_tokens: int = Query(DEFAULT_MAX_TOKENS, ge=1, le=INT32_MAX),
-                       temperature: float = Query(1.0, ge=0.0),
-                       top_p: float = Query(1.0, gt=0.0, le=1.0),
-                       top_k: int = Query(0, ge=0, le=INT32_MAX),
+                       max_tokens: int | None = Query(None, ge=1, le=INT32_MAX),
+                       temperature: float | None = Query(None, ge=0.0),
+                       top_p: float | None = Query(None, gt=0.0, le=1.0),
+                       top_k: int | None = Query(None, ge=0, le=INT32_MAX),
                        seed: int | None = Query(None, ge=-INT64_MAX - 1, le=INT64_MAX),
                        model: str | None = Query(None)) -> StreamingResponse:
         refuse_constraints(request.query_params.keys(), "/generate")
@@ -50,7 +49,7 @@ def generate_stream_routes(pipeline: Pipeline) -> APIRouter:
         sampling = SamplingRequest.model_construct(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                                    model=model)
         prep = pipeline.prepare(f"generate-{uuid.uuid4().hex}", await off_loop(pipeline.tokens, prompt), sampling,
-                                Budget(max_tokens))
+                                Budget(max_tokens), dialect=Dialect.GENERATE)
         chunks = _text(pipeline.generate(prep))
         first = await anext(chunks, None)  # errors up to the first text still get their HTTP status
         if "text/event-stream" in request.headers.get("accept", ""):

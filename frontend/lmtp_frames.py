@@ -10,11 +10,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from frontend.backend_client import GenerateParams, TokenLogprob
+from frontend.backend_client import TokenLogprob
 from frontend.guided import refuse_constraints
 from frontend.protocol import RepetitionPenalty
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_TOP_LOGPROBS
+from kvyard.sampling_params import Dialect, SamplingParams
 
 COMMANDS = ("GENERATE", "SCORE", "MODEL_INFO")
 
@@ -40,25 +41,25 @@ class ScoreFrame(_Frame):
 
 class GenerateFrame(_Frame):
     prompt: list[StrictInt] = Field(min_length=1)
-    max_tokens: int = Field(32, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    # Unset (None): Dialect.LMTP's default (kvyard/sampling_params.py).
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    repetition_penalty: RepetitionPenalty = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_logprobs: int = Field(1, ge=0, le=MAX_TOP_LOGPROBS)
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[int, float] | None = None   # {"<token id>": bias}, e.g. ±100 to force or ban a token
 
-    def params(self, timeout_s: float) -> GenerateParams:
-        return GenerateParams(
-            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
+    def params(self, timeout_s: float) -> SamplingParams:
+        return SamplingParams.for_dialect(
+            Dialect.LMTP, max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=dict(self.logit_bias or {}), return_logprobs=True, top_logprobs=self.top_logprobs,
-            timeout_ms=int(timeout_s * 1000))
+            logit_bias=self.logit_bias, top_logprobs=self.top_logprobs, timeout_ms=int(timeout_s * 1000))
 
 
 _FRAMES: dict[str, type[_Frame]] = {"GENERATE": GenerateFrame, "SCORE": ScoreFrame, "MODEL_INFO": ModelInfoFrame}

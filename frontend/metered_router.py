@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from frontend.backend_client import BackendOutput, GenerateParams, ScoreOutput
+from frontend.backend_client import BackendOutput, ScoreOutput
 from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.errors import RequestError
 from kvyard.metrics import FrontendMetrics
+from kvyard.sampling_params import SamplingParams
 
 
 class MeteredRouter(Router):
@@ -18,7 +19,7 @@ class MeteredRouter(Router):
         super().__init__(cfg)
         self.metrics = metrics
 
-    async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
+    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
         m = self.metrics
         timer = m.timer()

@@ -1,5 +1,5 @@
 """The frontend's one generation pipeline, which every HTTP dialect calls: prepare (a rendered prompt, text
-or token ids → tokens → the context-length budget → GenerateParams) → generate (route → backend →
+or token ids → tokens → the context-length budget → SamplingParams) → generate (route → backend →
 detokenize → stop strings) → a stream of ChoiceEvents for the dialect to put on its wire.
 
 The context-length check lives here only (Pipeline.budget); the engine keeps its own. Stop strings are
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
-
-from frontend.backend_client import BackendOutput, GenerateParams, TokenLogprob
+from dataclasses import dataclass, field, replace
+from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.config import FrontendConfig
-from frontend.protocol import GenerateConfig, SamplingRequest
+from frontend.protocol import SamplingRequest
 from frontend.routing import Router, model_to_route
 from kvyard.constraint import Constraint
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import LOGIT_BIAS_BOUND
+from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect, SamplingParams
 from kvyard.tokenizer import TextTokenizer
 from renderers import RenderedPrompt, ToolParser
 
@@ -27,7 +27,7 @@ class PreparedRequest:
     """Everything decided before the backend is called."""
     request_id: str
     rendered: RenderedPrompt
-    params: GenerateParams
+    params: SamplingParams
     stop_strings: list[str]
     model: str | None = None   # as the client named it (None: this frontend's own; Pipeline.check_model);
                                # the master routes by it and the response echoes it
@@ -90,11 +90,12 @@ class Pipeline:
 
     def prepare(self, request_id: str, rendered: RenderedPrompt, req: SamplingRequest, budget: Budget, *,
                 logprobs: bool = False, top_logprobs: int = 0, constraint: Constraint | None = None,
-                tool_parser: type[ToolParser] | None = None) -> PreparedRequest:
-        """The prompt's tokens within budget, and the request's sampling fields as GenerateParams."""
+                tool_parser: type[ToolParser] | None = None, dialect: Dialect = Dialect.OPENAI) -> PreparedRequest:
+        """The prompt's tokens within budget, and the request's sampling fields as SamplingParams."""
+        if budget.requested is None and "max_new_tokens" in DIALECT_DEFAULTS[dialect]:
+            budget = replace(budget, requested=DIALECT_DEFAULTS[dialect]["max_new_tokens"])
         max_new = self.budget(len(rendered.input_ids), budget)
-        params = self._params(req, max_new, logprobs, top_logprobs)
-        params.constraint = constraint
+        params = self._params(req, dialect, max_new, logprobs, top_logprobs, constraint)
         return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
                                self.check_model(req.model), tool_parser)
 
@@ -117,32 +118,17 @@ class Pipeline:
                                f"{budget.prompt_param}, {requested} in the completion).", param)
         return requested
 
-    def _params(self, req: SamplingRequest, max_new: int, logprobs: bool, top_logprobs: int) -> GenerateParams:
-        """The request's sampling fields; `extra_configs` (RTP-LLM) fills what the request leaves unset."""
-        extra = req.extra_configs or GenerateConfig()
-
-        def pick(own: Any, rtp: Any, default: Any) -> Any:
-            return own if own is not None else rtp if rtp is not None else default
-
-        return GenerateParams(
-            max_new_tokens=max_new,
-            temperature=pick(req.temperature, extra.temperature, 1.0),
-            top_p=pick(req.top_p, extra.top_p, 1.0),
-            top_k=pick(req.top_k, extra.top_k, 0),
-            min_p=pick(req.min_p, extra.min_p, 0.0),
-            seed=pick(req.seed, extra.random_seed, None),
-            stop_sequences=[list(ids) for ids in (*self.cfg.stop_word_ids, *(extra.stop_words_list or []))],
-            return_logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            n=req.n if req.n != 1 else max(1, extra.num_return_sequences or 1),
-            repetition_penalty=pick(req.repetition_penalty, extra.repetition_penalty, 1.0),
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            logit_bias=self._logit_bias(req.logit_bias),
-            min_new_tokens=extra.min_new_tokens or 0,
-            ignore_eos=bool(extra.ignore_eos),
-            timeout_ms=pick(extra.timeout_ms, None, int(self.cfg.request_timeout_s * 1000)),
-        )
+    def _params(self, req: SamplingRequest, dialect: Dialect, max_new: int, logprobs: bool, top_logprobs: int,
+                constraint: Constraint | None) -> SamplingParams:
+        """The request's sampling fields over its dialect's defaults (kvyard/sampling_params.py)."""
+        given = req.sampling_fields()
+        stop_ids = (*self.cfg.stop_word_ids, *(given.pop("stop_sequences", None) or ()))
+        timeout_ms = given.pop("timeout_ms", None)
+        return SamplingParams.for_dialect(
+            dialect, **given, max_new_tokens=max_new, logprobs=logprobs, top_logprobs=top_logprobs,
+            stop_sequences=tuple(tuple(ids) for ids in stop_ids), logit_bias=self._logit_bias(req.logit_bias),
+            timeout_ms=int(self.cfg.request_timeout_s * 1000) if timeout_ms is None else timeout_ms,
+            constraint=constraint)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -152,10 +138,10 @@ class Pipeline:
             except ValueError:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
                                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            if not 0 <= token < self.tokenizer.vocab_size or not -100 <= value <= 100:
+            if not 0 <= token < self.tokenizer.vocab_size or not -LOGIT_BIAS_BOUND <= value <= LOGIT_BIAS_BOUND:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                   f"logit_bias {key}: {value} is out of range (ids < "
-                                   f"{self.tokenizer.vocab_size}, values in [-100, 100])", "logit_bias")
+                                   f"logit_bias {key}: {value} is out of range (ids < {self.tokenizer.vocab_size}, "
+                                   f"values in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}])", "logit_bias")
             out[token] = value
         return out
 

@@ -6,16 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS
+from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
 
 # Integers travel in the backend proto's int32/int64 fields: a larger one is the client's 400 here,
 # never an encoding error (a 500) further down.
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-# The backend's sampler refuses a repetition penalty outside this range (backend/sampler.py: the penalised
-# logits overflow or vanish); checked here as well so that a stream is a 400, not an error chunk after a 200.
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
 RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 
 
@@ -41,7 +38,7 @@ class GenerateConfig(BaseModel):
 
     max_new_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     min_new_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -64,6 +61,14 @@ class GenerateConfig(BaseModel):
         if v is not None and any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
         return _valid_text(v)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The keys SamplingParams takes, under its names (None: unset)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "seed": self.random_seed, "repetition_penalty": self.repetition_penalty,
+                "min_new_tokens": self.min_new_tokens, "ignore_eos": self.ignore_eos, "timeout_ms": self.timeout_ms,
+                "n": self.num_return_sequences or None,
+                "stop_sequences": self.stop_words_list and tuple(tuple(ids) for ids in self.stop_words_list)}
 
 
 class StreamOptions(_Lenient):
@@ -117,7 +122,7 @@ class GuidedDecoding(BaseModel):
 class SamplingRequest(_Lenient, GuidedDecoding):
     """The sampling fields chat and completions share."""
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)  # extension
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)    # extension
@@ -127,8 +132,8 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
+    frequency_penalty: float | None = Field(default=None, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     repetition_penalty: RepetitionPenalty | None = None  # extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -145,6 +150,16 @@ class SamplingRequest(_Lenient, GuidedDecoding):
         own = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         extra = (self.extra_configs and self.extra_configs.stop_words_str) or []
         return [*own, *extra]
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request's own sampling fields under SamplingParams' names; `extra_configs` (RTP-LLM) fills what
+        the request leaves unset. None: unset (the dialect's default)."""
+        extra = self.extra_configs or GenerateConfig()
+        own = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+               "seed": self.seed, "repetition_penalty": self.repetition_penalty,
+               "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+               "n": self.n if self.n != 1 else None}
+        return {**extra.sampling_fields(), **{k: v for k, v in own.items() if v is not None}}
 
     @property
     def include_usage(self) -> bool:

@@ -20,6 +20,7 @@ from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
 from frontend.respond import RTP_SSE, aux_info, respond
+from kvyard.sampling_params import Dialect
 
 Key = tuple[int, int]   # (prompt number, sequence number)
 
@@ -78,7 +79,8 @@ def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
     request_id = f"raw-{uuid.uuid4().hex}"
     constraint = constraint_for(req)
     budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
-    return [pipeline.prepare(f"{request_id}-{i}", pipeline.tokens(prompt), sampling, budget, constraint=constraint)
+    return [pipeline.prepare(f"{request_id}-{i}", pipeline.tokens(prompt), sampling, budget, constraint=constraint,
+                             dialect=Dialect.RTP)
             for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt)]
 
 

@@ -18,12 +18,13 @@ from typing import Any
 
 import httpx
 
-from frontend.backend_client import BackendClient, BackendOutput, GenerateParams
+from frontend.backend_client import BackendClient, BackendOutput
 from frontend.config import FrontendConfig
 from kvyard.block_keys import block_cache_keys
 from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
+from kvyard.sampling_params import SamplingParams
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -84,7 +85,7 @@ class Router:
             self._clients[address] = BackendClient(address, self.cfg.cluster_token)
         return self._clients[address]
 
-    async def generate(self, request_id: str, input_ids: list[int], params: GenerateParams,
+    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
         """BackendClient.generate on the chosen backend; an unreachable backend is retried elsewhere
         as long as nothing was streamed yet."""

@@ -4,3 +4,9 @@ from __future__ import annotations
 
 MAX_N = 16              # sequences one request may ask for (OpenAI `n`, RTP-LLM `num_return_sequences`)
 MAX_TOP_LOGPROBS = 20   # alternatives per position (`top_logprobs`, completions' `logprobs`)
+# A repetition penalty outside this range overflows or vanishes the penalised logits (checked by the frontend
+# at the edge, so that a stream is a 400 rather than an error chunk after a 200, and by the backend's sampler).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_BOUND = 2.0          # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's bounds)
+LOGIT_BIAS_BOUND = 100.0     # a logit_bias value lies in [-100, 100] (OpenAI's bound)
+TEMPERATURE_MAX = 2.0        # the OpenAI dialects' upper bound (OpenAI's own)

@@ -6,7 +6,7 @@ and generated tokens, prefix-cache queries/hits); the backend adds engine gauges
 (master/metrics.py) and the gateway's (gateway/metrics.py) build on the pieces here.
 
 Every serving metric carries `model_name`, as vLLM's do: the name is `kvyard:` where vLLM has `vllm:`,
-the rest of the name and its meaning the same (README "Metrics" has the mapping), so a dashboard or
+the rest of the name and its meaning the same (docs/operations.md, "Metrics", has the mapping), so a dashboard or
 autoscaler written for vLLM reads these after replacing the prefix.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 MODEL = ["model_name"]
 
-# kvyard's name → vLLM's (prefix aside, the same names and meanings; README "Metrics" shows this table).
+# kvyard's name → vLLM's (prefix aside, the same names and meanings; docs/operations.md "Metrics" shows this table).
 VLLM_EQUIVALENTS = {
     "kvyard:num_requests_running": "vllm:num_requests_running",
     "kvyard:num_requests_waiting": "vllm:num_requests_waiting",

@@ -98,7 +98,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-level", "LOG_LEVEL", "CRITICAL, ERROR, WARNING, INFO (default), DEBUG", "misc", "LEVEL"),
 )
 
-# `kvyard gateway`'s flags: text-inference-batcher's settings and kvyard's GATEWAY_* ones (README "Gateway").
+# `kvyard gateway`'s flags: text-inference-batcher's settings and kvyard's GATEWAY_* ones (docs/gateway.md).
 GATEWAY_FLAGS: tuple[Flag, ...] = (
     Flag("--host", "HOST", "bind address (default 127.0.0.1)", "gateway", "ADDRESS"),
     Flag("--port", "TIB_PORT", "listening port (default 8000)", "gateway", "PORT"),
@@ -183,6 +183,9 @@ def cluster_parser() -> _Parser:
                         help="the first frontend's port; the rest follow from it (below)")
     counts.add_argument("--ready-timeout-s", type=_count, default=600, metavar="SECONDS",
                         help="give up when the cluster is not serving after this long (default 600)")
+    counts.add_argument("--max-restarts", type=_count, default=5, metavar="N",
+                        help="restart a part that exits on its own (backoff 1 s .. 30 s) at most N times in 10 "
+                             "minutes, the rest serving meanwhile; then leave it down (default 5; 0: never)")
     _add_flags(parser, cluster=True)
     return parser
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
 
 from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
+from kvyard.parent_death import die_with_parent
 from kvyard.roles import Role, parse_role
 
 log = logging.getLogger("kvyard.launcher")
@@ -108,15 +110,36 @@ def drain_grace_s(env: Mapping[str, str]) -> float:
     return float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0))
 
 
+def _role_child(fn: Callable[[Mapping[str, str]], None], env: Mapping[str, str], launcher_pid: int) -> None:
+    """A role process's first steps: die with the launcher (however it dies), and take a process group of
+    its own, so a terminal's Ctrl-C reaches only the launcher (which stops the roles in order) and a second
+    signal can kill the role with anything it started."""
+    die_with_parent(launcher_pid)
+    os.setpgid(0, 0)
+    fn(env)
+
+
+def _kill_group(p: mp.process.BaseProcess) -> None:
+    """SIGKILL a role process and its process group (it may not have made its group yet)."""
+    if p.pid is None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        p.kill()
+
+
 def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dict[str, str]) -> int:
     """Start each role in its own process; when one exits, stop the rest and exit with its code.
 
     SIGTERM/SIGINT stop them in the reverse order of `targets`: the frontend first, which drains (its
     requests in flight finish, up to DRAIN_GRACE_S) while the backend still serves them, then the backend.
-    A second signal kills whatever is left at once."""
+    A second signal kills whatever is left (each role's process group) at once; a role process dies with
+    the launcher even when the launcher is killed (kvyard/parent_death.py)."""
     grace = drain_grace_s(env)
     ctx = mp.get_context("spawn")
-    procs = {name: ctx.Process(target=fn, args=(env,), name=name, daemon=False) for name, fn in targets.items()}
+    procs = {name: ctx.Process(target=_role_child, args=(fn, env, os.getpid()), name=name, daemon=False)
+             for name, fn in targets.items()}
     stop_order = list(reversed(procs.values()))
     for p in procs.values():
         p.start()
@@ -128,7 +151,7 @@ def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dic
             log.info("signal %d again: killing %s", signum, ", ".join(procs))
             for p in procs.values():
                 if p.is_alive():
-                    p.kill()
+                    _kill_group(p)
             return
         signalled = True
         first = next((p for p in stop_order if p.is_alive()), None)
@@ -148,7 +171,7 @@ def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dic
                 p.terminate()
             p.join(timeout=grace + 10)
             if p.is_alive():
-                p.kill()
+                _kill_group(p)
                 p.join()
     codes = {name: p.exitcode for name, p in procs.items()}
     log.info("role processes exited: %s", codes)

@@ -3,13 +3,18 @@ processes on this machine sharing one generated cluster token; printed once serv
 
 Each part is `python -m kvyard` with its ROLE_TYPE, so it runs exactly as a deployed role would. Output
 lines are prefixed with the part's name. Ctrl-C / SIGTERM stops the frontends first (they drain), then
-the backends, then the master; a second signal kills what is left. A part that exits on its own stops
-the rest (exit code 1).
+the backends, then the master; a second signal kills what is left (each part's process group), and every
+part dies with the cluster process even when that is killed (kvyard/parent_death.py).
+
+A part that exits on its own once the cluster serves is restarted with backoff (launcher/restarts.py,
+--max-restarts) while the others keep serving: the frontends retry a request whose backend is gone on
+another one and the master stops routing to it. The cluster exits (code 1) only when nothing could serve:
+no frontend or no backend left to restart. A part exiting while the cluster starts stops it at once.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import logging
 import os
 import signal
@@ -24,8 +29,10 @@ from typing import IO
 import httpx
 
 from launcher.cli import USAGE_ERROR, UsageError, explain
+from launcher.restarts import RestartPolicy, Restarts
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
+from kvyard.parent_death import die_with_parent
 from kvyard.ports import backend_grpc_port, backend_http_port
 from kvyard.roles import Role
 
@@ -159,20 +166,26 @@ def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str]) -> int:
         print(f"kvyard: error: {explain(str(exc), overrides)}", file=sys.stderr)
         return USAGE_ERROR
     generated = not read_cluster_token({**os.environ, **overrides})
-    return LocalCluster(layout, shared, ns.host, ns.ready_timeout_s, generated).run()
+    return LocalCluster(layout, shared, ns.host, ns.ready_timeout_s, generated,
+                        RestartPolicy(max_restarts=ns.max_restarts)).run()
 
 
 class LocalCluster:
     """Owns the part processes: starts them, waits until the cluster serves, stops them in order."""
 
     def __init__(self, layout: Layout, shared: Mapping[str, str], frontend_host: str, ready_timeout_s: float,
-                 token_generated: bool) -> None:
+                 token_generated: bool, restart_policy: RestartPolicy = RestartPolicy(max_restarts=5)) -> None:
         self.layout = layout
         self.token_generated = token_generated
         self.shared = shared
         self.frontend_host = frontend_host
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[Part, subprocess.Popen[bytes]] = {}
+        self.started_at: dict[Part, float] = {}
+        self.restarts = Restarts(restart_policy)
+        self.restart_at: dict[Part, float] = {}   # exited parts waiting out their backoff
+        self.recovering: set[Part] = set()        # restarted parts not healthy yet
+        self.left_down: set[Part] = set()         # parts past their restart bound
         self.stopping = threading.Event()
         self._signals = 0
         self.started = time.monotonic()
@@ -201,8 +214,9 @@ class LocalCluster:
         proc = subprocess.Popen([sys.executable, "-m", "kvyard"], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 process_group=0,  # our Ctrl-C is ours: we stop the parts in order
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.procs[part] = proc
+        self.started_at[part] = time.monotonic()
         assert proc.stdout is not None
         threading.Thread(target=_pump, args=(part.name, proc.stdout), name=f"log-{part.name}", daemon=True).start()
 
@@ -256,13 +270,53 @@ class LocalCluster:
         return "\n".join(lines)
 
     def _watch(self) -> int:
-        while not self.stopping.wait(0.5):
-            dead = self._exited()
-            if dead is not None:
-                print(f"kvyard: error: {dead.name} exited with code {self.procs[dead].returncode}; stopping the "
-                      "cluster", file=sys.stderr, flush=True)
-                return 1
+        """Until a signal: restart parts that exit, tell when they serve again; 1 when nothing can serve."""
+        with httpx.Client(timeout=1.0) as client:
+            while not self.stopping.wait(0.5):
+                now = time.monotonic()
+                for part, proc in list(self.procs.items()):
+                    if proc.poll() is not None and part not in self.restart_at and part not in self.left_down:
+                        self._on_exit(part, proc.returncode, now)
+                for part, at in list(self.restart_at.items()):
+                    if now >= at and not self.stopping.is_set():
+                        del self.restart_at[part]
+                        self._start(part)
+                        self.recovering.add(part)
+                for part in list(self.recovering):
+                    if self.procs[part].poll() is None and _ok(client, part.health_url):
+                        self.recovering.discard(part)
+                        print(f"kvyard: {part.name} is serving again", file=sys.stderr, flush=True)
+                if not self._can_serve():
+                    print("kvyard: error: no frontend or no backend is left to serve; stopping the cluster",
+                          file=sys.stderr, flush=True)
+                    return 1
         return 0
+
+    def _on_exit(self, part: Part, code: int | None, now: float) -> None:
+        """One line says what happened and what the cluster does about it."""
+        self.recovering.discard(part)
+        delay = self.restarts.on_exit(part.name, self.started_at[part], now)
+        if delay is None:
+            self.left_down.add(part)
+            p = self.restarts.policy
+            print(f"kvyard: error: {part.name} exited with code {code}; not restarting it ({p.max_restarts} "
+                  f"restarts within {p.window_s:.0f} s, --max-restarts); the rest of the cluster keeps serving",
+                  file=sys.stderr, flush=True)
+            return
+        self.restart_at[part] = now + delay
+        print(f"kvyard: {part.name} exited with code {code}; restarting it in {delay:.0f} s (restart "
+              f"{self.restarts.count(part.name)} of at most {self.restarts.policy.max_restarts} within "
+              f"{self.restarts.policy.window_s:.0f} s); the rest of the cluster keeps serving",
+              file=sys.stderr, flush=True)
+
+    def _can_serve(self) -> bool:
+        """A frontend and a backend that takes requests (and a DECODE one for PREFILL) are up or coming back."""
+        def any_left(parts: list[Part]) -> bool:
+            return any(p not in self.left_down for p in parts)
+        lay = self.layout
+        decodes = [b for b in lay.backends if b.role == Role.DECODE]
+        return (any_left(list(lay.frontends)) and any_left([b for b in lay.backends if b.role != Role.DECODE])
+                and (not decodes or any_left(decodes)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1
@@ -273,7 +327,7 @@ class LocalCluster:
         log.info("signal %d again: killing every part", signum)
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.kill()
+                _kill_group(proc)
 
     def _stop_all(self) -> None:
         """Frontends (they drain), then backends, then the master: each group stopped together."""
@@ -290,7 +344,7 @@ class LocalCluster:
                 try:
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    _kill_group(proc)
                     proc.wait()
 
 
@@ -319,17 +373,9 @@ def _pump(name: str, stream: IO[bytes]) -> None:
     stream.close()
 
 
-def _find_prctl() -> object | None:
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a part and whatever it started (its process group: the part leads one of its own)."""
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _find_prctl()  # looked up here: the child between fork and exec must not load libraries
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the cluster process dies, even by SIGKILL (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # type: ignore[operator]  # PR_SET_PDEATHSIG
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()

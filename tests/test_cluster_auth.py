@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from backend.config import BackendConfig
 from backend.mock_backend import MockBackendConfig, MockScript, MockServicer, ScriptedEngine, start_mock_server
 from backend.pd_transfer import DecodeChannels
-from frontend.backend_client import BackendClient, GenerateParams
+from frontend.backend_client import BackendClient
+from kvyard.sampling_params import SamplingParams
 from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.cluster_auth import read_cluster_token
@@ -128,7 +129,7 @@ def test_grpc_clients_carry_the_token() -> None:
         server, address = await _mock_backend(TOKEN)
         try:
             client = BackendClient(address, TOKEN)
-            outs = [o async for step in client.generate("r1", [1, 2, 3], GenerateParams(max_new_tokens=3))
+            outs = [o async for step in client.generate("r1", [1, 2, 3], SamplingParams(max_new_tokens=3))
                     for o in step]
             assert [t for o in outs for t in o.token_ids] == [5, 6, 2]
             await client.close()
@@ -147,7 +148,7 @@ def test_grpc_clients_carry_the_token() -> None:
 
             anonymous = BackendClient(address)
             with pytest.raises(RequestError, match="UNAUTHENTICATED"):
-                async for _ in anonymous.generate("r2", [1, 2, 3], GenerateParams(max_new_tokens=3)):
+                async for _ in anonymous.generate("r2", [1, 2, 3], SamplingParams(max_new_tokens=3)):
                     pass
             await anonymous.close()
             poller = BackendPoller(address, 2.0)

@@ -1,5 +1,5 @@
 """deploy/: the Kubernetes manifests (kustomize base, overlays, monitoring component) validate against the
-Kubernetes schemas in strict mode, are wired as the README says (frontends → master → backends by DNS),
+Kubernetes schemas in strict mode, are wired as docs/operations.md says (frontends → master → backends by DNS),
 set only variables their role reads, read the cluster token from the Secret, drain within their grace; the
 Dockerfile and the Grafana dashboard agree with the code."""
 from __future__ import annotations

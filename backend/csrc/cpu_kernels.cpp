@@ -54,6 +54,13 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return qlinear(x, as_matrix(qs, d, at::Tensor(), false), bias, residual);
 }
 
+// Q4_K / Q6_K blocks in the n16 layout (qlinear_kquant.h): sub is the sub-scales, uint8 (Q4_K) or int8 (Q6_K).
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sub,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(sub.scalar_type() == at::kByte || sub.scalar_type() == at::kChar, "sub must be uint8 or int8");
+  return qlinear(x, as_matrix(qs, d, sub, false), bias, residual);
+}
+
 // Rows `ids` of a quantized matrix, dequantized: the embedding lookup. → [T, K] float32.
 at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
                         const at::Tensor& ids_in, bool q4) {
@@ -234,8 +241,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::gil_scoped_release;
   m.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1)^T (+ bias) (+ residual)", call_guard<release>());
   m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0)^T (+ bias) (+ residual)", call_guard<release>());
-  m.def("dequant_rows", &dequant_rows, "rows of a Q4_1/Q8_0 matrix as float32", call_guard<release>());
-  m.def("dequantize_into", &dequantize_into, "a whole Q4_1/Q8_0 matrix into a float32 buffer", call_guard<release>());
+  m.def("kquant_linear", &kquant_linear, "x @ dequant(Q4_K or Q6_K, n16)^T (+ bias) (+ residual)",
+        call_guard<release>());
+  m.def("dequant_rows", &dequant_rows, "rows of a block matrix as float32 (mins: K-quants' sub-scales)",
+        call_guard<release>());
+  m.def("dequantize_into", &dequantize_into, "a whole block matrix into a float32 buffer", call_guard<release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", call_guard<release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());

@@ -43,7 +43,9 @@ struct Int16Rows {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
-inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum) {
+// adjacent: word j holds x_2j and x_2j+1 instead (Q6_K's layout, qlinear_kquant.h): the same int16 values.
+inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
+                            bool adjacent = false) {
   const int64_t nb = K / QK;
   constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m)
@@ -56,7 +58,9 @@ inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, i
       sum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
       const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
-      const __m512i pairs = _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
+      const __m512i pairs =
+          adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
+                   : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
       _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
     }
 }

@@ -30,14 +30,28 @@ inline void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&&
 
 // A weight's tensors as the kernels see them. Rows layout: qs [N, K/2 or K], d and mins [N, K/32].
 // n16 layout (qlinear_vnni.h): qs [G, K/32, 16, 16] (Q4_1) or [G, K/32, 16, 16, 2] (Q8_0), d and mins
-// [G, K/32, 16]; only where the CPU has AVX-512 VNNI.
+// [G, K/32, 16]; only where the CPU has AVX-512 VNNI. The K-quants (qlinear_kquant.h, n16 only) are told
+// apart by their sub-scales in mins' place: uint8 [G, K/32, 2, 16] for Q4_K, int8 for Q6_K (q4 false).
 inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
   TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() && qs.is_contiguous(),
               "weights must be contiguous CPU tensors with float16 scales");
   QMatrix w;
-  w.q4 = q4;
+  const bool kquant = mins.defined() && (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar);
+  w.kind = kquant ? (mins.scalar_type() == at::kByte ? BlockKind::Q4_K : BlockKind::Q6_K)
+                  : (q4 ? BlockKind::Q4_1 : BlockKind::Q8_0);
+  w.q4 = w.kind == BlockKind::Q4_1;
   w.n16 = qs.dim() > 2;
-  if (w.n16) {
+  if (kquant) {
+    TORCH_CHECK(w.n16 && cpu_has_vnni(), "K-quant blocks are served in the n16 layout, on AVX-512 VNNI only");
+    const bool q4k = w.kind == BlockKind::Q4_K;
+    TORCH_CHECK(qs.dim() == 4 && qs.size(2) == (q4k ? 16 : 24) && qs.size(3) == G16 && qs.size(1) % SUPER == 0 &&
+                mins.is_contiguous() && mins.dim() == 4 && mins.size(0) == qs.size(0) && mins.size(1) == qs.size(1) &&
+                mins.size(2) == 2 && mins.size(3) == G16 && d.size(0) == qs.size(0) && d.size(1) == qs.size(1) / SUPER &&
+                d.dim() == (q4k ? 4 : 3) && d.size(-1) == G16 && (!q4k || d.size(2) == 2), "bad K-quant weight shapes");
+    w.N = qs.size(0) * G16;
+    w.K = qs.size(1) * QK;
+    w.sub = static_cast<const uint8_t*>(mins.data_ptr());
+  } else if (w.n16) {
     TORCH_CHECK(cpu_has_vnni(), "the n16 weight layout needs AVX-512 VNNI");
     TORCH_CHECK(d.dim() == 3 && d.size(2) == G16 && qs.size(0) == d.size(0) && qs.size(1) == d.size(1) &&
                 qs.size(2) == 16 && qs.size(3) == G16 && qs.dim() == (q4 ? 4 : 5), "bad n16 weight shapes");
@@ -50,13 +64,13 @@ inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Te
     TORCH_CHECK(qs.dim() == 2 && qs.size(0) == w.N && qs.size(1) == w.row_bytes(), "bad codes shape");
   }
   TORCH_CHECK(w.K <= MAX_K, "rows of more than ", MAX_K, " weights are not supported");
-  if (q4) {
+  if (w.q4) {
     TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == d.sizes(),
                 "mins must be float16 and match d");
   }
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
   w.d = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
-  w.m = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  w.m = w.q4 ? reinterpret_cast<const half_t*>(mins.data_ptr<at::Half>()) : nullptr;
   return w;
 }
 

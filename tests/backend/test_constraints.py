@@ -12,7 +12,8 @@ import torch
 
 from backend.constraints import GrammarCompiler, mask_words
 from backend.engine import Engine, GenerationRequest
-from backend.sampler import SampleRow, SamplingParams, make_generator, sample
+from backend.sampler import SampleRow, make_generator, sample
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError

@@ -15,7 +15,7 @@ import torch
 
 from backend.engine import Engine, GenerationRequest, TokenOutput
 from backend.model import LlamaModel
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig

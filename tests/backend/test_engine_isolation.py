@@ -8,7 +8,7 @@ import math
 import pytest
 
 from backend.engine_loop import EngineLoop
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from kvyard.errors import ErrorCode, RequestError
 from tests.backend.conftest import EngineFactory
 from tests.backend.test_engine_model import assert_pool_idle, request, run_alone

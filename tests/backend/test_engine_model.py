@@ -15,7 +15,8 @@ import torch
 
 from backend.engine import Engine, GenerationRequest, TokenOutput
 from backend.engine_loop import EngineLoop
-from backend.sampler import MAX_TOP_LOGPROBS, SamplingParams
+from kvyard.limits import MAX_TOP_LOGPROBS
+from kvyard.sampling_params import SamplingParams
 from backend.scheduler import SchedulerOutput
 from backend.sequence import FinishReason, Sequence as Seq, StopConditions
 from kvyard.errors import ErrorCode, RequestError

@@ -20,7 +20,7 @@ from backend import kernels
 from backend.engine import Engine, GenerationRequest
 from backend.model import LlamaModel
 from backend.ops import TorchOps
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
@@ -191,7 +191,7 @@ def test_gguf_converted_blocks(name: str, types: dict[str, str], tmp_path: Path)
             assert err <= CONVERTED_REL_ERROR[name], (key, err)
     diff, agreement, scale = teacher_forced(model, case.tiny)
     print(f"{name} blocks: max |logit diff| {diff:.1e} of logits up to {scale:.1f}, top-1 agreement {agreement:.3f}")
-    # These random tiny networks amplify weight noise far more than trained ones (README: SmolLM2 served
+    # These random tiny networks amplify weight noise far more than trained ones (docs/models.md: SmolLM2 served
     # from an F16 GGUF as Q8_0); the bounds are ~2.5x what was measured here.
     assert diff <= CONVERTED_ATOL[name] and agreement >= CONVERTED_AGREEMENT[name]
 

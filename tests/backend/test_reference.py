@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backend.engine import Engine, GenerationRequest
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from kvyard.tokenizer import TextTokenizer
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.sampler import SampleRow, SamplingParams, make_generator, sample
+from backend.sampler import SampleRow, make_generator, sample
+from kvyard.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ from backend.engine_types import TokenOutput
 from backend.model import LlamaModel
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.ops import TorchOps
-from backend.sampler import SamplingParams
+from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig

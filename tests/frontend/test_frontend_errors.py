@@ -123,9 +123,21 @@ def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -
 
 
 def test_the_edge_checks_the_samplers_repetition_penalty_range() -> None:
-    from backend.sampler import REPETITION_PENALTY_RANGE
-    from frontend import protocol
-    assert protocol.REPETITION_PENALTY_RANGE == REPETITION_PENALTY_RANGE
+    """One range (kvyard/limits.py): what the edge takes, the sampler takes, and what it refuses, both refuse."""
+    from pydantic import ValidationError
+
+    from frontend.protocol import GenerateConfig
+    from kvyard.limits import REPETITION_PENALTY_RANGE
+    from kvyard.sampling_params import SamplingParams
+    low, high = REPETITION_PENALTY_RANGE
+    for ok in (low, high):
+        GenerateConfig(repetition_penalty=ok)
+        SamplingParams(repetition_penalty=ok).validate(10)
+    for bad in (low / 2, high * 2):
+        with pytest.raises(ValidationError):
+            GenerateConfig(repetition_penalty=bad)
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad).validate(10)
 
 
 def test_openai_client_gets_bad_request(front: MockFrontend) -> None:
@@ -147,6 +159,10 @@ def test_api_key(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
         assert_error(c.get("/v1/models"), 401)
         ok = c.post("/v1/chat/completions", json={"messages": HI}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == TEXT
+        for scheme in ("bearer", "BEARER", "bEaReR"):  # the scheme is case-insensitive, the key is not
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200, scheme
+        assert_error(c.get("/v1/models", headers={"Authorization": "bearer S3CRET"}), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
         for path in ("/health", "/status", "/", "/metrics"):   # probes and scrapers carry no key
             assert c.get(path).status_code == 200, path
         with pytest.raises(openai.AuthenticationError):

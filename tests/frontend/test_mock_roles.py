@@ -1,4 +1,4 @@
-"""The debugging setup the README describes, as real processes: ROLE_TYPE=MOCK_BACKEND (scripted tokens
+"""The debugging setup docs/development.md describes, as real processes: ROLE_TYPE=MOCK_BACKEND (scripted tokens
 from a file) + ROLE_TYPE=MOCK_MASTER + ROLE_TYPE=FRONTEND with only a tokenizer, driven with the official
 client; SIGTERM drains the frontend; bad mock configuration fails fast."""
 from __future__ import annotations

@@ -96,3 +96,70 @@ def test_gateway_without_upstreams_exits_2_naming_the_setting() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("kvyard: error:") and "UPSTREAMS" in proc.stderr
+
+
+SUPERVISE = """
+import sys
+from launcher import launch
+from tests.support.fake_roles import stubborn_backend, stubborn_frontend
+sys.exit(launch._supervise({"backend": stubborn_backend, "frontend": stubborn_frontend},
+                           {"DRAIN_GRACE_S": "60", "EVENTS": sys.argv[1]}))
+"""
+
+
+def _stubborn_launch(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[list[int]]]:
+    """A launcher supervising two roles that ignore SIGTERM; per role [its pid, a tied child, an untied one]."""
+    import time
+
+    events = tmp_path / "events"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, str(events)], env=env, cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not events.exists() or events.read_text().count(" pids ") < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the roles did not start"
+        time.sleep(0.1)
+    return proc, [[int(p) for p in line.split()[2:]] for line in events.read_text().splitlines()]
+
+
+def test_a_second_signal_kills_every_role_and_what_it_started(tmp_path: Path) -> None:
+    """The roles ignore SIGTERM (a hung drain): the second signal kills each role's process group at once."""
+    import signal
+    import time
+
+    from tests.support.proc_tree import wait_gone
+
+    proc, roles = _stubborn_launch(tmp_path)
+    pids = [pid for role in roles for pid in role]
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert not wait_gone(pids, timeout_s=10)  # the untied children too: their role's group was killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_roles_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """SIGKILL of the launcher, which can do nothing about it: its role processes die too (parent-death
+    signal), and the children they tied to themselves (no role is left holding ports under PID 1)."""
+    import signal
+
+    from tests.support.proc_tree import wait_gone
+
+    proc, roles = _stubborn_launch(tmp_path)
+    pids = [pid for role in roles for pid in role[:2]]
+    untied = [role[2] for role in roles]
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        left = wait_gone(pids, timeout_s=10)
+        assert not left, f"outlived the launcher: {left}"
+    finally:
+        for pid in pids + untied:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from frontend.backend_client import GenerateParams
+from kvyard.sampling_params import SamplingParams
 from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.tokenizer import TextTokenizer
@@ -22,7 +22,7 @@ from tests.support.procs import CLUSTER_TOKEN, RoleProcess, free_port_block
 
 pytestmark = pytest.mark.slow
 
-PARAMS = GenerateParams(max_new_tokens=3, temperature=0.0)
+PARAMS = SamplingParams(max_new_tokens=3, temperature=0.0)
 PREFIX_TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type, "
                "oil-based ink and a wooden screw press were combined into one working system. ") * 12
 

@@ -1,0 +1,158 @@
+// The GGUF's K-quant blocks (Q4_K, Q6_K) served as they are by the int16-activation kernels of
+// qlinear_vnni.h (AVX-512 VNNI), in groups of 16 output rows ("n16", backend/quant.py lays them out):
+//   Q4_K: per 256 weights a float16 scale d and minimum dmin, per 32 a 6-bit scale sc and minimum mn:
+//         w = (d sc) q - (dmin mn), q in 0..15. Codes exactly as Q4_1's n16 ([G][nb][16 j][16 n] bytes:
+//         k=j low nibble, k=j+16 high); d [G][nb/8][2][16] float16 (d, dmin); sub [G][nb][2][16] uint8 (sc, mn).
+//   Q6_K: per 256 weights a float16 scale d, per 16 an int8 scale sc: w = (d sc) (q - 32), q in 0..63.
+//         Codes [G][nb][24][16] bytes: rows 0-15 step j, byte n = low 4 bits of row n's k=2j | k=2j+1 << 4;
+//         rows 16-23 pair i, byte n = the top 2 bits of k=4i..4i+3, 2 bits each from the bottom;
+//         d [G][nb/8][16] float16; sub [G][nb][2][16] int8 (the scales of k 0-15 and 16-31).
+// 4.625 and 6.5625 bits a weight, as in the file: no requantizing step (Q4_1: 5, Q8_0: 8.5 bits).
+//
+// Q6_K's two scales per 32 weights need the two 16-weight halves' dot products apart, so its activations
+// are paired k=2j, 2j+1 (quantize_rows16's `adjacent`: the same int16 values in another order) and steps
+// 0-7 and 8-15 accumulate separately. As in qlinear_vnni.h every dot is an exact integer and every output
+// one fixed float chain: the same bits whatever the batch.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "qlinear_vnni.h"
+#include "simd.h"
+
+namespace kvyard {
+
+enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3 };
+
+constexpr int64_t SUPER = 8;  // 32-weight blocks per K-quant super-block of 256
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// Step j of a Q6_K block: the 16 rows' weights k=2j and 2j+1 minus 32, as int16 pairs.
+inline __m512i q6_weights(const uint8_t* codes, int64_t j) {
+  const __m512i lo8 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+  const __m512i lo = _mm512_and_si512(_mm512_or_si512(lo8, _mm512_slli_epi32(lo8, 12)), _mm512_set1_epi32(0x000F000F));
+  const __m512i hi8 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (16 + j / 2) * 16)));
+  const __m512i h = _mm512_and_si512(_mm512_srli_epi32(hi8, static_cast<unsigned>(4 * (j & 1))), _mm512_set1_epi32(0xF));
+  const __m512i hp = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x3)), 4),
+                                     _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0xC)), 18));
+  return _mm512_sub_epi16(_mm512_or_si512(lo, hp), _mm512_set1_epi16(32));
+}
+
+// 16 int8 or uint8 sub-scales as floats.
+template <bool SIGNED>
+inline __m512 bytes_ps(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+inline __m512 halves_ps(const half_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// y[r, 0..15] for R token rows against one group of 16 output rows of a K-quant matrix (qlinear_vnni.h's
+// group_rows16 for Q4_K / Q6_K). codes, d, sub: this group's.
+template <BlockKind KIND, int R>
+inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t* sub, int64_t nb, const int32_t* xq,
+                           const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t sb = b / SUPER;
+    if constexpr (KIND == BlockKind::Q4_K) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < 16; ++j) {
+        const __m512i w = group_weights<true>(codes, b, j);
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
+      }
+      const __m512 scale = _mm512_mul_ps(halves_ps(d + sb * 32), bytes_ps<false>(sub + b * 32));
+      const __m512 minimum = _mm512_sub_ps(_mm512_setzero_ps(),
+                                           _mm512_mul_ps(halves_ps(d + sb * 32 + 16), bytes_ps<false>(sub + b * 32 + 16)));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * lds + b]), acc[r]);
+      }
+    } else {
+      const uint8_t* cb = codes + b * 384;
+      const __m512 dv = halves_ps(d + sb * 16);
+      for (int64_t half = 0; half < 2; ++half) {  // k 0-15, then 16-31: each with its own scale
+        __m512i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+        for (int64_t j = 8 * half; j < 8 * half + 8; ++j) {
+          const __m512i w = q6_weights(cb, j);
+          for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
+        }
+        const __m512 scale = _mm512_mul_ps(dv, bytes_ps<true>(sub + b * 32 + 16 * half));
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Token rows [m0, m1) against groups [g0, g1), as qlinear_vnni.h's group_item16.
+template <BlockKind KIND>
+void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
+                    int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = x.nb, ldq = nb * 16, nsb = nb / SUPER;
+  const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
+  for (int64_t m = m0; m < m1;) {
+    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const int32_t* xq = x.q + m * ldq;
+    const float* xs = x.s + m * nb;
+    const float* xsum = x.sum + m * nb;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* codes = qs + g * nb * code_bytes;
+      const half_t* dg = d + g * nsb * d_halves;
+      const uint8_t* sg = sub + g * nb * 32;
+      float* out = y + m * ldy + g * G16;
+      switch (rows) {
+        case 12: group_rows16_k<KIND, 12>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 8: group_rows16_k<KIND, 8>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 4: group_rows16_k<KIND, 4>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 3: group_rows16_k<KIND, 3>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 2: group_rows16_k<KIND, 2>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        default: group_rows16_k<KIND, 1>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+      }
+    }
+    m += rows;
+  }
+}
+
+#pragma GCC pop_options
+
+// Row n of a K-quant n16 matrix as float32 (the embedding lookup: a few rows a step), the same float
+// operations as gguf's reference dequantization: (d sc) q - (dmin mn), (d sc) (q - 32).
+inline void decode_row_k(BlockKind kind, const uint8_t* qs, const half_t* d, const uint8_t* sub, int64_t nb, int64_t n,
+                         float* out) {
+  const int64_t g = n / G16, i = n % G16, nsb = nb / SUPER;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t sb = b / SUPER;
+    const uint8_t* s = sub + (g * nb + b) * 32;
+    if (kind == BlockKind::Q4_K) {
+      const half_t* dd = d + (g * nsb + sb) * 32;
+      const float scale = half_to_float(dd[i]) * static_cast<float>(s[i]);
+      const float minimum = half_to_float(dd[16 + i]) * static_cast<float>(s[16 + i]);
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t byte = qs[((g * nb + b) * 16 + j) * G16 + i];
+        out[b * QK + j] = scale * static_cast<float>(byte & 0x0F) - minimum;
+        out[b * QK + j + 16] = scale * static_cast<float>(byte >> 4) - minimum;
+      }
+    } else {
+      const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);
+      const uint8_t* cb = qs + (g * nb + b) * 384;
+      for (int64_t k = 0; k < QK; ++k) {
+        const uint8_t lo = (cb[(k / 2) * 16 + i] >> (4 * (k & 1))) & 0x0F;
+        const uint8_t hi = (cb[(16 + k / 4) * 16 + i] >> (2 * (k & 3))) & 0x03;
+        const float scale = dv * static_cast<float>(static_cast<int8_t>(s[(k / 16) * 16 + i]));
+        out[b * QK + k] = scale * static_cast<float>(static_cast<int>(lo | (hi << 4)) - 32);
+      }
+    }
+  }
+}
+
+}  // namespace kvyard

@@ -1,0 +1,130 @@
+"""Q4_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512 VNNI:
+backend/csrc/qlinear_kquant.h): the blocks decode to gguf's own reference dequantization, the kernels'
+linears equal dequantize-then-matmul within the int16 activations' rounding, a row's bits do not depend
+on its batch, and a K-quant GGUF loads into them and decodes the same fused as op by op."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from backend import kernels
+from backend.model import LlamaModel
+from backend.ops import KernelOps, TorchOps
+from backend.quant import Q4_K_BYTES, Q6_K_BYTES, QK_K, QuantWeight, k_blocks_from_gguf
+from backend.weights import load_weights
+from kvyard.model_config import load_model_config
+from tests.backend.conftest import CPU, full_logits
+from tests.backend.test_fused_decode import both_ways
+from tests.backend.test_kernels import int16_rounding_bound
+from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None or not K.has_vnni(),
+                                reason="K-quant blocks are served by the int16 kernels (AVX-512 VNNI)")
+KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+
+
+def random_k_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid GGUF bytes [n, row bytes] of an [n, k] K-quant matrix: random codes and sub-scales (Q6_K's
+    signed, -128 included), float16 scales of either sign."""
+    rng = np.random.default_rng(seed)
+    nsb = k // QK_K
+    size = Q4_K_BYTES if kind == "q4_k" else Q6_K_BYTES
+    raw = rng.integers(0, 256, size=(n, nsb, size), dtype=np.uint8)
+    if kind == "q4_k":  # d, dmin
+        raw[..., 0:4] = rng.uniform(-0.004, 0.004, size=(n, nsb, 2)).astype(np.float16).view(np.uint8)
+    else:
+        raw[..., 208:210] = rng.uniform(-0.0004, 0.0004, size=(n, nsb, 1)).astype(np.float16).view(np.uint8)
+        raw[0, 0, 192] = 0x80  # an int8 scale of -128
+    return raw.reshape(n, nsb * size)
+
+
+def reference(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]).astype(np.float32).reshape(n, k))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
+    n, k = 48, 512
+    raw = random_k_raw(kind, n, k, seed=1)
+    w = k_blocks_from_gguf(kind, raw, k)
+    want = reference(kind, raw, n, k)
+    assert torch.equal(w.dequantize(), want)
+    w16 = w.to_n16()
+    assert w16.layout == "n16" and w16.shape == (n, k)
+    back = w16.to_rows()
+    assert all(torch.equal(a, b) for a, b in ((back.qs, w.qs), (back.d, w.d), (back.m, w.m)))
+    assert torch.equal(w16.dequantize(), want)
+    # bits a weight, as in the file (scales included): 4.625 and 6.5625
+    assert w16.nbytes() * 8 / (n * k) == (4.625 if kind == "q4_k" else 6.5625)
+    rows = torch.tensor([0, 15, 16, 47])  # the embedding lookup reads rows out of the groups
+    assert torch.equal(K.dequant_rows(w16.qs, w16.d, w16.m, rows, False), want[rows])
+    out = torch.empty(n, k)
+    K.dequantize_into(w16.qs, w16.d, w16.m, out, False)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
+def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
+    n, k = 80, 256 if rows % 2 else 768
+    w = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=rows), k).to_n16()
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[0, :7] = 0.0
+    bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
+    want = TorchOps().linear(x.double(), dense.double(), bias.double(), residual.double())
+    bound = int16_rounding_bound(x, dense) + 1e-6 * want.abs()
+    got = KernelOps(K).linear(x, w, bias, residual).double()
+    assert ((got - want).abs() <= bound).all(), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
+    w = k_blocks_from_gguf(kind, random_k_raw(kind, 96, 512, seed=9), 512).to_n16()
+    x = torch.randn(130, 512, generator=torch.Generator().manual_seed(9))
+    ops = KernelOps(K)
+    batched = ops.linear(x, w)
+    for size in (1, 2, 5, 12, 17, 64, 65):
+        assert torch.equal(ops.linear(x[:size], w), batched[:size]), size
+
+
+K_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tiny = tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True)
+    return write_gguf(tiny, tmp_path_factory.mktemp("kq") / "k.gguf", K_TYPES)
+
+
+def test_k_quant_gguf_is_served_as_it_is(k_gguf: Path) -> None:
+    """n16: every Q4_K or Q6_K matrix kept in its own blocks (the file's bytes, no requantizing), the
+    fused decode step equal to the op-by-op loop bit for bit, and both within int16 rounding of the
+    dense float32 model. The rows layout (no VNNI) keeps converting: Q4_K to Q4_1, Q6_K to Q8_0."""
+    config = load_model_config(k_gguf)
+    weights = load_weights(k_gguf, config, torch.float32, CPU, keep_blocks=True, block_layout="n16")
+    kinds = {name: w.kind for name, w in weights.items() if isinstance(w, QuantWeight)}
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == "q4_k"
+    assert kinds["layers.0.o"] == kinds["layers.1.down"] == "q6_k"
+    assert config.vocab_size % 16 and kinds["embed"] == "q8_0"  # rows not in groups of 16: requantized, as before
+    dense = load_weights(k_gguf, config, torch.float32, CPU)  # the file's exact dequantization
+    for name, w in weights.items():
+        if isinstance(w, QuantWeight) and w.kind != "q8_0":
+            assert torch.equal(w.dequantize(), dense[name]), name
+    dense["embed"] = weights["embed"].dequantize()  # type: ignore[union-attr]  # as served (requantized)
+    model = LlamaModel(config, weights)
+    assert model.fused is not None
+    both_ways(model, [3, 40, 77], torch.float16)
+    ids = [(7 * i + 3) % config.vocab_size for i in range(60)]
+    got = full_logits(model, config, ids)
+    want = full_logits(LlamaModel(config, dense, ops=TorchOps()), config, ids)
+    # int16 activations' rounding: measured 2.8e-3 on logits up to 3.8, agreement 1.000 (2026-11-25)
+    assert float((got - want).abs().max()) <= 0.02
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.98
