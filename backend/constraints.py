@@ -11,16 +11,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from kvyard.constraint import Constraint
 from kvyard.errors import ErrorCode, RequestError
-
-if TYPE_CHECKING:
-    from backend.engine_types import GenerationRequest
 
 CACHE_ENTRIES = 256   # compiled grammars kept (least recently used go first)
 COMPILE_WORKERS = 2   # LLMatcher construction drops the GIL; one slow schema leaves the other worker free
@@ -150,10 +146,11 @@ class GrammarCompiler:
             return self._tokenizer
 
 
-async def compile_constraint(grammars: GrammarCompiler | None, req: GenerationRequest) -> None:
-    """req.grammar from req.constraint, on the compiler's threads: the engine gets it ready to mask with."""
-    if req.constraint is None:
-        return
+async def compile_constraint(grammars: GrammarCompiler | None, constraint: Constraint | None) -> GrammarState | None:
+    """A request's grammar state from its constraint, on the compiler's threads (so the engine gets it ready
+    to mask with); None without one."""
+    if constraint is None:
+        return None
     if grammars is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend does not take constraints", "constraint")
-    req.grammar = await grammars.compile(req.constraint)
+    return await grammars.compile(constraint)

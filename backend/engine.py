@@ -7,17 +7,18 @@ import time
 
 import torch
 
-from backend.constraints import mask_words
-from backend.engine_types import (AuxInfo, CacheStatus, GenerationRequest, ImportPlan, ScoreRequest,
+from backend.constraints import GrammarState, mask_words
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, PoolingRequest, ScoreRequest,
                                   ScoreResult, TokenOutput)
 from backend.model_runner import ModelRunner
 from backend.sampler import Sample, SampleRow, sample
 from backend.scheduler import Scheduler, SchedulerOutput, StepResult
-from backend.scoring import logit_rows, record_scores, score_result, score_sequence
+from backend.scoring import ScoreState, logit_rows, record_scores, score_result, score_sequence
 from backend.sequence import Sequence
 from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
+from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus
@@ -42,10 +43,20 @@ class Engine:
         # Requests a step failed on their own (the batch went on); the engine loop reports and drains it.
         self.failed: list[tuple[str, RequestError]] = []
 
+    def kv_layout(self) -> KVLayout:
+        return self.runner.cache.layout()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     # ---- requests in ------------------------------------------------------------------------
 
-    def validate(self, req: GenerationRequest | ScoreRequest) -> None:
+    def validate(self, req: GenerationRequest | ScoreRequest | PoolingRequest) -> None:
         """Raises RequestError for input this engine can never serve. Pure: safe from any thread."""
+        if isinstance(req, PoolingRequest):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
+                               "pooling (embeddings, reranking, classification)", "model")
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
 
     def add(self, req: GenerationRequest | ScoreRequest) -> None:
@@ -126,7 +137,7 @@ class Engine:
         i = 0
         for s, chunk_rows in zip(batch.scheduled, rows):
             s.seq.iter_count += 1
-            if s.seq.scoring is not None:
+            if s.seq.feature(ScoreState) is not None:
                 record_scores(s, chunk_rows, logits[i:i + len(chunk_rows)])
             if s.samples:
                 sample_seqs.append(s.seq)
@@ -141,7 +152,7 @@ class Engine:
         outputs: list[TokenOutput | ScoreResult] = []
         for r in results:
             seq = r.seq
-            if seq.scoring is not None:
+            if seq.feature(ScoreState) is not None:
                 if r.finish_reason is not None:
                     outputs.append(score_result(seq, _aux(seq, now)))
             else:
@@ -176,13 +187,13 @@ class Engine:
     def _constrain(self, rows: list[SampleRow], seqs: list[Sequence], vocab: int) -> list[int]:
         """Each constrained row's token mask from its grammar (unconstrained rows are left alone); returns
         the rows still to sample: a grammar that fails here fails its own request."""
-        constrained = [j for j, seq in enumerate(seqs) if seq.grammar is not None]
+        constrained = [j for j, seq in enumerate(seqs) if seq.feature(GrammarState) is not None]
         if not constrained:
             return list(range(len(seqs)))
         masks = torch.empty((len(constrained), mask_words(vocab)), dtype=torch.int32)  # [C, ceil(V / 32)]
         failed: set[int] = set()
         for k, j in enumerate(constrained):
-            grammar = seqs[j].grammar
+            grammar = seqs[j].feature(GrammarState)
             assert grammar is not None
             try:
                 grammar.fill_mask(masks[k])
@@ -196,7 +207,7 @@ class Engine:
     def _advance_grammars(self, results: list[StepResult]) -> None:
         """Each constrained sequence's grammar takes the token it just got (engine thread, after the step)."""
         for r in results:
-            grammar = r.seq.grammar
+            grammar = r.seq.feature(GrammarState)
             if grammar is not None and not grammar.advance(r.token):
                 self._fail(r.seq.request_id, RequestError(
                     ErrorCode.INVALID_ARGUMENT, f"the output cannot follow its grammar: {grammar.error or r.token}"))

@@ -19,9 +19,11 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
 
 
 def _source_digest() -> str:
-    """Of every file in csrc/: torch's extension cache keys on the .cpp alone and would keep a build whose
-    headers changed; this digest, passed as a define, makes any change a new build."""
-    h = hashlib.sha256()
+    """Of every file in csrc/ and where it is: torch's extension cache keys on the .cpp alone and would keep a
+    build whose headers changed; this digest, passed as a define, makes any change a new build. The path
+    counts because torch rebuilds a directory whose source path changed: checkouts of the same sources at
+    two paths (worktrees) would otherwise rebuild it for each other on every start."""
+    h = hashlib.sha256(str(CSRC.resolve()).encode())
     for f in sorted(CSRC.iterdir()):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]

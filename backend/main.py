@@ -19,7 +19,9 @@ from backend.constraints import GrammarCompiler
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.http_server import create_backend_http_app
+from backend.encoder import EncoderModel
 from backend.model import LlamaModel
+from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
 from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
@@ -28,17 +30,21 @@ from backend.pd_transfer import DecodeChannels
 from backend.server import ModelRpcServicer, watch_engine
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
+from kvyard.pooling_model import ModelKind, load_pooling_spec
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.backend")
 T = TypeVar("T")
 
 
-def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int, GrammarCompiler]:
+def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int, GrammarCompiler | None]:
     """Returns the started-ready engine loop, the ids that end generation (eos and the model's end-of-turn
-    ids), the served context length and the compiler of constraints (it builds its token tables on first use)."""
+    ids), the served context length and the compiler of constraints (it builds its token tables on first use;
+    None for a pooling model, which generates nothing)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.model_kind is not ModelKind.GENERATE:
+        return build_pooling_loop(cfg), frozenset(), load_pooling_spec(cfg.checkpoint_path).max_len, None
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     model_cfg = load_model_config(cfg.checkpoint_path)
@@ -72,6 +78,19 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     eos = tokenizer.stop_token_ids
     return (EngineLoop(engine, model_name=cfg.model_name), eos, max_model_len,
             GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
+
+
+def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
+    """An encoder (embed or classify) behind the same engine loop: no KV cache, no tokenizer (the frontend
+    tokenizes)."""
+    spec = load_pooling_spec(cfg.checkpoint_path)
+    before = resident_mb()
+    model = EncoderModel(spec, getattr(torch, cfg.dtype), torch.device(cfg.device))
+    log.info("pooling model %s (%s, %s pooling%s, heads %s): %.0f MB of weights, %s; resident %.0f -> %.0f MB",
+             cfg.model_name, spec.kind, spec.pooling, ", normalised" if spec.normalize else "", ",".join(spec.heads),
+             model.weight_bytes() / 2**20, cfg.dtype, before, resident_mb())
+    engine = PoolingEngine(model, cfg.model_name, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size, cfg.role)
+    return EngineLoop(engine, model_name=cfg.model_name)
 
 
 def resident_mb() -> float:
@@ -157,4 +176,5 @@ async def serve_backend(cfg: BackendConfig) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         engine_loop.stop()
-        grammars.close()
+        if grammars is not None:
+            grammars.close()

@@ -7,8 +7,9 @@ The script comes from MOCK_TOKEN_IDS (a JSON list), MOCK_TOKEN_FILE (a file of i
 separated by whitespace/commas) or MOCK_TEXT (encoded with TOKENIZER_PATH's tokenizer, eos appended).
 MOCK_DELAY_MS waits before each token; MOCK_ERROR=<kind>[@<tokens>] fails every request after that many
 tokens (0 = before the first) with one of ErrorCodePB's names, answered as the real backend answers errors.
-A script that ends finishes with "stop"; max_new_tokens reached first finishes with "length" (0 means up to
-the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
+A script that ends finishes with "stop" (its end stands for an eos), unless the request sets ignore_eos: then
+its last token repeats until max_new_tokens; max_new_tokens reached first finishes with "length" (0 means up
+to the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
 Logprobs are made up but fixed per token id (mock_logprob); ScoreCall answers with the same numbers.
 Constraints (guided decoding) are taken but not enforced, and PD hand-overs (RemoteDecode) are not mocked.
 """
@@ -19,13 +20,14 @@ import json
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
+                                  ScoreResult, TokenOutput)
 from backend.grpc_server import start_grpc_server
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
@@ -33,10 +35,11 @@ from backend.sequence import FinishReason, Sequence
 from backend.server import ModelRpcServicer
 from backend.validation import check_token_ids
 
+from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
-from kvyard.errors import RequestError
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from kvyard.ports import backend_grpc_port, start_port
 from kvyard.roles import Role
@@ -148,7 +151,7 @@ class ScriptedEngine:
         self.running += req.n
         steps = 0
         try:
-            for step, token in enumerate(script.token_ids):
+            for step, token in enumerate(_steps(script.token_ids, req)):
                 if script.error is not None and step == script.error_after:
                     raise _scripted_error(script)
                 if script.delay_s:
@@ -160,7 +163,7 @@ class ScriptedEngine:
                 for seq in seqs:
                     seq.append_token(token)
                     reason = seq.check_stop()
-                    if reason is None and step == len(script.token_ids) - 1:
+                    if reason is None and step == len(script.token_ids) - 1 and not req.stop.ignore_eos:
                         reason = FinishReason.STOP  # the script ran out: its end stands for an eos
                     outs.append(TokenOutput(req.request_id, seq.index, token, _sample(token, req.sampling), reason,
                                             aux))
@@ -183,6 +186,10 @@ class ScriptedEngine:
                    for t in req.scored_ids]
         return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
 
+    async def pool(self, req: PoolingRequest) -> PoolingResult:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "the mock backend serves a generate model: it has no pooling",
+                           "model")
+
     def worker_status(self) -> WorkerStatus:
         return WorkerStatus(role=Role.PDFUSION, running=self.running, waiting=0, queued_prefill_tokens=0,
                             step_latency_ms=1.0, prefill_tokens_per_s=1e6, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
@@ -191,6 +198,14 @@ class ScriptedEngine:
 
     def cache_status(self, since_version: int) -> CacheStatus:
         return CacheStatus(version=0, is_diff=False, cached_keys=[], added_keys=[], removed_keys=[], block_size=16)
+
+
+def _steps(ids: tuple[int, ...], req: GenerationRequest) -> Iterator[int]:
+    """The script, then (ignore_eos: its end is no eos) its last token until max_new_tokens."""
+    yield from ids
+    if req.stop.ignore_eos:
+        for _ in range(req.stop.max_new_tokens - len(ids)):
+            yield ids[-1]
 
 
 def _sample(token: int, sampling: SamplingParams) -> Sample:

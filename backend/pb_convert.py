@@ -1,8 +1,12 @@
 """Protobuf ⇄ engine types, at the gRPC edge only: nothing past backend/server.py sees protobuf."""
 from __future__ import annotations
 
-from backend.engine_types import AuxInfo, CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+import dataclasses
+
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, PoolItem, PoolTask,
+                                  ScoreRequest, ScoreResult, TokenOutput)
 from backend.sequence import FinishReason, StopConditions
+from kvyard.aux_info import AuxInfo
 from kvyard.constraint import Constraint, ConstraintKind
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import SamplingParams
@@ -93,11 +97,29 @@ def score_request_from_pb(msg: pb.ScoreInputPB) -> ScoreRequest:
 
 
 def score_result_to_pb(result: ScoreResult) -> pb.ScoreOutputPB:
-    msg = pb.ScoreOutputPB(aux_info=_aux_pb(result.aux))
+    msg = pb.ScoreOutputPB(aux_info=aux_to_pb(result.aux))
     for smp in result.logprobs:
         lp = msg.logprobs.add(token_id=smp.token_id, logprob=smp.logprob or 0.0)
         for tok, val in smp.top_logprobs or ():
             lp.top_logprobs.add(token_id=tok, logprob=val)
+    return msg
+
+
+_POOL_TASK_FROM_PB = {pb.POOL_TASK_EMBED: PoolTask.EMBED, pb.POOL_TASK_SPARSE: PoolTask.SPARSE,
+                      pb.POOL_TASK_COLBERT: PoolTask.COLBERT, pb.POOL_TASK_CLASSIFY: PoolTask.CLASSIFY}
+
+
+def pooling_request_from_pb(msg: pb.PoolInputPB) -> PoolingRequest:
+    task = _POOL_TASK_FROM_PB.get(msg.task)
+    if task is None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown pooling task {msg.task}", "task")
+    return PoolingRequest(msg.request_id, [PoolItem(list(it.token_ids), it.pair_start) for it in msg.items], task)
+
+
+def pooling_result_to_pb(result: PoolingResult) -> pb.PoolOutputPB:
+    msg = pb.PoolOutputPB(aux_info=aux_to_pb(result.aux))
+    for out in result.outputs:
+        msg.outputs.add(values=out.values, token_ids=out.token_ids, rows=out.rows)
     return msg
 
 
@@ -109,10 +131,8 @@ def cache_status_to_pb(st: CacheStatus) -> pb.CacheStatusPB:
     return pb.CacheStatusPB(**st.__dict__)
 
 
-def _aux_pb(a: AuxInfo) -> pb.AuxInfoPB:
-    return pb.AuxInfoPB(input_len=a.input_len, output_len=a.output_len, iter_count=a.iter_count,
-                        reuse_len=a.reuse_len, cost_time_us=a.cost_time_us,
-                        first_token_cost_time_us=a.first_token_cost_time_us, wait_time_us=a.wait_time_us)
+def aux_to_pb(a: AuxInfo) -> pb.AuxInfoPB:
+    return pb.AuxInfoPB(**dataclasses.asdict(a))
 
 
 def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutputsPB:
@@ -125,5 +145,5 @@ def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutput
             lp = item.logprobs.add(token_id=out.token_id, logprob=out.sample.logprob)
             for tok, val in out.sample.top_logprobs or ():
                 lp.top_logprobs.add(token_id=tok, logprob=val)
-        item.aux_info.CopyFrom(_aux_pb(out.aux))
+        item.aux_info.CopyFrom(aux_to_pb(out.aux))
     return msg

@@ -202,7 +202,7 @@ async def remote_decode(loop: EngineLoop, messages: AsyncIterator[pb.KVTransferP
         req, prompt_len = _decode_request(loop, h, eos, max_model_len)
         # A constraint travels in generate_config: our own grammar state, past the first token the prefill
         # side sampled under it, before any step of ours samples the second.
-        await compile_constraint(grammars, req)
+        req.grammar = await compile_constraint(grammars, req.constraint)
         if req.grammar is not None and not req.grammar.advance(h.first_token):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prefill side's first token {h.first_token} does "
                                f"not follow the constraint: {req.grammar.error}")

@@ -5,10 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine_types import AuxInfo, ScoreRequest, ScoreResult
+from backend.engine_types import ScoreRequest, ScoreResult
 from backend.sampler import Sample
 from backend.scheduler import ScheduledSeq
 from backend.sequence import Sequence, StopConditions
+from kvyard.aux_info import AuxInfo
 
 
 @dataclass
@@ -23,7 +24,7 @@ def score_sequence(req: ScoreRequest) -> Sequence:
     """The prompt and the scored tokens as one sequence that samples a single (discarded) token."""
     seq = Sequence(req.request_id, req.prompt_ids + req.scored_ids,
                    StopConditions(max_new_tokens=1, ignore_eos=True), arrival_time=req.arrival_time,
-                   scoring=ScoreState(len(req.prompt_ids), req.top_logprobs))
+                   features=(ScoreState(len(req.prompt_ids), req.top_logprobs),))
     seq.max_cached_tokens = len(req.prompt_ids) - 1  # logits are needed from there on
     return seq
 
@@ -31,9 +32,10 @@ def score_sequence(req: ScoreRequest) -> Sequence:
 def logit_rows(s: ScheduledSeq) -> list[int]:
     """Chunk-relative rows whose logits this step needs: scored positions, then the sampling row."""
     rows: list[int] = []
-    if s.seq.scoring is not None:
+    st = s.seq.feature(ScoreState)
+    if st is not None:
         # The logits at position p give the probability of token p + 1.
-        first = max(s.start, s.seq.scoring.score_from - 1)
+        first = max(s.start, st.score_from - 1)
         last = min(s.start + s.num_new_tokens, len(s.seq.token_ids) - 1)
         rows = [p - s.start for p in range(first, last)]
     if s.samples and (not rows or rows[-1] != s.num_new_tokens - 1):
@@ -43,7 +45,7 @@ def logit_rows(s: ScheduledSeq) -> list[int]:
 
 def record_scores(s: ScheduledSeq, chunk_rows: list[int], logits: torch.Tensor) -> None:
     """logits: [len(chunk_rows), V], this chunk's rows from logit_rows."""
-    st = s.seq.scoring
+    st = s.seq.feature(ScoreState)
     assert st is not None
     logprobs = torch.log_softmax(logits, dim=-1)
     for r, row in enumerate(chunk_rows):
@@ -60,7 +62,7 @@ def record_scores(s: ScheduledSeq, chunk_rows: list[int], logits: torch.Tensor) 
 
 def score_result(seq: Sequence, aux: AuxInfo) -> ScoreResult:
     """The finished sequence's answer: one Sample per scored token, in order."""
-    st = seq.scoring
+    st = seq.feature(ScoreState)
     assert st is not None
     positions = range(st.score_from, len(seq.token_ids) - 1)  # the extra sampled token is not ours
     return ScoreResult(seq.request_id, [st.scores[p] for p in positions], aux)

@@ -6,15 +6,14 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kvyard.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from backend.constraints import GrammarState
-    from backend.scoring import ScoreState
+Feature = TypeVar("Feature")
 
 
 class SequenceStatus(Enum):
@@ -66,8 +65,7 @@ class Sequence:
         index: int = 0,
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
-        grammar: GrammarState | None = None,
-        scoring: ScoreState | None = None,
+        features: Iterable[object] = (),
         extra_key: bytes = b"",
         arrival_time: float | None = None,
     ) -> None:
@@ -94,8 +92,9 @@ class Sequence:
         self.index: int = index                         # which of the request's n sequences
         self.sampling: SamplingParams = sampling or SamplingParams()
         self.generator: torch.Generator | None = generator  # its own RNG; None when greedy
-        self.grammar: GrammarState | None = grammar     # a constraint's state: masks each sampled token, advanced by it
-        self.scoring: ScoreState | None = scoring       # a ScoreRequest: the scored positions and their logprobs
+        # What a feature keeps per sequence (a constraint's GrammarState, a ScoreRequest's ScoreState), owned by
+        # the feature's module and found with `feature(kind)`: the base record does not know the kinds.
+        self.features: tuple[object, ...] = tuple(features)
         self.iter_count: int = 0                        # steps it took part in (aux_info.iter_count)
         self.max_cached_tokens: int | None = None       # cap on prefix-cache hits (scoring needs logits from there on)
         self.hold_blocks: bool = False                  # keep blocks after finishing (prefill hand-over) until released
@@ -107,6 +106,13 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def feature(self, kind: type[Feature]) -> Feature | None:
+        """This sequence's state of one feature (`seq.feature(GrammarState)`), None when it has none."""
+        for f in self.features:
+            if isinstance(f, kind):
+                return f
+        return None
 
     @property
     def num_output_tokens(self) -> int:

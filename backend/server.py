@@ -12,8 +12,8 @@ from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine_loop import EngineLoop
 from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
-from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, request_from_pb, score_request_from_pb,
-                                score_result_to_pb, worker_status_to_pb)
+from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_request_from_pb, pooling_result_to_pb,
+                                request_from_pb, score_request_from_pb, score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
@@ -39,7 +39,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
-                await compile_constraint(self.grammars, req)
+                req.grammar = await compile_constraint(self.grammars, req.constraint)
                 address = request.decode_address or self.decode_address
                 # A PREFILL backend asked with no decode side serves the request whole (it holds the whole
                 # model): frontends call every backend behind a headless name while the master is away.
@@ -78,6 +78,17 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             return score_result_to_pb(await self.engine_loop.score(score_request_from_pb(request)))
         except RequestError as exc:
             return pb.ScoreOutputPB(error=error_to_pb(request.request_id, exc).error)
+
+    async def PoolCall(self, request: pb.PoolInputPB, context: grpc.aio.ServicerContext) -> pb.PoolOutputPB:
+        """A cancelled call cancels this coroutine, which aborts the inputs not yet run (EngineLoop)."""
+        try:
+            async with asyncio.timeout(request.timeout_ms / 1000 or None):
+                return pooling_result_to_pb(await self.engine_loop.pool(pooling_request_from_pb(request)))
+        except RequestError as exc:
+            return pb.PoolOutputPB(error=error_to_pb(request.request_id, exc).error)
+        except TimeoutError:
+            return pb.PoolOutputPB(error=error_to_pb(request.request_id, RequestError(
+                ErrorCode.TIMEOUT, f"not finished within timeout_ms={request.timeout_ms}")).error)
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,
                               context: grpc.aio.ServicerContext) -> pb.WorkerStatusPB:

@@ -21,7 +21,7 @@ def request_sequences(req: GenerationRequest, device: torch.device) -> list[Sequ
             sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
         seq = Sequence(req.request_id, req.prompt_ids, req.stop, arrival_time=req.arrival_time, index=index,
                        sampling=sampling, generator=make_generator(sampling, device),
-                       grammar=None if req.grammar is None else req.grammar.copy())
+                       features=() if req.grammar is None else (req.grammar.copy(),))
         seq.hold_blocks = req.hold_blocks
         seqs.append(seq)
     return seqs

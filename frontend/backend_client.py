@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import grpc_metadata
 from kvyard.constraint import ConstraintKind
 from kvyard.grpc_keepalive import CLIENT_OPTIONS
@@ -53,24 +54,8 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-@dataclass
-class AuxInfo:
-    """A request's timings and cache facts so far (AuxInfoPB, field for field: the HTTP aux_info shows them all)."""
-    input_len: int = 0                 # prompt tokens
-    output_len: int = 0                # tokens generated so far
-    iter_count: int = 0                # engine steps this request took part in so far
-    reuse_len: int = 0                 # prompt tokens served from the prefix cache
-    cost_time_us: int = 0              # since the backend received the request
-    first_token_cost_time_us: int = 0  # from receipt to the first generated token
-    wait_time_us: int = 0              # from receipt to its first scheduled step
-    kv_transfer_bytes: int = 0         # prefill/decode split: KV bytes sent to the decode backend
-    kv_blocks_sent: int = 0            # KV blocks sent
-    kv_blocks_skipped: int = 0         # KV blocks the decode backend already held
-    kv_transfer_time_us: int = 0       # from opening the hand-over to the decode side's load ack
-
-    @classmethod
-    def from_pb(cls, aux: pb.AuxInfoPB) -> AuxInfo:
-        return cls(**{f.name: getattr(aux, f.name) for f in fields(cls)})
+def aux_from_pb(aux: pb.AuxInfoPB) -> AuxInfo:
+    return AuxInfo(**{f.name: getattr(aux, f.name) for f in fields(AuxInfo)})
 
 
 @dataclass
@@ -129,6 +114,14 @@ class BackendClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def responsive(self, timeout_s: float) -> bool:
+        """Whether the backend answers a health check at all (SERVING or draining): alive, maybe busy."""
+        try:
+            await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        decode_address: str = "") -> AsyncIterator[list[BackendOutput]]:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
@@ -168,7 +161,7 @@ def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:
     return BackendOutput(
         index=o.index, token_ids=list(o.output_ids),
         finish_reason=_FINISH.get(o.finish_reason) if o.finished else None,
-        logprobs=[_logprob_from_pb(lp) for lp in o.logprobs], aux=AuxInfo.from_pb(o.aux_info))
+        logprobs=[_logprob_from_pb(lp) for lp in o.logprobs], aux=aux_from_pb(o.aux_info))
 
 
 def _logprob_from_pb(lp: pb.TokenLogprobPB) -> TokenLogprob:

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.backend_client import AuxInfo, BackendOutput
+from frontend.backend_client import BackendOutput
 from frontend.errors import stream_error_body
+from kvyard.aux_info import AuxInfo
 from kvyard.disconnect import cancel_on_disconnect
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -46,6 +47,8 @@ def _data(text: str) -> str:
 
 OPENAI_SSE = SseFraming(_data, _data, "data: [DONE]\n\n")
 RTP_SSE = SseFraming(lambda text: f"data:{text}\n\n", lambda text: f"data:{text}\n\n", "data:[done]\n\n")
+# /v1/responses: each event names its type itself (`event: response.output_text.delta`); no end marker.
+RESPONSES_SSE = SseFraming(lambda text: f"{text}\n\n", lambda text: f"event: error\ndata: {text}\n\n", "")
 EVENT_SSE = SseFraming(sse_message, lambda text: sse_message(text, "error"), "event: end\n\n")  # POST /generate
 
 

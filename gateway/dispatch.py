@@ -2,14 +2,14 @@
 
 The seed's batching algorithm: an upstream is busy from dispatch until its response ends
 (MAX_CONNECT_PER_UPSTREAM requests at once); among free healthy upstreams serving the model the
-choice is least-connection, or (GATEWAY_ROUTING=prefix, the default) the master's own policy
-(master.policy.choose_backend) fed with each upstream's approximate prefix tree: the estimated time
-to first token is the uncached prompt bytes of the upstream's requests that have no byte back yet
-(by then their prompt is computed) plus this request's uncached bytes, so with no prefix hit anywhere
-it is least-work, a long shared prefix wins a slightly busier upstream, and the master's imbalance
-guard overrides the cache when loads drift apart. When nothing is free the
-request waits (kvyard.wait_queue: bounded, by priority, then FIFO) and is dispatched the moment a
-lease is released or an upstream turns healthy; past WAIT_FOR or the bound it is a 429.
+choice is least-connection, or (GATEWAY_ROUTING=prefix, the default) the master's own policy for
+servers that report nothing (master.policy.choose_server) fed with what the gateway sent each upstream:
+its approximate prefix tree, its requests in flight, and the uncached prompt bytes of those with no byte
+back yet (by then their prompt is computed) as its queued work. So with no prefix hit anywhere it is
+least-work, a long shared prefix wins a slightly busier upstream, and the master's imbalance guard
+overrides the cache when loads drift apart. When nothing is free the request waits (kvyard.wait_queue:
+bounded, by priority, then FIFO) and is dispatched the moment a lease is released or an upstream turns
+healthy; past WAIT_FOR or the bound it is a 429.
 """
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ from gateway.config import ROUTING_LEAST_CONNECTION, GatewayConfig
 from gateway.upstreams import Upstream, UpstreamTable
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.wait_queue import QueueFull, WaitQueue
-from master.policy import BackendLoad, RouteRequest, choose_backend
-
-_UNBOUNDED = 1 << 40  # upstreams report no KV size: the policy's KV checks never bind
+from master.policy import ServerLoad, choose_server
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,9 @@ class Dispatcher:
         if self.cfg.routing == ROUTING_LEAST_CONNECTION:
             chosen = min(free, key=lambda u: (u.in_flight, u.last_chosen, u.url))
             return self._lease(chosen, ticket, "least_connection", 0, now)
-        decision = choose_backend(RouteRequest(ticket.model, ticket.keys, max(1, ticket.size)),
-                                  [_as_load(u, ticket.model, self.cfg.prefix_block_bytes) for u in free], self.policy)
+        servers = [ServerLoad(u.url, ticket.model, u.in_flight, u.in_flight_bytes, self.cfg.prefix_block_bytes,
+                              u.prefix, u.last_chosen) for u in free]
+        decision = choose_server(ticket.model, ticket.keys, ticket.size, servers, self.policy)
         if decision.chosen is None:  # cannot happen with every candidate free; never strand the request
             return None
         hit = decision.candidate(decision.chosen).hit_cache_len
@@ -97,17 +96,12 @@ class Dispatcher:
 
     def _lease(self, u: Upstream, ticket: Ticket, reason: str, hit: int, now: float) -> Lease:
         work = max(0, ticket.size - hit)
-        u.in_flight += 1
-        u.in_flight_bytes += work
-        u.peak_in_flight = max(u.peak_in_flight, u.in_flight)
-        u.last_chosen = now
-        u.prefix.insert(list(ticket.keys))
+        self.table.dispatched(u.url, ticket.keys, work, now)
         return Lease(u.url, ticket, reason, hit, work)
 
     def started(self, lease: Lease) -> None:
         """The upstream sent its first byte: its prompt is computed, so it no longer counts as queued work."""
-        u = self.table.upstreams[lease.upstream]
-        u.in_flight_bytes -= lease.work
+        self.table.answering(lease.upstream, lease.work)
         lease.work = 0
 
     def release(self, lease: Lease) -> None:
@@ -116,18 +110,10 @@ class Dispatcher:
         if lease.released:
             return
         lease.released = True
-        u = self.table.upstreams[lease.upstream]
-        u.in_flight -= 1
-        u.in_flight_bytes -= lease.work
+        self.table.finished(lease.upstream, lease.work)
         self.pump()
 
     def pump(self) -> int:
         """Dispatch waiting requests to whatever is free now (after a release or a health change)."""
         return self.queue.pump(self.choose)
 
-
-def _as_load(u: Upstream, model: str, block_bytes: int) -> BackendLoad:
-    """An upstream as the master's policy sees a backend: bytes for tokens, requests in flight as its queue."""
-    return BackendLoad(name=u.url, model=model, healthy=True, waiting=u.in_flight,
-                       queued_prefill_tokens=u.in_flight_bytes, free_blocks=_UNBOUNDED, total_blocks=_UNBOUNDED,
-                       block_size=block_bytes, cached_keys=u.prefix, last_chosen=u.last_chosen)

@@ -1,13 +1,14 @@
 """The gateway's upstreams: what each serves, whether it is healthy, what is in flight there. Pure state.
 
-Mutated only from the gateway's event loop: the health loop (`record_check`), the dispatcher (leases)
-and the proxy (`record_outcome`). An upstream takes requests while it is healthy and its circuit
+Mutated only from the gateway's event loop and only through UpstreamTable: the health loop
+(`record_check`), the dispatcher (`dispatched`, `answering`, `finished`) and the proxy (`record_outcome`). An upstream takes requests while it is healthy and its circuit
 breaker lets them through; a 5xx or connection error marks it unhealthy at once (the seed's rule) until
 a health check passes, and also counts toward its breaker, which keeps it out longer if it keeps failing.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,27 @@ class UpstreamTable:
 
     def any_healthy(self) -> bool:
         return any(u.healthy for u in self.upstreams.values())
+
+    # ---- requests in flight (the dispatcher's leases) ---------------------------------------------------
+
+    def dispatched(self, url: str, keys: Sequence[int], work: int, now: float) -> None:
+        """A request was leased this upstream: `work` uncached bytes queue there until its first byte."""
+        u = self.upstreams[url]
+        u.in_flight += 1
+        u.in_flight_bytes += work
+        u.peak_in_flight = max(u.peak_in_flight, u.in_flight)
+        u.last_chosen = now
+        u.prefix.insert(list(keys))
+
+    def answering(self, url: str, work: int) -> None:
+        """Its first byte came back: the prompt is computed, its work no longer queues there."""
+        self.upstreams[url].in_flight_bytes -= work
+
+    def finished(self, url: str, work: int) -> None:
+        """Its exchange ended; `work`: what of it still counted as queued (0 once answering)."""
+        u = self.upstreams[url]
+        u.in_flight -= 1
+        u.in_flight_bytes -= work
 
     # ---- health -----------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 MAX_N = 16              # sequences one request may ask for (OpenAI `n`, RTP-LLM `num_return_sequences`)
 MAX_TOP_LOGPROBS = 20   # alternatives per position (`top_logprobs`, completions' `logprobs`)
+MAX_POOL_ITEMS = 2048   # inputs one pooling request may carry (/v1/embeddings' list, a reranker's documents)
 # A repetition penalty outside this range overflows or vanishes the penalised logits (checked by the frontend
 # at the edge, so that a stream is a 400 rather than an error chunk after a 200, and by the backend's sampler).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-USAGE_ERROR = 2
+from launcher.usage import USAGE_ERROR, UsageError
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,6 @@ GATEWAY_FLAGS: tuple[Flag, ...] = (
          "(default 10000)", "gateway", "MS"),
     Flag("--log-level", "LOG_LEVEL", "CRITICAL, ERROR, WARNING, INFO (default), DEBUG", "misc", "LEVEL"),
 )
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -293,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides = flag_env(ns, cluster=True)
             setup_logging("cluster", {**os.environ, **overrides})
             logging.getLogger("httpx").setLevel(logging.WARNING)  # its health polls are not news
-            return run_cluster(ns, overrides)
+            return run_cluster(ns, overrides, lambda message: explain(message, overrides))
         flags: Sequence[Flag] = FLAGS
         if args and args[0] == "gateway":
             flags, overrides = GATEWAY_FLAGS, gateway_env(gateway_parser().parse_args(args[1:]))

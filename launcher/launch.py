@@ -205,9 +205,3 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
     if role in (Role.PREFILL, Role.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (launcher/cli.py): flags over the environment, `serve` and `cluster`."""
-    from launcher.cli import main as cli_main
-    return cli_main(argv)

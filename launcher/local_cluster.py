@@ -22,14 +22,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
 import httpx
 
-from launcher.cli import USAGE_ERROR, UsageError, explain
 from launcher.restarts import RestartPolicy, Restarts
+from launcher.usage import USAGE_ERROR, UsageError
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
 from kvyard.model_path import ModelFileError
 from kvyard.parent_death import die_with_parent
@@ -151,7 +151,8 @@ def check(layout: Layout, shared: Mapping[str, str], frontend_host: str) -> None
     FrontendConfig.from_env(part_env(layout, layout.frontends[0], shared, frontend_host))
 
 
-def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str]) -> int:
+def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str], explain: Callable[[str], str] = str) -> int:
+    """Start the cluster `ns` describes; `explain` names the flag behind a config error's variable."""
     try:
         pdfusion = ns.backends if ns.backends is not None else (0 if ns.prefill or ns.decode else 2)
         layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode)
@@ -163,7 +164,7 @@ def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str]) -> int:
         print(f"kvyard: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except (ValueError, ModelFileError) as exc:
-        print(f"kvyard: error: {explain(str(exc), overrides)}", file=sys.stderr)
+        print(f"kvyard: error: {explain(str(exc))}", file=sys.stderr)
         return USAGE_ERROR
     generated = not read_cluster_token({**os.environ, **overrides})
     return LocalCluster(layout, shared, ns.host, ns.ready_timeout_s, generated,

@@ -1,7 +1,7 @@
 """Master routing policy: (request, backend loads) → the backend with the lowest estimated cost. Pure.
 
-Interface (also the gateway's): `choose_backend(RouteRequest, [BackendLoad, ...], PolicyConfig) ->
-Decision`. No I/O, no clock, no state: the caller owns the backend view (polled status, cache keys,
+Interface: `choose_backend(RouteRequest, [BackendLoad, ...], PolicyConfig) -> Decision`; the gateway's,
+for servers that report nothing (`ServerLoad`: only what it sent them), is `choose_server`. No I/O, no clock, no state: the caller owns the backend view (polled status, cache keys,
 what it routed since) and records the choice. BackendLoad fields the caller does not track keep their
 defaults, which turn their term off (no pending or recent keys: no cost for them).
 
@@ -108,10 +108,27 @@ class BackendLoad:
     routed_prefill_tokens: int = 0   # their prefill tokens
     routed_kv_tokens: int = 0        # KV tokens they will take
     last_chosen: float = 0.0         # when the policy last picked it (monotonic seconds; 0 = never)
+    kv_reported: bool = True         # False: its KV pool is unknown (a ServerLoad), so no KV check or eviction cost
 
     @property
     def load(self) -> int:
         return self.running + self.waiting + self.routed_requests
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """A server that reports nothing to its router (the gateway's upstreams: any OpenAI-compatible server),
+    known only by what the router sent it. Its KV pool is unknown, so no KV check or eviction cost applies;
+    its prefill rate is unknown, so every server is assumed equally fast and costs compare queued work.
+    Sizes are in the router's own unit, the same for the prompt, the queue and a prefix block (the
+    gateway: bytes of the request's text)."""
+    name: str                        # unique (the gateway: the upstream's URL)
+    model: str                       # the model asked for, which it serves
+    in_flight: int                   # requests sent there and not finished: its queue
+    queued_work: int                 # uncached prompt size of those still to be answered
+    block_size: int                  # prompt size one prefix key covers
+    cached_keys: Set[int] = field(default_factory=frozenset)  # keys of prompts sent there (its likely cache)
+    last_chosen: float = 0.0         # when it was last picked (monotonic seconds; 0 = never)
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,8 @@ def hit_tokens(keys: Sequence[int], backend: BackendLoad, seq_len: int) -> int:
 def evicted_tokens(request: RouteRequest, b: BackendLoad) -> int:
     """Tokens of the backend's working set this prompt would push out of its KV pool: the prompt's part
     new to the working set, as far as the working set plus that part overflows the pool."""
+    if not b.kv_reported:
+        return 0
     added = sum(1 for key in request.block_cache_keys if key not in b.recent_keys) * b.block_size
     overflow = (len(b.recent_keys) * b.block_size + added) - b.total_blocks * b.block_size
     return max(0, min(added, overflow))
@@ -171,9 +190,9 @@ def score(request: RouteRequest, b: BackendLoad, hit: int, best_hit: int, defaul
     skipped = None
     if not b.healthy:
         skipped = SKIP_UNHEALTHY
-    elif request.seq_len > b.total_blocks * b.block_size:
+    elif b.kv_reported and request.seq_len > b.total_blocks * b.block_size:
         skipped = SKIP_TOO_LONG
-    elif prefill > available:
+    elif b.kv_reported and prefill > available:
         skipped = SKIP_KV_FULL
     elif b.waiting >= cfg.max_waiting:
         skipped = SKIP_QUEUE_FULL
@@ -203,6 +222,17 @@ def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
     return Decision(None, "no_decode", decision.candidates, ErrorCode.OVERLOADED,
                     f"no DECODE backend of '{request.model}' is healthy with KV room for "
                     f"{request.seq_len} tokens; retry shortly")
+
+
+def choose_server(model: str, keys: Sequence[int], size: int, servers: Sequence[ServerLoad],
+                  cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    """choose_backend over servers known only by what was sent to them: the same cost (the prompt's
+    uncached size plus the queued work ahead of it, the prefix stickiness, the imbalance guard, the ties),
+    in the caller's unit. `size`: the prompt's (at least 1); `keys`: its prefix keys, block_size each."""
+    loads = [BackendLoad(name=s.name, model=s.model, healthy=True, waiting=s.in_flight,
+                         queued_prefill_tokens=s.queued_work, block_size=s.block_size, cached_keys=s.cached_keys,
+                         last_chosen=s.last_chosen, kv_reported=False) for s in servers]
+    return choose_backend(RouteRequest(model, keys, max(1, size)), loads, cfg)
 
 
 def choose_decode(request: RouteRequest, decoders: Sequence[BackendLoad]) -> str | None:

@@ -70,3 +70,85 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     bad.write_text("import os\nfrom master.registry import Registry\nif True:\n    from proto import model_rpc_pb2\n")
     assert {"master.registry", "proto", "os"} <= _imports(bad)
     assert not _allowed("frontend", "master.registry") and _allowed("gateway", "master.policy")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Project module → the project modules it imports anywhere in the file (at the top, inside a function, or
+    only for type checking: each is a dependency of its design), `from package import name` resolved to the
+    module `name` when it is one."""
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+               for package in (*PACKAGES, "proto") for p in _files(package)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    deps.add(target)
+                    break
+        graph[name] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            dep = next(deps, None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph.get(dep, ())))))
+                elif dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No circle of modules importing each other, however lazily: each file's dependencies point one way."""
+    assert import_cycles(_module_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    graph = _module_graph()
+    assert "backend.sequence" in graph["backend.scheduler"]  # a real edge is seen
+    graph["backend.sequence"].add("backend.scheduler")
+    assert ["backend.block_pool", "backend.scheduler", "backend.sequence"] in import_cycles(graph)

@@ -5,15 +5,17 @@ KVCache and Scheduler, which are cheap. The session `tokenizer` fixture comes fr
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from backend.attention import KVCache
 from backend.engine import Engine
+from backend.engine_loop import EngineLoop
 from backend.model import LlamaModel
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.scheduler import Scheduler, SchedulerConfig
@@ -218,3 +220,15 @@ def long_text_ids(tokenizer: TextTokenizer) -> list[int]:
     ids = tokenizer.encode(text)
     assert len(ids) >= 900
     return ids
+
+
+T = TypeVar("T")
+
+
+def run_on_loop(loop: EngineLoop, scenario: Callable[[], Awaitable[T]]) -> T:
+    """Start the engine thread, run the asyncio scenario against it, and stop the thread whatever happens."""
+    loop.start()
+    try:
+        return asyncio.run(scenario())  # type: ignore[arg-type]
+    finally:
+        loop.stop()

@@ -8,7 +8,7 @@ import pytest
 
 from backend.engine_loop import EngineLoop
 from kvyard.errors import ErrorCode, RequestError
-from tests.backend.conftest import EngineFactory
+from tests.backend.conftest import EngineFactory, run_on_loop
 
 
 def test_calls_run_on_the_engine_thread_and_return_or_raise(make_engine: EngineFactory) -> None:
@@ -21,11 +21,7 @@ def test_calls_run_on_the_engine_thread_and_return_or_raise(make_engine: EngineF
             await loop.call(lambda engine: 1 // 0)
         return thread, free
 
-    loop.start()
-    try:
-        thread, free = asyncio.run(scenario())
-    finally:
-        loop.stop()
+    thread, free = run_on_loop(loop, scenario)
     assert thread == "engine" and free == 16
 
 
@@ -52,11 +48,7 @@ def test_a_caller_that_leaves_gets_its_result_undone(make_engine: EngineFactory)
         await loop.call(lambda engine: None)  # the undo was posted before this: FIFO
         await loop.call(lambda engine: None)
 
-    loop.start()
-    try:
-        asyncio.run(scenario())
-    finally:
-        loop.stop()
+    run_on_loop(loop, scenario)
     assert undone == [("engine", "blocks")]
 
 

@@ -10,7 +10,7 @@ import pytest
 from backend.engine_loop import EngineLoop
 from kvyard.sampling_params import SamplingParams
 from kvyard.errors import ErrorCode, RequestError
-from tests.backend.conftest import EngineFactory
+from tests.backend.conftest import EngineFactory, run_on_loop
 from tests.backend.test_engine_model import assert_pool_idle, request, run_alone
 
 
@@ -44,11 +44,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(make_engine: EngineFactory,
         a, bad, b = results
         return a, b, bad  # type: ignore[return-value]
 
-    loop.start()
-    try:
-        a, b, bad = asyncio.run(scenario())
-    finally:
-        loop.stop()
+    a, b, bad = run_on_loop(loop, scenario)
     assert isinstance(bad, RequestError) and bad.code is ErrorCode.INTERNAL
     assert a == want and b == want
     assert_pool_idle(engine)
@@ -71,11 +67,7 @@ def test_a_reused_request_id_is_refused_alone(make_engine: EngineFactory, france
         tokens += [o.token_id async for outs in first for o in outs]
         return tokens, duplicate
 
-    loop.start()
-    try:
-        tokens, duplicate = asyncio.run(scenario())
-    finally:
-        loop.stop()
+    tokens, duplicate = run_on_loop(loop, scenario)
     assert isinstance(duplicate, RequestError) and "already running" in duplicate.message
     assert tokens == want  # the original ran to the end, untouched
     assert_pool_idle(engine)

@@ -22,6 +22,7 @@ from backend.sequence import FinishReason, Sequence as Seq, StopConditions
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N
 from kvyard.tokenizer import TextTokenizer
+from tests.backend.conftest import run_on_loop
 
 pytestmark = pytest.mark.slow
 
@@ -319,11 +320,7 @@ def test_cancel_through_engine_loop_frees_everything(make_engine: EngineFactory,
         assert finish is FinishReason.STOP and tokens[-1] == eos_id
         assert "Paris" in tokenizer.decode(tokens)
 
-    loop.start()
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), timeout=60))
-    finally:
-        loop.stop()
+    run_on_loop(loop, lambda: asyncio.wait_for(scenario(), timeout=60))
     assert not loop.alive
     assert_pool_idle(engine)
 

@@ -9,7 +9,6 @@ sampled row's logits must equal transformers' (with its own KV cache) within 2e-
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from tests.backend.conftest import BLOCK_LAYOUTS, CPU, LogitsRecorder, build_engine, full_logits
-from tests.support.tiny_models import (EXACT_TYPES, Q4_K_TYPES, REQUANTIZED_TYPES, TinyModel, save_hf_dir, tiny_model,
-                                       write_gguf)
+from tests.support.tiny_models import (EXACT_TYPES, Q4_K_TYPES, REQUANTIZED_TYPES, TinyModel, hf_greedy, save_hf_dir,
+                                       tiny_model, write_gguf)
 
 pytestmark = pytest.mark.slow
 
@@ -75,20 +74,6 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def prompt_ids(tiny: TinyModel) -> list[int]:
     gen = torch.Generator().manual_seed(5)
     return torch.randint(10, tiny.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
-
-
-def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the logits each was picked from, with transformers' own KV cache."""
-    tokens: list[int] = []
-    logits: list[torch.Tensor] = []
-    with torch.inference_mode():
-        out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=True)
-        for _ in range(steps):
-            row = out.logits[0, -1].float()
-            tokens.append(int(row.argmax()))
-            logits.append(row)
-            out = hf_model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logits
 
 
 def engine_run(engine: Engine, request_id: str, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor], int]:

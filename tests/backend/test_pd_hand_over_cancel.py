@@ -11,7 +11,7 @@ from backend.pb_convert import request_from_pb
 from backend.pd_transfer import prefill_then_hand_over
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
-from tests.backend.conftest import EngineFactory
+from tests.backend.conftest import EngineFactory, run_on_loop
 
 pytestmark = pytest.mark.slow
 
@@ -75,10 +75,6 @@ def test_client_cancel_as_the_decode_call_starts_frees_the_held_kv(make_engine: 
         await loop.call(lambda engine: None)  # the release was posted before: FIFO
         return await loop.call(lambda engine: engine.scheduler.block_pool.num_free_blocks), outs
 
-    loop.start()
-    try:
-        free, outs = asyncio.run(scenario())
-    finally:
-        loop.stop()
+    free, outs = run_on_loop(loop, scenario)
     assert len(outs) == 1 and len(outs[0].generate_outputs[0].output_ids) == 1  # the first token came
     assert free == NUM_BLOCKS

@@ -17,6 +17,7 @@ from backend.engine import Engine, GenerationRequest
 from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from kvyard.tokenizer import TextTokenizer
+from tests.support.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -38,22 +39,6 @@ def hf_logits(hf_model: Any, ids: Sequence[int]) -> torch.Tensor:
     with torch.inference_mode():
         out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=False)
     return out.logits[0].float()
-
-
-def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the logits each was picked from, with transformers' own KV cache."""
-    tokens: list[int] = []
-    step_logits: list[torch.Tensor] = []
-    with torch.inference_mode():
-        out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=True)
-        for _ in range(steps):
-            logits = out.logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            step_logits.append(logits)
-            out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                           use_cache=True)
-    return tokens, step_logits
 
 
 def engine_greedy(engine: Engine, record_logits: Callable[[Engine], Any], ids: Sequence[int],

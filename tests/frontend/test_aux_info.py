@@ -2,6 +2,8 @@
 kv_* ones too) survive the gRPC edge (frontend/backend_client.py) and the response builders."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 from frontend.backend_client import _from_pb
 from frontend.respond import aux_info
 from proto import model_rpc_pb2 as pb
@@ -31,3 +33,15 @@ def test_several_sequences_sum_their_output_and_keep_the_longest_times() -> None
     assert aux["input_len"] == 7 and aux["reuse_len"] == 3
     assert aux["output_len"] == 9 and aux["iter_count"] == 6 and aux["cost_time_ms"] == 4.0
     assert aux["kv_blocks_sent"] == 3
+
+
+def test_one_aux_info_type_crosses_the_grpc_edge_whole() -> None:
+    """kvyard.aux_info.AuxInfo is AuxInfoPB field for field; the backend's edge writes every field and the
+    frontend's reads every field back."""
+    from backend.pb_convert import aux_to_pb
+    from frontend.backend_client import aux_from_pb
+    from kvyard.aux_info import AuxInfo
+
+    assert [f.name for f in fields(AuxInfo)] == [f.name for f in pb.AuxInfoPB.DESCRIPTOR.fields]
+    sent = AuxInfo(*range(1, len(fields(AuxInfo)) + 1))
+    assert aux_from_pb(aux_to_pb(sent)) == sent

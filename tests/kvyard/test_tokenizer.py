@@ -91,22 +91,23 @@ def test_golden_from_hf_dir(hf_tok: TextTokenizer) -> None:
         assert hf_tok.decode(row["ids"]) == row["text"]
 
 
-def test_gguf_metadata(tok: TextTokenizer) -> None:
+def assert_smollm2_vocabulary(tok: TextTokenizer) -> None:
+    """What the GGUF's metadata and the Hugging Face directory's files both say of SmolLM2's vocabulary."""
     assert tok.vocab_size == 49152
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert tok.add_bos_token is False
     assert tok.special_token_ids == frozenset(range(17))
+
+
+def test_gguf_metadata(tok: TextTokenizer) -> None:
+    assert_smollm2_vocabulary(tok)
     assert tok.chat_template is not None and "<|im_start|>" in tok.chat_template
     assert tok.chat_templates == {"default": tok.chat_template}
 
 
 def test_hf_dir_metadata(hf_tok: TextTokenizer) -> None:
-    assert hf_tok.vocab_size == 49152
-    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (1, 2)
-    assert (hf_tok.bos_token, hf_tok.eos_token) == ("<|im_start|>", "<|im_end|>")
-    assert hf_tok.add_bos_token is False
-    assert hf_tok.special_token_ids == frozenset(range(17))
+    assert_smollm2_vocabulary(hf_tok)
     assert hf_tok.chat_template == "{{ messages[0]['content'] }}"
     assert hf_tok.chat_templates == {"default": "{{ messages[0]['content'] }}", "tool_use": "tools: {{ tools }}"}
 

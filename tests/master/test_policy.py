@@ -6,7 +6,8 @@ from dataclasses import replace
 from kvyard.block_keys import block_cache_keys
 from kvyard.errors import ErrorCode
 from master.policy import (SKIP_KV_FULL, SKIP_QUEUE_FULL, SKIP_TOO_LONG, SKIP_UNHEALTHY, BackendLoad,
-                           PolicyConfig, RouteRequest, choose_backend, evicted_tokens, hit_tokens)
+                           PolicyConfig, RouteRequest, ServerLoad, choose_backend, choose_server, evicted_tokens,
+                           hit_tokens)
 
 MODEL = "m"
 PROMPT = list(range(1000, 1400))          # 400 tokens = 25 full blocks of 16
@@ -223,3 +224,45 @@ def test_prefixes_spread_over_the_backends_under_pressure() -> None:
         loads[d.chosen] = replace(b, recent_keys=frozenset(b.recent_keys) | frozenset(block_cache_keys(ids, 16)),
                                   last_chosen=i + 1.0)
     assert sorted(map(len, homes.values())) == [3, 3], homes
+
+
+# ---- servers that report nothing (the gateway's upstreams) ------------------------------------------
+
+def server(name: str, **fields: object) -> ServerLoad:
+    base: dict[str, object] = dict(model=MODEL, in_flight=0, queued_work=0, block_size=64)
+    return ServerLoad(name=name, **{**base, **fields})  # type: ignore[arg-type]
+
+
+TEXT_KEYS = list(range(50))  # a 3,200-byte text as 50 blocks of 64 bytes
+
+
+def test_a_server_without_kv_reports_takes_any_size_and_never_counts_evictions() -> None:
+    huge = 1 << 30  # bytes: no KV pool to outgrow, whatever the size
+    d = choose_server(MODEL, TEXT_KEYS, huge, [server("a"), server("b", in_flight=1, queued_work=10)])
+    assert d.chosen == "a" and d.reason == "shortest_ttft"
+    assert all(c.skipped is None for c in d.candidates)
+    load = BackendLoad("x", MODEL, True, block_size=64, kv_reported=False)
+    assert evicted_tokens(RouteRequest(MODEL, TEXT_KEYS, 3200), load) == 0
+
+
+def test_servers_compare_queued_work_and_prefix_in_the_callers_unit() -> None:
+    # No hit anywhere: least work wins, whichever has fewer requests.
+    d = choose_server(MODEL, TEXT_KEYS, 3200, [server("a", in_flight=1, queued_work=5000),
+                                               server("b", in_flight=2, queued_work=100)])
+    assert d.chosen == "b" and d.reason == "shortest_ttft"
+    # A long shared prefix wins over a slightly busier queue; a much busier one loses it.
+    cached = frozenset(TEXT_KEYS)
+    d = choose_server(MODEL, TEXT_KEYS, 3200, [server("a", cached_keys=cached, in_flight=1, queued_work=500),
+                                               server("b")])
+    assert d.chosen == "a" and d.reason == "prefix_hit" and d.candidate("a").hit_cache_len == 3199
+    d = choose_server(MODEL, TEXT_KEYS, 3200, [server("a", cached_keys=cached, in_flight=1, queued_work=50_000),
+                                               server("b")])
+    assert d.chosen == "b"
+
+
+def test_the_imbalance_guard_and_the_queue_limit_hold_for_servers() -> None:
+    cached = frozenset(TEXT_KEYS)
+    d = choose_server(MODEL, TEXT_KEYS, 3200, [server("a", cached_keys=cached, in_flight=12), server("b", in_flight=1)])
+    assert d.chosen == "b" and d.reason == "imbalance"
+    d = choose_server(MODEL, TEXT_KEYS, 3200, [server("a", in_flight=4)], PolicyConfig(max_waiting=4))
+    assert d.chosen is None and d.candidates[0].skipped == SKIP_QUEUE_FULL

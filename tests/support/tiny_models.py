@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,10 @@ class TinyModel:
 
 def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_window: int | None = None,
                tie: bool = False, max_positions: int = 256, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-               layers: int = 2, seed: int = 0) -> TinyModel:
+               layers: int = 2, seed: int = 0, head_dim: int | None = None) -> TinyModel:
     """A random transformers model of the family with a tokenizer trained for it (vocab = the tokenizer's).
-    Sizes keep head_dim ≥ 32 and every width a multiple of 256 (the kernels' and Q4_K's blocks)."""
+    Sizes keep head_dim ≥ 32 and every width a multiple of 256 (the kernels' and Q4_K's blocks), unless
+    head_dim is given (the checkpoint then states it, as head sizes other than hidden / heads do)."""
     import transformers
 
     if family == "llama":
@@ -209,6 +211,8 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
                                   tie_word_embeddings=tie)
     if rope is not None:
         kwargs["rope_parameters"] = rope
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
     if family == "mistral":
         kwargs["sliding_window"] = sliding_window
     config = cls(**kwargs)
@@ -275,7 +279,11 @@ def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None)
     w.add_vocab_size(cfg.vocab_size)
     rope = dict(cfg.rope_parameters or {})
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     kind = rope.get("rope_type", "default")
     if kind == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -382,3 +390,19 @@ def _llama3_freq_factors(cfg: Any) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits each was picked from, with transformers' own KV cache (the reference)."""
+    tokens: list[int] = []
+    step_logits: list[torch.Tensor] = []
+    with torch.inference_mode():
+        out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=True)
+        for _ in range(steps):
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            step_logits.append(logits)
+            out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                           use_cache=True)
+    return tokens, step_logits
