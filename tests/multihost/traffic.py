@@ -66,7 +66,7 @@ class Stream:
     tally: Tally
     base_url: str
     question: str
-    max_tokens: int = 400
+    max_tokens: int = 200  # long enough to be cut mid-stream, short enough to end well within the timeout
     first: threading.Event = field(default_factory=threading.Event)
     outcome: str = ""
     chunks: int = 0
