@@ -99,17 +99,20 @@ class KernelOps(TorchOps):
             return None
         none = torch.empty(0)
 
-        def blocks(w: Weight) -> list[torch.Tensor]:
+        def blocks(w: Weight) -> Any:
             assert isinstance(w, QuantWeight)
-            return [w.qs, w.d, w.m if w.m is not None else none]
+            return self.k.BlockTensors(qs=w.qs, d=w.d, m=w.m if w.m is not None else none)
 
-        tensors = blocks(weights["embed"]) + [weights["norm"]] + blocks(lm_head)
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
+        def layer(p: str) -> Any:
             bias = weights.get(p + "qkv_bias")
-            tensors += ([weights[p + "attn_norm"]] + blocks(weights[p + "qkv"])
-                        + [bias if isinstance(bias, torch.Tensor) else none] + blocks(weights[p + "o"])
-                        + [weights[p + "ffn_norm"]] + blocks(weights[p + "gate_up"]) + blocks(weights[p + "down"]))
+            return self.k.LayerTensors(
+                attn_norm=weights[p + "attn_norm"], qkv=blocks(weights[p + "qkv"]),
+                qkv_bias=bias if isinstance(bias, torch.Tensor) else none, o=blocks(weights[p + "o"]),
+                ffn_norm=weights[p + "ffn_norm"], gate_up=blocks(weights[p + "gate_up"]),
+                down=blocks(weights[p + "down"]))
+
+        tensors = self.k.ModelTensors(embed=blocks(weights["embed"]), norm=weights["norm"], lm_head=blocks(lm_head),
+                                      layers=[layer(f"layers.{i}.") for i in range(config.num_layers)])
         return self.k.FusedDecoder(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
                                    tensors, [config.layer_window(i) for i in range(config.num_layers)])
 
