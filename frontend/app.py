@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatDialect, chat_routes
 from frontend.completions import completion_routes
+from frontend.embeddings import embedding_routes
 from frontend.config import FrontendConfig
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
@@ -25,6 +26,7 @@ from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
 from frontend.pipeline import Pipeline
+from frontend.pooling import PoolingPipeline
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
 from frontend.worker_info import worker_info_routes
@@ -65,13 +67,19 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(raw_routes(pipeline))
     app.include_router(chat_routes(chat))
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
+    app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @app.get("/v1/models")
     @app.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
-                                           for name in await client.models()]}
+        names = await client.models()
+        pooling = cfg.embedding_model_name if cfg.embedding is not None else ""
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
+                for name in names if name != pooling]
+        if cfg.embedding is not None:
+            data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
+                         "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
+        return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
