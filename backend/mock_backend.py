@@ -7,8 +7,9 @@ The script comes from MOCK_TOKEN_IDS (a JSON list), MOCK_TOKEN_FILE (a file of i
 separated by whitespace/commas) or MOCK_TEXT (encoded with TOKENIZER_PATH's tokenizer, eos appended).
 MOCK_DELAY_MS waits before each token; MOCK_ERROR=<kind>[@<tokens>] fails every request after that many
 tokens (0 = before the first) with one of ErrorCodePB's names, answered as the real backend answers errors.
-A script that ends finishes with "stop"; max_new_tokens reached first finishes with "length" (0 means up to
-the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
+A script that ends finishes with "stop" (its end stands for an eos), unless the request sets ignore_eos: then
+its last token repeats until max_new_tokens; max_new_tokens reached first finishes with "length" (0 means up
+to the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
 Logprobs are made up but fixed per token id (mock_logprob); ScoreCall answers with the same numbers.
 Constraints (guided decoding) are taken but not enforced, and PD hand-overs (RemoteDecode) are not mocked.
 """
@@ -19,7 +20,7 @@ import json
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +151,7 @@ class ScriptedEngine:
         self.running += req.n
         steps = 0
         try:
-            for step, token in enumerate(script.token_ids):
+            for step, token in enumerate(_steps(script.token_ids, req)):
                 if script.error is not None and step == script.error_after:
                     raise _scripted_error(script)
                 if script.delay_s:
@@ -162,7 +163,7 @@ class ScriptedEngine:
                 for seq in seqs:
                     seq.append_token(token)
                     reason = seq.check_stop()
-                    if reason is None and step == len(script.token_ids) - 1:
+                    if reason is None and step == len(script.token_ids) - 1 and not req.stop.ignore_eos:
                         reason = FinishReason.STOP  # the script ran out: its end stands for an eos
                     outs.append(TokenOutput(req.request_id, seq.index, token, _sample(token, req.sampling), reason,
                                             aux))
@@ -197,6 +198,14 @@ class ScriptedEngine:
 
     def cache_status(self, since_version: int) -> CacheStatus:
         return CacheStatus(version=0, is_diff=False, cached_keys=[], added_keys=[], removed_keys=[], block_size=16)
+
+
+def _steps(ids: tuple[int, ...], req: GenerationRequest) -> Iterator[int]:
+    """The script, then (ignore_eos: its end is no eos) its last token until max_new_tokens."""
+    yield from ids
+    if req.stop.ignore_eos:
+        for _ in range(req.stop.max_new_tokens - len(ids)):
+            yield ids[-1]
 
 
 def _sample(token: int, sampling: SamplingParams) -> Sample:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatDialect, chat_routes
+from frontend.responses import response_routes
 from frontend.completions import completion_routes
 from frontend.embeddings import embedding_routes
 from frontend.config import FrontendConfig
@@ -66,6 +67,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(completion_routes(pipeline))
     app.include_router(raw_routes(pipeline))
     app.include_router(chat_routes(chat))
+    app.include_router(response_routes(chat))
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
     app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 

@@ -137,6 +137,14 @@ class BackendClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def responsive(self, timeout_s: float) -> bool:
+        """Whether the backend answers a health check at all (SERVING or draining): alive, maybe busy."""
+        try:
+            await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        decode_address: str = "") -> AsyncIterator[list[BackendOutput]]:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early

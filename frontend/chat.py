@@ -8,6 +8,7 @@ the usage when `stream_options.include_usage`; an error after the headers went o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -24,8 +25,9 @@ from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
 from frontend.respond import aux_info, respond
+from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
-from kvyard.tokenizer import TextTokenizer
+from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
 
 
@@ -39,14 +41,38 @@ class ChatDialect:
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
-        return self.renderer.render(RenderRequest(
+        template = req.user_template
+        if req.chat_template is not None:
+            # As vLLM: a template from the request runs only where the operator trusts request templates.
+            if not self.pipeline.cfg.trust_request_chat_template:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "chat_template from the request is not trusted on "
+                                   "this server (the operator sets TRUST_REQUEST_CHAT_TEMPLATE=1)", "chat_template")
+            if template is not None:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "give chat_template or user_template, not both",
+                                   "chat_template")
+            template = req.chat_template
+        rendered = self.renderer.render(RenderRequest(
             messages=messages, add_generation_prompt=req.add_generation_prompt,
             tools=req.tools_in_use(), tool_choice=choice,
-            template_key=req.template_key, user_template=req.user_template,
+            template_key=req.template_key, user_template=template,
             chat_template_kwargs=req.template_kwargs()))
+        return self._continued(rendered, req.messages[-1].text()) if req.continue_final_message else rendered
+
+    def _continued(self, rendered: RenderedPrompt, last: str) -> RenderedPrompt:
+        """continue_final_message: the prompt ends right after the last message's text (the template's
+        end-of-turn after it is cut), so the model goes on with that message."""
+        start = rendered.prompt.rfind(last) if last else -1
+        if start < 0:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the chat template does not show the last message's "
+                               "text, so it cannot be continued", "continue_final_message")
+        tokens = self.pipeline.tokens(rendered.prompt[:start + len(last)])
+        return dataclasses.replace(rendered, prompt=tokens.prompt, input_ids=tokens.input_ids)
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.pipeline.check_model(req.model)
+        if req.stream and req.prompt_logprobs is not None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
+                               "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
         return self.pipeline.prepare(
@@ -64,10 +90,15 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         prep = await off_loop(chat.prepare, req)
         request.app.state.admission.hold(request.scope, prep.params.n)
-        events = chat.pipeline.generate(prep)
         model = prep.model or default_model
+        prompt_lps = None
+        if prep.prompt_logprobs is not None:
+            prompt_lps = prompt_logprob_entries(await chat.pipeline.prompt_logprobs(
+                f"{prep.request_id}-prompt", prep.rendered.input_ids, prep.model, prep.prompt_logprobs),
+                chat.pipeline.tokenizer)
+        events = chat.pipeline.generate(prep)
         return await respond(request, req.stream, lambda: _chunks(chat, req, prep, model, events),
-                             lambda: _body(chat, req, prep, model, events))
+                             lambda: _body(chat, req, prep, model, events, prompt_lps))
 
     @router.post("/v1/chat/render")
     @router.post("/chat/render")
@@ -78,7 +109,7 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
 
 
 async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
-                events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
+                events: AsyncIterator[ChoiceEvent], prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
     n = prep.params.n
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -90,7 +121,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         texts[ev.index].append(ev.text)
         ids[ev.index].extend(ev.token_ids)
         tokens[ev.index] = ev.completion_tokens
-        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.pipeline.tokenizer))
+        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.pipeline.tokenizer, req.return_tokens_as_token_ids))
         if ev.backend is not None:
             last[ev.index] = ev.backend
         if ev.finish_reason is not None:
@@ -110,6 +141,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
                         "finish_reason": reason})
     body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
         body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
@@ -152,7 +185,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             is_last = k == len(deltas) - 1
             lp = None
             if prep.params.logprobs:
-                lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer) if k == 0 else []}
+                lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer, req.return_tokens_as_token_ids) if k == 0 else []}
             extra = {}
             if is_last and reason is not None and req.aux_info and ev.backend is not None:
                 extra["aux_info"] = aux_info([ev.backend])
@@ -185,17 +218,3 @@ def usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
     n_prompt = len(prep.rendered.input_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
             "total_tokens": n_prompt + completion_tokens}
-
-
-def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in items]
-
-
-def token_bytes(tokenizer: TextTokenizer, token_id: int) -> list[int]:
-    """The token's own bytes: one of several tokens of a character is not valid UTF-8 by itself, and
-    that is what OpenAI's `bytes` field is for (its `token` text shows U+FFFD then)."""
-    raw = tokenizer.token_bytes(token_id)
-    return list(raw if raw is not None else tokenizer.decode([token_id]).encode("utf-8"))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.cluster_auth import read_cluster_token
-from kvyard.env import env_int, env_names, env_str
+from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
 from kvyard.pooling_model import PoolingSpec, embedding_model_name, load_pooling_spec, resolve_embedding_path
@@ -29,6 +29,9 @@ class FrontendConfig:
     stop_words: tuple[str, ...]       # STOP_WORDS_STR: extra stop strings for every request
     stop_word_ids: tuple[tuple[int, ...], ...]  # STOP_WORDS_LIST: extra stop token sequences
     request_timeout_s: float          # whole-request limit passed to the backend (0 = none)
+    first_token_timeout_s: float = 10.0  # FIRST_TOKEN_TIMEOUT_S: quiet this long before the first output, the
+                                      # backend is health-checked; silent: re-routed once (0 = no deadline)
+    inter_token_timeout_s: float = 10.0  # INTER_TOKEN_TIMEOUT_S: the same between outputs; silent: a timeout error
     master_address: str = ""          # host:port of the master's HTTP; "" = call backend_address directly
     fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
     block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
@@ -42,6 +45,7 @@ class FrontendConfig:
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
     cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
     model_aliases: tuple[str, ...] = ()  # MODEL_NAME's other names: clients may pass them for model_name
+    trust_request_chat_template: bool = False  # TRUST_REQUEST_CHAT_TEMPLATE=1: a request's chat_template runs
     embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
     embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
@@ -71,6 +75,8 @@ class FrontendConfig:
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),
             stop_word_ids=tuple(tuple(ids) for ids in _json_list(env, "STOP_WORDS_LIST", list)),
             request_timeout_s=float(env_int(env, "REQUEST_TIMEOUT_S", 600, minimum=0)),
+            first_token_timeout_s=float(env_int(env, "FIRST_TOKEN_TIMEOUT_S", 10, minimum=0)),
+            inter_token_timeout_s=float(env_int(env, "INTER_TOKEN_TIMEOUT_S", 10, minimum=0)),
             master_address=env_str(env, "MASTER_ADDRESS", service.get("master_address", "")),
             fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
@@ -83,6 +89,7 @@ class FrontendConfig:
             tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
+            trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
             **_embedding(env, port),
         )
 

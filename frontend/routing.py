@@ -5,10 +5,13 @@ the engine's own function (kvyard.block_keys, the exact token ids sent to the ba
 /rtp_llm/schedule and streams from the chosen backend. The master's refusals are the client's answer
 (unknown model 404; no room 429, after the master held the request up to MASTER_QUEUE_WAIT_MS); a master that cannot be reached (or has no healthy backend) sends the
 request to the direct backend list instead, and a backend that cannot be reached before its first output
-is retried once on another.
+is retried once on another. So is one that went silent before it (FIRST_TOKEN_TIMEOUT_S, then a health
+check: frontend/deadlines.py); one silent mid-stream (INTER_TOKEN_TIMEOUT_S) ends the request with a
+timeout error.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -20,6 +23,7 @@ import httpx
 
 from frontend.backend_client import BackendClient, BackendOutput, PoolInput, PoolOutput
 from frontend.config import FrontendConfig
+from frontend.deadlines import BackendSilent, watched
 from kvyard.block_keys import block_cache_keys
 from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
@@ -68,6 +72,7 @@ class Router:
         self.cfg = cfg
         self._clients: dict[str, BackendClient] = {}
         self._round_robin = itertools.count()
+        self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}  # address → its latest health probe
         self._master_down_until = 0.0
         self._master: httpx.AsyncClient | None = None
         if cfg.master_address:
@@ -91,24 +96,42 @@ class Router:
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
                        model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
-        """BackendClient.generate on the chosen backend; an unreachable backend is retried elsewhere
-        as long as nothing was streamed yet."""
+        """BackendClient.generate on the chosen backend, watched by the first-token and inter-token
+        deadlines; a backend unreachable or silent is retried elsewhere as long as nothing was streamed yet."""
         failed: set[str] = set()
         for attempt in range(ATTEMPTS):
             route = await self.route(model or self.cfg.model_name, input_ids, exclude=failed)
             started = False
+            stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address)
             try:
-                async for outs in self.client(route.address).generate(request_id, input_ids, params,
-                                                                      route.decode_address):
+                async for outs in watched(stream, route.address, self.cfg.first_token_timeout_s,
+                                          self.cfg.inter_token_timeout_s,
+                                          lambda t, at=route.address: self._probe(at, t)):
                     started = True
                     yield outs
                 return
-            except RequestError as exc:
+            except (RequestError, BackendSilent) as exc:
                 failed.add(route.address)
                 others = [a for a in self.cfg.fallback_addresses if a not in failed]
-                if started or exc.code is not ErrorCode.UNAVAILABLE or attempt == ATTEMPTS - 1 or not others:
+                silent = isinstance(exc, BackendSilent)
+                retry = silent or exc.code is ErrorCode.UNAVAILABLE
+                if started or not retry or attempt == ATTEMPTS - 1 or not others:
+                    if silent:
+                        log.warning("%s; %s fails", exc, request_id)
+                        raise RequestError(ErrorCode.TIMEOUT, str(exc)) from None
                     raise
-                log.warning("backend %s unreachable for %s; trying another", route.address, request_id)
+                log.warning("%s for %s; trying another", exc if silent else f"backend {route.address} unreachable",
+                            request_id)
+
+    async def _probe(self, address: str, timeout_s: float) -> bool:
+        """Whether the backend answers a health check: one probe per backend at a time, shared by every
+        request waiting on it (a thousand waiting requests make one call, not a thousand)."""
+        now = time.monotonic()
+        at, task = self._probes.get(address, (0.0, None))
+        if task is None or (task.done() and now - at > timeout_s):
+            task = asyncio.ensure_future(self.client(address).responsive(timeout_s))
+            self._probes[address] = (now, task)
+        return await asyncio.shield(task)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
                     direct: tuple[str, ...] | None = None) -> Route:
