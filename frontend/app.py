@@ -111,14 +111,21 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         return {"token_ids": await off_loop(tokenizer.encode, prompt,
                                             parse_special=bool(body.get("parse_special", True)))}
 
+    async def pooling_healthy() -> bool:
+        """Without a master, the pooling model's own backend must serve too (a master answers for the cluster)."""
+        if cfg.embedding is None or cfg.master_address:
+            return True
+        return await client.client(cfg.embedding_backend_address).healthy()
+
     async def health() -> Any:
         if admission.draining:
             return JSONResponse(error_body("this server is draining (shutting down)", "service_unavailable"),
                                 503, headers={"Retry-After": "1"})
-        if await client.healthy():
+        if await client.healthy() and await pooling_healthy():
             return PlainTextResponse("ok")
         where = cfg.master_address and f"master {cfg.master_address} or "
-        return JSONResponse(error_body(f"{where}backend {', '.join(cfg.fallback_addresses)} is not serving",
+        backends = [*cfg.fallback_addresses, *([cfg.embedding_backend_address] if cfg.embedding else [])]
+        return JSONResponse(error_body(f"{where}backend {', '.join(backends)} is not serving",
                                        "service_unavailable"),
                             503, headers={"Retry-After": "1"})
 

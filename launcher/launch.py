@@ -30,14 +30,17 @@ def run_embedding_backend(env: Mapping[str, str]) -> None:
     run_backend(embedding_env(env))
 
 
-def embedding_env(env: Mapping[str, str], start: int | None = None) -> dict[str, str]:
-    """The environment of the backend serving EMBEDDING_MODEL_PATH (START_PORT: `start`, else PDFUSION's +10)."""
+def embedding_env(env: Mapping[str, str], start: int | None = None) -> Mapping[str, str]:
+    """The environment of the backend serving EMBEDDING_MODEL_PATH (START_PORT: `start`, else PDFUSION's +10):
+    its own settings over `env`, which is looked up by name, never copied whole."""
+    from collections import ChainMap
     from kvyard.pooling_model import embedding_model_name, resolve_embedding_path
     from kvyard.ports import embedding_start_port, start_port
     path = resolve_embedding_path(env["EMBEDDING_MODEL_PATH"])
-    return {**env, "CHECKPOINT_PATH": str(path), "TOKENIZER_PATH": str(path),
-            "START_PORT": str(start if start is not None else embedding_start_port(start_port(env))),
-            "MODEL_NAME": env.get("EMBEDDING_MODEL_NAME") or embedding_model_name(path)}
+    own = {"CHECKPOINT_PATH": str(path), "TOKENIZER_PATH": str(path),
+           "START_PORT": str(start if start is not None else embedding_start_port(start_port(env))),
+           "MODEL_NAME": env.get("EMBEDDING_MODEL_NAME") or embedding_model_name(path)}
+    return ChainMap(own, env)  # type: ignore[arg-type]
 
 
 def run_frontend(env: Mapping[str, str]) -> None:

@@ -117,7 +117,7 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
         env.pop(wired, None)  # the cluster wires these itself
     if part.name.startswith(EMBEDDING_PART):
         from launcher.launch import embedding_env
-        env = embedding_env(env, part.start_port)
+        env = dict(embedding_env(env, part.start_port))
     if part.is_backend:
         env["MASTER_ADDRESS"] = layout.master_address
         if part.role == Role.PDFUSION:  # the cluster's frontends are parts of their own
