@@ -21,6 +21,7 @@ from frontend.responses import response_routes
 from frontend.completions import completion_routes
 from frontend.embeddings import embedding_routes
 from frontend.config import FrontendConfig
+from frontend.debug_routes import debug_routes
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
@@ -69,6 +70,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(chat_routes(chat))
     app.include_router(response_routes(chat))
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
+    app.include_router(debug_routes(cfg))  # RTP-LLM's /cache_status, /worker_status, /set_log_level
     app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @app.get("/v1/models")

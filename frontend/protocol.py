@@ -2,6 +2,7 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +26,9 @@ def _valid_text(v: Any, what: str = "stop strings") -> Any:
         except UnicodeEncodeError:
             raise ValueError(f"{what} must be valid Unicode (a lone UTF-16 surrogate is not)") from None
     return v
+
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
 
 
 class _Lenient(BaseModel):
@@ -165,7 +169,8 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)  # locally typical sampling (also llama.cpp's)
     priority: int = 0                         # only 0: requests are served first come, first served
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only = n: candidates are not ranked
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # completions: generate this many, return the n
+                                              # likeliest (not streamed); chat: only = n
     guided_decoding_backend: str | None = None  # "auto", "guidance" or "llguidance": the one there is
     guided_whitespace_pattern: str | None = None  # refused: llguidance's JSON whitespace is fixed
     structural_tag: str | dict[str, Any] | None = None  # refused: not served
@@ -217,8 +222,7 @@ class SamplingRequest(_Lenient, GuidedDecoding):
         _refuse_unless(self.samplers is None, "samplers", "the sampler order is fixed (penalties, bias, "
                        "temperature, top_k, min_p, typical_p, top_p)")
         _refuse_unless(not self.return_hidden_states, "return_hidden_states", "hidden states are not returned")
-        _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
-                       "best_of must equal n (kvyard does not rank candidates)")
+        _refuse_unless(self.best_of is None or self.best_of >= self.n, "best_of", "best_of must be at least n")
         _refuse_unless(self.n_predict is None or "max_tokens" not in self.model_fields_set
                        or self.max_tokens == self.n_predict, "n_predict", "give max_tokens or n_predict, not both")
         return self
@@ -332,9 +336,31 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[Literal["text"]] | None = None  # text only
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
+    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
+    trace_id: str | None = None    # the caller's trace: heads the backend request id, so its log lines carry it
+    chat_id: str | None = None     # the response's `id` (the backend request id stays unique)
+    extend_fields: dict[str, Any] | None = None  # passed back as they came, in the response
+    master_info: dict[str, Any] | None = None    # RTP-LLM's pre-made routing: refused (the frontend asks the master)
+
+    @field_validator("trace_id", "chat_id")
+    @classmethod
+    def _plain_id(cls, v: str | None) -> str | None:
+        if v is not None and not _PLAIN_ID.fullmatch(v):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : -")
+        return v
+
+    @field_validator("master_info")
+    @classmethod
+    def _no_master_info(cls, v: dict[str, Any] | None) -> None:
+        if v is not None:
+            raise ValueError("is not supported: kvyard's frontend asks its master (MASTER_ADDRESS) for every "
+                             "request and takes no routing from the client")
+        return None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
+                       "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
         if self.continue_final_message:
             _refuse_unless(not self.add_generation_prompt, "continue_final_message",
                            "cannot be combined with add_generation_prompt: true")
@@ -387,6 +413,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.n_probs is not None and self.logprobs is None:
             self.logprobs = self.n_probs
+        _refuse_unless(not (self.stream and self.best_of and self.best_of > self.n), "best_of",
+                       "best_of > n cannot be streamed (the best are known only at the end)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self

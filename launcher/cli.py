@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from kvyard.ports import start_port
 from launcher.usage import USAGE_ERROR, UsageError
 
 
@@ -179,8 +180,9 @@ def cluster_parser() -> _Parser:
     counts.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                         help="the frontends' bind address (default 127.0.0.1); the master and backends stay "
                              "on loopback")
-    counts.add_argument("--port", type=_port, default=8088, metavar="PORT",
-                        help="the first frontend's port; the rest follow from it (below)")
+    counts.add_argument("--port", type=_port, default=None, metavar="PORT",
+                        help="the first frontend's port (default START_PORT, else 8088); the rest follow from "
+                             "it (below)")
     counts.add_argument("--ready-timeout-s", type=_count, default=600, metavar="SECONDS",
                         help="give up when the cluster is not serving after this long (default 600)")
     counts.add_argument("--max-restarts", type=_count, default=5, metavar="N",
@@ -188,6 +190,18 @@ def cluster_parser() -> _Parser:
                              "minutes, the rest serving meanwhile; then leave it down (default 5; 0: never)")
     _add_flags(parser, cluster=True)
     return parser
+
+
+def parse_cluster_args(args: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    """`kvyard cluster`'s arguments; without --port the first frontend takes START_PORT, as every other
+    command reads it (`START_PORT=9000 make cluster` serves on 9000)."""
+    ns = cluster_parser().parse_args(args)
+    if ns.port is None:
+        try:
+            ns.port = start_port(env)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return ns
 
 
 def gateway_parser() -> _Parser:
@@ -289,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args and args[0] == "cluster":
             from launcher.local_cluster import run_cluster
-            ns = cluster_parser().parse_args(args[1:])
+            ns = parse_cluster_args(args[1:], os.environ)
             overrides = flag_env(ns, cluster=True)
             setup_logging("cluster", {**os.environ, **overrides})
             logging.getLogger("httpx").setLevel(logging.WARNING)  # its health polls are not news

@@ -86,7 +86,9 @@ def frontend_count(env: Mapping[str, str]) -> int:
     from kvyard.env import env_int
     count = env_int(env, "FRONTEND_SERVER_COUNT", 1, minimum=0)
     if count > 1:
-        raise ValueError(f"FRONTEND_SERVER_COUNT must be 0 or 1 in this version, got {count}")
+        raise ValueError(f"FRONTEND_SERVER_COUNT must be 0 or 1, got {count}: CONCURRENCY_LIMIT and the metrics "
+                         "are per frontend process, so several sharing START_PORT would each admit the whole "
+                         "limit; run more frontends on their own ports (kvyard cluster --frontends N)")
     return count
 
 

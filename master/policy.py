@@ -155,6 +155,14 @@ class Decision:
         return next(c for c in self.candidates if c.name == name)
 
 
+def cache_local(decision: Decision) -> int:
+    """RTP-LLM's ScheduleMeta.cache_local: 0 (LOCAL) when the chosen backend holds as much of the prompt's
+    prefix as any candidate (or none holds any), 1 (REMOTE) when another backend holds more of it."""
+    assert decision.chosen is not None
+    best = max((c.hit_cache_len for c in decision.candidates), default=0)
+    return 0 if decision.candidate(decision.chosen).hit_cache_len >= best else 1
+
+
 def hit_tokens(keys: Sequence[int], backend: BackendLoad, seq_len: int) -> int:
     """Prompt tokens served by the backend's cache: the leading run of keys it holds, never the last token."""
     run = 0
