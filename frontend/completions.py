@@ -7,6 +7,7 @@ ScoreCall (the first one has none, as in OpenAI), which is how evaluation harnes
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -76,6 +77,8 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
                                     logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
                                     constraint=constraint)
             prompt = prep.rendered   # truncate_prompt_tokens may have cut it
+            if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
+                prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
         jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
@@ -135,12 +138,21 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
         for (number, _), choice in choices.items():
             _echo(jobs[number], choice)
     running = [j for j in jobs if j.prep is not None]
+    likelihood: dict[tuple[int, int], float] = {}
     async for k, ev in events:
         key = (running[k].number, ev.index)
         choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
+        likelihood[key] = likelihood.get(key, 0.0) + sum(lp.logprob for lp in ev.logprobs)
         tokens[key] = ev.completion_tokens
         if ev.finish_reason is not None:
             finish[key] = ev.finish_reason
+    if req.best_of and req.best_of > req.n:   # best_of: each prompt's req.n likeliest candidates, best first
+        kept, kept_finish = {}, {}
+        for j in jobs:
+            for rank, s in enumerate(best_candidates([likelihood.get((j.number, s), 0.0) for s in range(n)], req.n)):
+                kept[(j.number, rank)] = choices[(j.number, s)]
+                kept_finish[(j.number, rank)] = finish.get((j.number, s), "length")
+        choices, finish, n = kept, kept_finish, req.n
     body = [{"index": number * n + s, "text": c.text, "logprobs": c.logprobs,
              "finish_reason": finish.get((number, s), "length")} for (number, s), c in choices.items()]
     if req.prompt_logprobs is not None:   # vLLM's place for it: each choice, its prompt's
@@ -180,6 +192,11 @@ async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], bas
                       "finish_reason": ev.finish_reason}])
     if req.include_usage:
         yield chunk([], _usage(jobs, sum(tokens.values())))
+
+
+def best_candidates(logprob_sums: list[float], n: int) -> list[int]:
+    """best_of: the n candidates with the highest summed logprob (vLLM's ranking), best first."""
+    return sorted(range(len(logprob_sums)), key=lambda s: -logprob_sums[s])[:n]
 
 
 def _n(req: CompletionRequest, jobs: list[_Job]) -> int:

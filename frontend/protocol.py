@@ -209,7 +209,8 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)  # locally typical sampling (also llama.cpp's)
     priority: int = 0                         # only 0: requests are served first come, first served
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only = n: candidates are not ranked
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # completions: generate this many, return the n
+                                              # likeliest (not streamed); chat: only = n
     guided_decoding_backend: str | None = None  # "auto", "guidance" or "llguidance": the one there is
     guided_whitespace_pattern: str | None = None  # refused: llguidance's JSON whitespace is fixed
     structural_tag: str | dict[str, Any] | None = None  # refused: not served
@@ -261,8 +262,7 @@ class SamplingRequest(_Lenient, GuidedDecoding):
         _refuse_unless(self.samplers is None, "samplers", "the sampler order is fixed (penalties, bias, "
                        "temperature, top_k, min_p, typical_p, top_p)")
         _refuse_unless(not self.return_hidden_states, "return_hidden_states", "hidden states are not returned")
-        _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
-                       "best_of must equal n (kvyard does not rank candidates)")
+        _refuse_unless(self.best_of is None or self.best_of >= self.n, "best_of", "best_of must be at least n")
         _refuse_unless(self.n_predict is None or "max_tokens" not in self.model_fields_set
                        or self.max_tokens == self.n_predict, "n_predict", "give max_tokens or n_predict, not both")
         return self
@@ -401,6 +401,8 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         _streams_deltas(self.extra_configs)
+        _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
+                       "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
         if self.continue_final_message:
             _refuse_unless(not self.add_generation_prompt, "continue_final_message",
                            "cannot be combined with add_generation_prompt: true")
@@ -460,6 +462,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.n_probs is not None and self.logprobs is None:
             self.logprobs = self.n_probs
+        _refuse_unless(not (self.stream and self.best_of and self.best_of > self.n), "best_of",
+                       "best_of > n cannot be streamed (the best are known only at the end)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self

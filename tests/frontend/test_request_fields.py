@@ -147,9 +147,20 @@ def test_allowed_token_ids_bad_words_typical_p_reach_the_sampler(client: openai.
     refused(lambda: chat(client, extra_body={"allowed_token_ids": [10**9]}), "allowed_token_ids")
 
 
-def test_best_of_priority_and_other_partly_served_fields(client: openai.OpenAI) -> None:
+def test_best_of_ranks_candidates(client: openai.OpenAI, mock: MockBackendThread) -> None:
+    from frontend.completions import best_candidates
+    resp = complete(client, n=1, best_of=3)
+    cfg = sent(mock)
+    assert cfg.num_return_sequences == 3 and cfg.return_logprobs        # three drawn, ranked by logprob
+    assert len(resp.choices) == 1 and resp.choices[0].text == TEXT and resp.choices[0].logprobs is None
+    assert resp.usage.completion_tokens == 3 * len(mock.servicer.script.token_ids)
+    assert best_candidates([-3.0, -1.0, -2.0], 2) == [1, 2]
     assert len(complete(client, n=2, best_of=2).choices) == 2
-    refused(lambda: complete(client, n=1, best_of=3), "best_of", "rank")
+    refused(lambda: complete(client, n=1, best_of=3, stream=True), "best_of", "streamed")
+    refused(lambda: chat(client, n=1, extra_body={"best_of": 3}), "best_of")
+
+
+def test_priority_and_other_partly_served_fields(client: openai.OpenAI) -> None:
     chat(client, extra_body={"priority": 0})
     refused(lambda: chat(client, extra_body={"priority": 1}), "priority", "not enabled")
     refused(lambda: chat(client, extra_body={"structural_tag": "{}"}), "structural_tag")

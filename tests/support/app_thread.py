@@ -35,3 +35,8 @@ class AppThread:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+    def kill(self) -> None:
+        """Stop at once, as a crashed server would: streams in flight are cut, not finished."""
+        self._server.force_exit = True
+        self.__exit__(None, None, None)
