@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +30,8 @@ from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
+
+log = logging.getLogger("kvyard.frontend")
 
 
 class ChatDialect:
@@ -75,8 +78,13 @@ class ChatDialect:
                                "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
+        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
+        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        rendered = self.render(req)
+        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
+            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
         return self.pipeline.prepare(
-            f"chatcmpl-{uuid.uuid4().hex}", self.render(req), req, Budget(req.requested_max_tokens(), param, "messages"),
+            request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 
@@ -139,8 +147,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
-    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
@@ -153,7 +161,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
 
 async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
                   events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
-    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    base = {"id": req.chat_id or prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
     include_usage = req.include_usage
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
@@ -163,7 +172,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -193,6 +202,11 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                           "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
+    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
+    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +26,9 @@ def _valid_text(v: Any, what: str = "stop strings") -> Any:
         except UnicodeEncodeError:
             raise ValueError(f"{what} must be valid Unicode (a lone UTF-16 surrogate is not)") from None
     return v
+
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
 
 
 class _Lenient(BaseModel):
@@ -332,6 +336,26 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[Literal["text"]] | None = None  # text only
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
+    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
+    trace_id: str | None = None    # the caller's trace: heads the backend request id, so its log lines carry it
+    chat_id: str | None = None     # the response's `id` (the backend request id stays unique)
+    extend_fields: dict[str, Any] | None = None  # passed back as they came, in the response
+    master_info: dict[str, Any] | None = None    # RTP-LLM's pre-made routing: refused (the frontend asks the master)
+
+    @field_validator("trace_id", "chat_id")
+    @classmethod
+    def _plain_id(cls, v: str | None) -> str | None:
+        if v is not None and not _PLAIN_ID.fullmatch(v):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : -")
+        return v
+
+    @field_validator("master_info")
+    @classmethod
+    def _no_master_info(cls, v: dict[str, Any] | None) -> None:
+        if v is not None:
+            raise ValueError("is not supported: kvyard's frontend asks its master (MASTER_ADDRESS) for every "
+                             "request and takes no routing from the client")
+        return None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:

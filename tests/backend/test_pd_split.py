@@ -110,6 +110,17 @@ def test_chat_through_master_pairs_prefill_with_decode(pd: PD, pdfusion: Cluster
     assert_no_leaks(pd.decode, pd.prefill)
 
 
+def test_a_prefill_backend_asked_without_a_decode_side_serves_the_request_whole(
+        pd: PD, pdfusion: Cluster, tokenizer: TextTokenizer) -> None:
+    """While the master is unreachable frontends call every address behind the backends' headless name, PREFILL
+    ones included (tests/multihost/): with no decode side named, it prefills and decodes itself."""
+    ids = prompts(tokenizer)[1]
+    whole = generate(f"127.0.0.1:{pd.prefill + 1}", ids, "whole")
+    assert tokens(whole) == tokens(generate(pdfusion.grpc_address, ids, "whole-ref"))
+    assert whole[-1].generate_outputs[-1].aux_info.kv_blocks_sent == 0
+    assert_no_leaks(pd.prefill)
+
+
 def test_a_constraint_crosses_the_split(pd: PD, pdfusion: Cluster) -> None:
     """The PREFILL side samples the first token under the grammar, the DECODE side compiles its own state
     and takes it past that token: the same greedy answer as PDFUSION, valid under the schema, sampled too."""

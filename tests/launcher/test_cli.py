@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, serve_env
+from launcher.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, parse_cluster_args, serve_env
 from launcher.local_cluster import check, part_env, plan
 from kvyard.model_path import embedded_model_path
 from tests.support.env_reads import role_reads
@@ -97,7 +97,7 @@ def test_every_flag_is_read_by_a_role() -> None:
               "TOOL_CALL_PARSER": "hermes", "CORS_ALLOW_ORIGINS": "http://a.example", "CONCURRENCY_LIMIT": "8",
               "MAX_BODY_BYTES": "65536", "REQUEST_TIMEOUT_S": "60", "DRAIN_GRACE_S": "5",
               "MASTER_BACKENDS": "127.0.0.1:9001", "MASTER_BACKEND_DNS": "localhost:9001", "LOG_LEVEL": "info",
-              "CLUSTER_TOKEN": CLUSTER_TOKEN}
+              "CLUSTER_TOKEN": CLUSTER_TOKEN, "EMBEDDING_MODEL_PATH": "embedded", "EMBEDDING_MODEL_NAME": "e"}
     read = set()
     for role in ("PDFUSION", "MASTER", "PREFILL", "FRONTEND"):
         read |= role_reads({**values, "ROLE_TYPE": role})
@@ -149,3 +149,13 @@ def test_a_split_cluster_is_wired_through_the_master() -> None:
     assert {e["HOST"] for n, e in envs.items() if not n.startswith("frontend")} == {"127.0.0.1"}
     for name, env in envs.items():
         assert set(env) - set(base) <= role_reads(env), name  # what the cluster wires is used
+
+
+def test_cluster_takes_start_port_like_every_command() -> None:
+    """`START_PORT=9000 make cluster` serves its first frontend on 9000 (it was 8088 whatever START_PORT said);
+    --port still wins, and a bad START_PORT is a usage error naming it."""
+    assert parse_cluster_args(["--backends", "1"], {"START_PORT": "9000"}).port == 9000
+    assert parse_cluster_args(["--port", "7000"], {"START_PORT": "9000"}).port == 7000
+    assert parse_cluster_args([], {}).port == 8088
+    with pytest.raises(UsageError, match="START_PORT"):
+        parse_cluster_args([], {"START_PORT": "x"})

@@ -307,6 +307,9 @@ def test_an_endpoint_that_is_not_a_backend_never_crashes_the_master(cluster: Clu
     wait_until(lambda: name in backends(cluster) and backends(cluster)[name]["error"] is not None,
                what="junk endpoint polled")
     assert not backends(cluster)[name]["healthy"]
+    again = httpx.post(f"{cluster.master}/rtp_llm/register", headers=cluster_headers(),
+                       json={"model": "junk-model", "grpc_port": http_port, "http_port": http_port}).json()
+    assert again["healthy"] is False and again["error"] and again["name"] == name  # the backend is told
     assert schedule(cluster, {"model": "junk-model", "block_cache_keys": [], "seq_len": 3}).status_code == 503
     assert httpx.get(f"{cluster.master}/health").status_code == 200
     assert chat(cluster.frontend, "still fine?").status_code == 200
