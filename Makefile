@@ -52,6 +52,10 @@ proto: setup
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
 
+# kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2 (docs/embeddings.md).
+bench-embeddings: setup
+	$(PY) benchmarks/embeddings.py
+
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup
 	$(PY) benchmarks/peers.py
