@@ -11,7 +11,8 @@ from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
-from kvyard.ports import backend_grpc_port, start_port
+from kvyard.pooling_model import PoolingSpec, embedding_model_name, load_pooling_spec, resolve_embedding_path
+from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
 
 
@@ -46,6 +47,9 @@ class FrontendConfig:
     model_aliases: tuple[str, ...] = ()  # MODEL_NAME's other names: clients may pass them for model_name
     service_id: str = ""             # MODEL_SERVICE_CONFIG.service_id: this frontend's service name (/server_info)
     trust_request_chat_template: bool = False  # TRUST_REQUEST_CHAT_TEMPLATE=1: a request's chat_template runs
+    embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
+    embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
+    embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -89,7 +93,22 @@ class FrontendConfig:
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
+            **_embedding(env, port),
         )
+
+
+def _embedding(env: Mapping[str, str], port: int) -> dict[str, Any]:
+    """EMBEDDING_MODEL_PATH (a Hugging Face encoder directory, or `embedded`): its files are read here (the
+    frontend tokenizes for it); its backend is EMBEDDING_BACKEND_ADDRESS, else the one a PDFUSION launch
+    starts beside the chat backend."""
+    value = env.get("EMBEDDING_MODEL_PATH", "")
+    if not value:
+        return {}
+    path = resolve_embedding_path(value)
+    return {"embedding": load_pooling_spec(path),
+            "embedding_model_name": env_str(env, "EMBEDDING_MODEL_NAME", embedding_model_name(path)),
+            "embedding_backend_address": env_str(env, "EMBEDDING_BACKEND_ADDRESS",
+                                                 f"127.0.0.1:{backend_grpc_port(embedding_start_port(port))}")}
 
 
 def _tool_parser(name: str | None) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from frontend.backend_client import BackendClient, BackendOutput
+from frontend.backend_client import BackendClient, BackendOutput, PoolInput, PoolOutput
 from frontend.config import FrontendConfig
 from frontend.deadlines import BackendSilent, watched
 from kvyard.block_keys import block_cache_keys
@@ -55,6 +55,10 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
     every name."""
     if not name or name == ROUTER_PLACEHOLDER_MODEL:
         return None
+    if cfg.embedding is not None and name == cfg.embedding_model_name:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
+                           "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
+                           "allows)", "model")
     if not cfg.serves(name) and not cfg.master_address:
         raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
                            f"'{cfg.model_name}'", "model")
@@ -129,16 +133,34 @@ class Router:
             self._probes[address] = (now, task)
         return await asyncio.shield(task)
 
-    async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset()) -> Route:
+    async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
+                    direct: tuple[str, ...] | None = None) -> Route:
+        """direct: the backends to call without a master (default: the chat model's fallback list)."""
         model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             route = await self._ask_master(model, input_ids)
             if route is not None and route.address not in exclude:
                 return route
-        return self._direct(exclude)
+        return self._direct(exclude, self.cfg.fallback_addresses if direct is None else direct)
 
-    def _direct(self, exclude: set[str]) -> Route:
-        choices = [a for a in self.cfg.fallback_addresses if a not in exclude]
+    async def pool(self, request_id: str, items: list[PoolInput], task: str, model: str,
+                   direct: tuple[str, ...], timeout_s: float | None = None) -> PoolOutput:
+        """BackendClient.pool on the backend the master picks for `model` (else one of `direct`); an
+        unreachable backend is tried once more elsewhere (nothing ran yet)."""
+        failed: set[str] = set()
+        ids = [t for it in items for t in it.token_ids]
+        for attempt in range(ATTEMPTS):
+            route = await self.route(model, ids, exclude=failed, direct=direct)
+            try:
+                return await self.client(route.address).pool(request_id, items, task, timeout_s)
+            except RequestError as exc:
+                failed.add(route.address)
+                if exc.code is not ErrorCode.UNAVAILABLE or attempt == ATTEMPTS - 1 or not set(direct) - failed:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _direct(self, exclude: set[str], addresses: tuple[str, ...]) -> Route:
+        choices = [a for a in addresses if a not in exclude]
         if not choices:
             raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
         return Route(choices[next(self._round_robin) % len(choices)], False, 0)

@@ -43,6 +43,10 @@ FLAGS: tuple[Flag, ...] = (
          "model", "PATH"),
     Flag("--served-model-name", "MODEL_NAME", "the name(s) clients pass as 'model'; the first is the one the "
          "cluster registers and reports, the others are aliases the frontend accepts", "model", "NAME", many=True),
+    Flag("--embedding-model", "EMBEDDING_MODEL_PATH", "a pooling model served beside the chat model (embeddings, "
+         "rerank, classify): a Hugging Face encoder directory, or 'embedded' for all-MiniLM-L6-v2", "model", "PATH"),
+    Flag("--embedding-model-name", "EMBEDDING_MODEL_NAME", "the name clients pass as 'model' for it (default: "
+         "all-MiniLM-L6-v2 / the directory's name)", "model", "NAME"),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
     Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
          "or MOCK_MASTER", "net", "ROLE", cluster=False),

@@ -26,6 +26,24 @@ def run_backend(env: Mapping[str, str]) -> None:
     asyncio.run(serve_backend(BackendConfig.from_env(env)))
 
 
+def run_embedding_backend(env: Mapping[str, str]) -> None:
+    """PDFUSION's second backend: the pooling model EMBEDDING_MODEL_PATH names, on START_PORT + 10."""
+    run_backend(embedding_env(env))
+
+
+def embedding_env(env: Mapping[str, str], start: int | None = None) -> Mapping[str, str]:
+    """The environment of the backend serving EMBEDDING_MODEL_PATH (START_PORT: `start`, else PDFUSION's +10):
+    its own settings over `env`, which is looked up by name, never copied whole."""
+    from collections import ChainMap
+    from kvyard.pooling_model import embedding_model_name, resolve_embedding_path
+    from kvyard.ports import embedding_start_port, start_port
+    path = resolve_embedding_path(env["EMBEDDING_MODEL_PATH"])
+    own = {"CHECKPOINT_PATH": str(path), "TOKENIZER_PATH": str(path),
+           "START_PORT": str(start if start is not None else embedding_start_port(start_port(env))),
+           "MODEL_NAME": env.get("EMBEDDING_MODEL_NAME") or embedding_model_name(path)}
+    return ChainMap(own, env)  # type: ignore[arg-type]
+
+
 def run_frontend(env: Mapping[str, str]) -> None:
     from frontend.config import FrontendConfig
     from frontend.main import serve_frontend
@@ -93,6 +111,8 @@ def _check_configs(role: Role, env: Mapping[str, str]) -> None:
     if role.is_backend:
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
+        if role is Role.PDFUSION and frontend_count(env) and env.get("EMBEDDING_MODEL_PATH"):
+            BackendConfig.from_env(embedding_env(env))
     if role is Role.MASTER:
         from master.config import MasterConfig
         MasterConfig.from_env(env)
@@ -208,4 +228,6 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
         return 0
     if role in (Role.PREFILL, Role.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
+    if env.get("EMBEDDING_MODEL_PATH"):  # the pooling model's backend beside the chat model's
+        return _supervise({"backend": run_backend, "embedding": run_embedding_backend, "frontend": run_frontend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)

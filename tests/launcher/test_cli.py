@@ -97,7 +97,7 @@ def test_every_flag_is_read_by_a_role() -> None:
               "TOOL_CALL_PARSER": "hermes", "CORS_ALLOW_ORIGINS": "http://a.example", "CONCURRENCY_LIMIT": "8",
               "MAX_BODY_BYTES": "65536", "REQUEST_TIMEOUT_S": "60", "DRAIN_GRACE_S": "5",
               "MASTER_BACKENDS": "127.0.0.1:9001", "MASTER_BACKEND_DNS": "localhost:9001", "LOG_LEVEL": "info",
-              "CLUSTER_TOKEN": CLUSTER_TOKEN}
+              "CLUSTER_TOKEN": CLUSTER_TOKEN, "EMBEDDING_MODEL_PATH": "embedded", "EMBEDDING_MODEL_NAME": "e"}
     read = set()
     for role in ("PDFUSION", "MASTER", "PREFILL", "FRONTEND"):
         read |= role_reads({**values, "ROLE_TYPE": role})
