@@ -5,6 +5,7 @@ import asyncio
 import logging
 import resource
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +148,18 @@ async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfi
         await asyncio.to_thread(thread.join)
 
 
+def _bind_or_warn(host: str, port: int) -> socket.socket | None:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        log.warning("START_PORT %d is busy (%s): the health and debug app is on START_PORT+5 only", port, exc)
+        return None
+    return sock
+
+
 async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
     turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
@@ -161,12 +174,17 @@ async def serve_backend(cfg: BackendConfig) -> None:
              for port in (cfg.http_port, cfg.server_port) if port]
     for http in https:
         http.install_signal_handlers = lambda: None  # this function owns the signals
+    # START_PORT's copy is a convenience (probes and debugging as on RTP-LLM's backends): bound here, before
+    # anything dials out and may take it as an ephemeral port, and a busy port only costs a warning.
+    extra = _bind_or_warn(cfg.host, cfg.server_port) if cfg.server_port else None
+    if cfg.server_port and extra is None:
+        https.pop()
     log.info("backend HTTP (status, debug) on %s:%s", cfg.host, " and ".join(str(h.config.port) for h in https))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    serving = [asyncio.create_task(http.serve()) for http in https]
+    serving = [asyncio.create_task(http.serve(sockets=[extra] if i and extra else None)) for i, http in enumerate(https)]
     helpers = [asyncio.create_task(watch_engine(engine_loop, health_servicer))]
     if cfg.master_address:
         helpers.append(asyncio.create_task(register_forever(cfg)))

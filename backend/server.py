@@ -53,11 +53,10 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
                 req.grammar = await compile_constraint(self.grammars, req.constraint)
-                if self.role is Role.PREFILL:
-                    address = request.decode_address or self.decode_address
-                    if not address:
-                        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                           "this PREFILL backend needs a decode_address (or DECODE_ADDRESS)")
+                address = request.decode_address or self.decode_address
+                # A PREFILL backend asked with no decode side serves the request whole (it holds the whole
+                # model): frontends call every backend behind a headless name while the master is away.
+                if self.role is Role.PREFILL and address:
                     # However the call ends (a client that cancels while the hand-over generator waits at a
                     # yield leaves it unclosed until garbage collection), the held prompt KV is freed.
                     context.add_done_callback(lambda _: self.engine_loop.post(lambda e: e.release(request_id)))

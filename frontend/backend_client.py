@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import grpc_metadata
 from kvyard.constraint import ConstraintKind
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from kvyard.sampling_params import SamplingParams
@@ -123,6 +124,7 @@ class BackendClient:
             # up, not after gRPC's default backoff, which grows to two minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            *CLIENT_OPTIONS,  # a backend cut off mid-stream ends the stream with an error, not a hang
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -58,7 +58,8 @@ class ChatDialect:
             messages=messages, add_generation_prompt=req.add_generation_prompt,
             tools=req.tools_in_use(), tool_choice=choice,
             template_key=req.template_key, user_template=template,
-            chat_template_kwargs=req.template_kwargs()))
+            chat_template_kwargs=req.template_kwargs(),
+            functions=[f.model_dump(exclude_none=True) for f in req.functions] if req.legacy_functions else None))
         return self._continued(rendered, req.messages[-1].text()) if req.continue_final_message else rendered
 
     def _continued(self, rendered: RenderedPrompt, last: str) -> RenderedPrompt:
@@ -141,7 +142,10 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         if prep.tool_parser is not None:
             content, calls = message_parts(prep.tool_parser().parse(text))
             message["content"] = content
-            if calls:
+            if calls and req.legacy_functions:  # OpenAI's legacy answer: one function_call
+                message["function_call"] = calls[0]["function"]
+                reason = "function_call" if reason == "stop" else reason
+            elif calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
@@ -188,7 +192,9 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             continue  # e.g. half a UTF-8 character or a possible stop string held back
         reason = ev.finish_reason
         if reason == "stop" and calls is not None and calls.calls:
-            reason = "tool_calls"
+            reason = "function_call" if req.legacy_functions else "tool_calls"
+        if req.legacy_functions:
+            deltas = [_as_function_call(d) for d in deltas]
         deltas = deltas or [{}]
         for k, delta in enumerate(deltas):
             is_last = k == len(deltas) - 1
@@ -202,6 +208,20 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                           "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call delta in OpenAI's legacy shape, {"function_call": {"name", "arguments"}}: the first call
+    only, as the legacy API has one."""
+    calls = delta.get("tool_calls")
+    if calls is None:
+        return delta
+    out = {k: v for k, v in delta.items() if k != "tool_calls"}
+    first = [c for c in calls if c.get("index", 0) == 0]
+    if first:
+        fn = first[0].get("function", {})
+        out["function_call"] = {k: fn[k] for k in ("name", "arguments") if k in fn}
+    return out
 
 
 def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:

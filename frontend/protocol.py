@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
@@ -42,6 +42,27 @@ def _refuse_unless(ok: bool, field: str, why: str) -> None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {why}", field)
 
 
+# RTP-LLM GenerateConfig keys kvyard refuses: (values that ask for nothing, why any other is refused).
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_beams": ((1,), "kvyard samples; it has no beam search (num_beams 1 is taken)"),
+    "return_logits": ((False,), "the full logits are not returned; ask for logprobs / top_logprobs"),
+    "return_hidden_states": ((False,), "hidden states are not returned; the pooling routes (/v1/embeddings) give "
+                                       "embeddings"),
+    "top_p_decay": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "top_p_min": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "no_repeat_ngram_size": ((0,), "n-gram blocking is not implemented; repetition_penalty, presence_penalty and "
+                                   "frequency_penalty are"),
+    "bad_words_list": (([],), "give the words as text in the request's bad_words"),
+    "adapter_name": (("", []), "kvyard serves no LoRA adapters"),
+}
+
+
+def _streams_deltas(extra: GenerateConfig | None) -> None:
+    if extra is not None and extra.return_incremental is False:
+        raise ValueError("extra_configs.return_incremental=false is for POST /: chat and completions stream only "
+                         "the new text")
+
+
 class GenerateConfig(BaseModel):
     """RTP-LLM's GenerateConfig, the subset kvyard honours: `extra_configs` of a chat or completion
     request, `generate_config` of `POST /`. Unknown keys are a 400 rather than silently ignored."""
@@ -65,6 +86,25 @@ class GenerateConfig(BaseModel):
     is_streaming: bool | None = None
     return_output_ids: bool | None = None
     return_input_ids: bool | None = None
+    return_incremental: bool | None = None  # POST /: as the top-level `incremental`; chat/completions: true only
+    # RTP-LLM keys kvyard does not implement, declared so that a request asking for one gets a 400 saying why
+    # (their neutral values, e.g. num_beams=1, are taken): see _UNSUPPORTED.
+    num_beams: int | None = None
+    return_logits: bool | None = None
+    return_hidden_states: bool | None = None
+    top_p_decay: float | None = None
+    top_p_min: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words_list: Any = None
+    adapter_name: Any = None
+
+    @field_validator(*_UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> None:
+        neutral, why = _UNSUPPORTED[info.field_name]
+        if v is not None and v not in neutral:
+            raise ValueError(f"{info.field_name} is not supported: {why}")
+        return None
 
     @field_validator("stop_words_str")
     @classmethod
@@ -323,6 +363,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = None   # the deprecated form of tools
+    _legacy_functions: bool = PrivateAttr(default=False)  # tools came from `functions`: answer with function_call
     # RTP-LLM extensions
     template_key: str | None = None
     user_template: str | None = None
@@ -359,6 +400,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        _streams_deltas(self.extra_configs)
         _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
                        "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
         if self.continue_final_message:
@@ -372,6 +414,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tools is None and self.functions:
             self.tools = [ToolDefinition(function=f) for f in self.functions]
+            self._legacy_functions = True
         names = {t.function.name for t in self.tools or []}
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.get("name")
@@ -393,6 +436,11 @@ class ChatCompletionRequest(SamplingRequest):
         docs = {"documents": self.documents} if self.documents is not None else {}
         return {**docs, **(self.chat_template_kwargs or {}), **extra}
 
+    @property
+    def legacy_functions(self) -> bool:
+        """The request gave `functions` (no `tools`): OpenAI's legacy API answers with one `function_call`."""
+        return self._legacy_functions
+
     def tools_in_use(self) -> list[dict[str, Any]] | None:
         """The tool definitions the model should see (none when tool_choice is "none")."""
         if not self.tools or self.tool_choice == "none":
@@ -409,6 +457,7 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
+        _streams_deltas(self.extra_configs)
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.n_probs is not None and self.logprobs is None:
@@ -444,6 +493,8 @@ class RawRequest(GuidedDecoding):
 
     @model_validator(mode="after")
     def _checks(self) -> RawRequest:
+        if self.generate_config.return_incremental:
+            self.incremental = True
         if self.urls:
             raise ValueError("urls (multimodal input) are not supported")
         if isinstance(self.prompt, list) and not self.prompt:

@@ -298,6 +298,9 @@ def with_local_host(env: dict[str, str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from kvyard.logs import setup_logging
+    from launcher.safe_path import harden
+
+    harden()  # every role process: no imports from the start directory (launcher/safe_path.py)
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:

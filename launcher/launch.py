@@ -13,6 +13,7 @@ from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
 from kvyard.parent_death import die_with_parent
 from kvyard.roles import Role, parse_role
+from launcher.safe_path import harden
 
 log = logging.getLogger("kvyard.launcher")
 
@@ -159,6 +160,7 @@ def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dic
     A second signal kills whatever is left (each role's process group) at once; a role process dies with
     the launcher even when the launcher is killed (kvyard/parent_death.py)."""
     grace = drain_grace_s(env)
+    harden()  # the spawned roles' own `python -c` start: no imports from the start directory
     ctx = mp.get_context("spawn")
     procs = {name: ctx.Process(target=_role_child, args=(fn, env, os.getpid()), name=name, daemon=False)
              for name, fn in targets.items()}

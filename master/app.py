@@ -137,8 +137,13 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",
                                "server_ip")
         endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, Role(req.role))
-        registry.add(endpoint, SOURCE_REGISTERED, clock())
-        return {"name": endpoint.name, "registered": True}
+        now = clock()
+        registry.add(endpoint, SOURCE_REGISTERED, now)
+        # What the master's polls of that address found: a backend advertising an address nobody can dial
+        # learns it here (its log says so) instead of only being missing from routing.
+        state = registry.backends[endpoint.name]
+        return {"name": endpoint.name, "registered": True, "healthy": registry.healthy(state, now),
+                "error": state.error}
 
     async def master_host() -> dict[str, str]:
         return {"real_master_host": cfg.advertise_address}
