@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings clean
 
 setup: $(STAMP)
 
