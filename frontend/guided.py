@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from frontend.protocol import ChatCompletionRequest, GuidedDecoding, NamedToolChoice
-from kvyard.constraint import JSON_STYLE, Constraint, ConstraintKind
+from kvyard.constraint import JSON_STYLE, Constraint, ConstraintKind, check_schema_depth
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ToolParser
 
@@ -37,7 +37,10 @@ def constraint_for(req: GuidedDecoding) -> Constraint | None:
     if len(given) > 1:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{' and '.join(given)} are alternatives: give one", given[1])
     param = given[0]
-    constraint = _build(req, param)
+    try:
+        constraint = _build(req, param)
+    except RequestError as exc:
+        raise RequestError(exc.code, exc.message if exc.param else f"{param}: {exc.message}", exc.param or param) from None
     _check(constraint, param)
     return constraint
 
@@ -95,6 +98,7 @@ def _build(req: GuidedDecoding, param: str) -> Constraint:
             return Constraint.json_schema(fmt.schema_ if fmt.schema_ is not None else {"type": "object"})
         assert fmt.json_schema is not None and fmt.json_schema.schema_ is not None
         schema = fmt.json_schema.schema_
+        check_schema_depth(schema)  # before closed() recurses into it
         return Constraint.json_schema(closed(schema) if fmt.json_schema.strict else schema)
     if param == "guided_json":
         value = req.guided_json
@@ -159,6 +163,10 @@ def closed(schema: Any) -> Any:
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     """One function's call as JSON: its name, then arguments that follow its parameter schema."""
     params = function.get("parameters") or {"type": "object"}
+    try:
+        check_schema_depth(params)  # before closed() or the call grammar's json.dumps recurse into it
+    except RequestError as exc:
+        raise RequestError(exc.code, f"tools: {function.get('name')}'s parameters: {exc.message}", "tools") from None
     if function.get("strict"):
         params = closed(params)
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},

@@ -88,7 +88,33 @@ def test_forced_tool_calls_carry_the_call_grammar(http: httpx.Client, mock: Mock
     assert sent(mock) is None
 
 
-BAD = [  # (path, fields, the param named, a piece of the message)
+def ref_chain(n: int) -> dict[str, Any]:
+    """n objects, each with one property that $refs the next (llguidance's stack ran out near 900)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(n: int) -> str:
+    """n Lark rules, each using the next (84 KB at 3,000: it killed the frontend)."""
+    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(n)), f'r{n}: "x"'])
+
+
+DEEP = [  # refused by their depth before llguidance recurses into them (kvyard/limits.py)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ref_chain(1000)}}}, "response_format", "more than 200 levels"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ref_chain(1000), "strict": True}}}, "response_format", "more than 200 levels"),
+    ("/v1/chat/completions", {"guided_json": ref_chain(1000)}, "guided_json", "more than 200 levels"),
+    ("/v1/completions", {"guided_json": json.dumps(ref_chain(1000))}, "guided_json", "more than 200 levels"),
+    ("/", {"json_schema": ref_chain(1000)}, "json_schema", "more than 200 levels"),
+    ("/v1/chat/completions", {"guided_grammar": rule_chain(3000)}, "guided_grammar", "more than 400 deep"),
+    ("/v1/chat/completions", {"guided_grammar": f"start: %json {json.dumps(ref_chain(1000))}"}, "guided_grammar",
+     "more than 200 levels"),
+    ("/v1/chat/completions", {"tools": [{**TOOL, "function": {**TOOL["function"], "parameters": ref_chain(250)}}],
+                              "tool_choice": "required"}, "tools", "more than 200 levels"),  # 1000: past the context
+]
+
+BAD = DEEP + [  # (path, fields, the param named, a piece of the message)
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format", "Invalid type: strin"),
     ("/v1/chat/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
@@ -124,6 +150,18 @@ def test_bad_constraints_are_a_400_before_generation(http: httpx.Client, mock: M
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
         assert piece in error["message"] and (error["param"] or "").startswith(param), error
     assert len(mock.servicer.requests) == before  # nothing reached the backend
+
+
+def test_deep_grammars_leave_the_server_up_and_recursive_ones_pass(http: httpx.Client,
+                                                                   mock: MockBackendThread) -> None:
+    """After the deep ones above: still serving. A recursive schema (a tree) and chains within the limits
+    are no deeper than they look: they reach the backend."""
+    tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {
+        "$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    for fields in ({"guided_json": tree}, {"guided_json": ref_chain(40)}, {"guided_grammar": rule_chain(300)}):
+        resp = http.post("/v1/chat/completions", json={"messages": HI, **fields})
+        assert resp.status_code == 200, resp.text
+    assert http.get("/health").status_code == 200
 
 
 def test_strict_closes_objects_the_schema_leaves_open() -> None:
