@@ -24,7 +24,7 @@ run: setup
 
 # A master, two PDFUSION backends and a frontend on loopback (the dashboard is on the master).
 cluster: setup
-	$(PY) -m kvyard cluster --backends 2
+	$(PY) -m kvyard cluster --backends 2 --embedding-model embedded
 
 # `make test-multihost` (below) is left out: its cluster alone takes a few minutes; CI runs both.
 test: setup

@@ -283,6 +283,9 @@ class LocalCluster:
                   f"    -d '{{{model_field}\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital "
                   "of France?\"}], \"temperature\": 0}'",
                   f"  # any OpenAI client: base_url=\"{first}/v1\"", ""]
+        if any(_embedding(b) for b in lay.backends):  # the pooling model answers beside the chat model
+            lines[-1:] = [f"  curl {first}/v1/embeddings{auth} -H 'Content-Type: application/json' \\",
+                          "    -d '{\"input\": [\"The cat sat on the mat.\", \"A dog barked.\"]}'", ""]
         return "\n".join(lines)
 
     def _watch(self) -> int:
