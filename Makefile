@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,10 @@ proto: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
+
+# kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2 (docs/embeddings.md).
+bench-embeddings: setup
+	$(PY) benchmarks/embeddings.py
 
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup
