@@ -8,8 +8,8 @@ import time
 import torch
 
 from backend.constraints import GrammarState, mask_words
-from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, ScoreRequest, ScoreResult,
-                                  TokenOutput)
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, PoolingRequest, ScoreRequest,
+                                  ScoreResult, TokenOutput)
 from backend.model_runner import ModelRunner
 from backend.sampler import Sample, SampleRow, sample
 from backend.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -43,10 +43,20 @@ class Engine:
         # Requests a step failed on their own (the batch went on); the engine loop reports and drains it.
         self.failed: list[tuple[str, RequestError]] = []
 
+    def kv_layout(self) -> KVLayout:
+        return self.runner.cache.layout()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     # ---- requests in ------------------------------------------------------------------------
 
-    def validate(self, req: GenerationRequest | ScoreRequest) -> None:
+    def validate(self, req: GenerationRequest | ScoreRequest | PoolingRequest) -> None:
         """Raises RequestError for input this engine can never serve. Pure: safe from any thread."""
+        if isinstance(req, PoolingRequest):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
+                               "pooling (embeddings, reranking, classification)", "model")
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
 
     def add(self, req: GenerationRequest | ScoreRequest) -> None:

@@ -13,20 +13,23 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from backend.engine import Engine
-from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, ScoreRequest, ScoreResult,
-                                  TokenOutput)
+from backend.pooling_engine import PoolingEngine
+from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, PoolingRequest,
+                                  PoolingResult, ScoreRequest, ScoreResult, TokenOutput)
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.metrics import BackendMetrics
 from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
 T = TypeVar("T")
+Request = GenerationRequest | ScoreRequest | PoolingRequest
+Output = TokenOutput | ScoreResult | PoolingResult
 
 
 @dataclass
 class _Add:
-    request: GenerationRequest | ScoreRequest
-    sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError]
+    request: Request
+    sink: asyncio.Queue[list[Output] | RequestError]
     loop: asyncio.AbstractEventLoop
     unfinished: int = 0  # sequences of this request still generating (engine thread only)
     imported: tuple[ImportPlan, int] | None = None  # decode side: (plan, prompt_len) to join, not add
@@ -46,14 +49,15 @@ class _Call:
 
 
 class EngineLoop:
-    """The engine thread owns the Engine; asyncio code talks to it only through commands."""
+    """The engine thread owns the Engine (a decoder's Engine, or a pooling model's PoolingEngine, which
+    answers the same calls); asyncio code talks to it only through commands."""
 
-    def __init__(self, engine: Engine, metrics: BackendMetrics | None = None, model_name: str = "") -> None:
+    def __init__(self, engine: Engine | PoolingEngine, metrics: BackendMetrics | None = None, model_name: str = "") -> None:
         self.engine = engine
-        self.kv_layout: KVLayout = engine.runner.cache.layout()  # fixed: any thread may read it
+        self.kv_layout: KVLayout = engine.kv_layout()  # fixed: any thread may read it
         # Recorded here, served on /metrics; preemptions is a plain int the engine thread bumps.
         self.metrics = metrics or BackendMetrics(self.worker_status, model_name,
-                                                 lambda: engine.scheduler.num_preemptions)
+                                                 lambda: engine.num_preemptions)
         self._commands: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._sinks: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -99,11 +103,20 @@ class EngineLoop:
             raise RequestError(ErrorCode.INTERNAL, "scoring ended without a result")
         return result
 
-    async def generate(self, request: GenerationRequest | ScoreRequest,
+    async def pool(self, request: PoolingRequest) -> PoolingResult:
+        result = None
+        async for outs in self.generate(request):
+            result = next((out for out in outs if isinstance(out, PoolingResult)), result)
+        if result is None:
+            raise RequestError(ErrorCode.INTERNAL, "pooling ended without a result")
+        return result
+
+    async def generate(self, request: Request,
                        imported: tuple[ImportPlan, int] | None = None
-                       ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
+                       ) -> AsyncIterator[list[Output]]:
         """_stream with metrics: TTFT, inter-token and end-to-end latency, tokens, prefix-cache reuse."""
-        endpoint = "ScoreCall" if isinstance(request, ScoreRequest) else "GenerateStreamCall"
+        endpoint = ("ScoreCall" if isinstance(request, ScoreRequest) else
+                    "PoolCall" if isinstance(request, PoolingRequest) else "GenerateStreamCall")
         timer = self.metrics.timer(request.arrival_time)
         status = ErrorCode.CANCELLED.value  # unless it runs to the end or fails: the caller left
         stream = self._stream(request, imported)
@@ -128,15 +141,15 @@ class EngineLoop:
             await stream.aclose()
             self.metrics.count(endpoint, status)
 
-    async def _stream(self, request: GenerationRequest | ScoreRequest,
+    async def _stream(self, request: Request,
                       imported: tuple[ImportPlan, int] | None = None
-                      ) -> AsyncIterator[list[TokenOutput | ScoreResult]]:
+                      ) -> AsyncIterator[list[Output]]:
         """Yields each step's tokens for this request until every sequence finished.
         Leaving early (cancelled, timed out, consumer gone) aborts it in the engine."""
         self.engine.validate(request)
         if not self.alive:
             raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
-        sink: asyncio.Queue[list[TokenOutput | ScoreResult] | RequestError] = asyncio.Queue()
+        sink: asyncio.Queue[list[Output] | RequestError] = asyncio.Queue()
         add = _Add(request, sink, asyncio.get_running_loop(), imported=imported)
         self._commands.put(add)
         remaining = request.n
@@ -243,10 +256,10 @@ class EngineLoop:
             elif isinstance(cmd, _Add):
                 self._send(cmd, error)
 
-    def _deliver(self, outputs: list[TokenOutput | ScoreResult]) -> None:
+    def _deliver(self, outputs: list[Output]) -> None:
         """Each request's outputs of this step into its queue: one wake-up per event loop, not per request
         (each call_soon_threadsafe writes to the loop's self-pipe; 32 streams made 32 syscalls a step)."""
-        grouped: dict[str, list[TokenOutput | ScoreResult]] = {}
+        grouped: dict[str, list[Output]] = {}
         for out in outputs:
             grouped.setdefault(out.request_id, []).append(out)
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list]]] = {}
@@ -279,7 +292,7 @@ class EngineLoop:
         self._sinks.clear()
 
     @staticmethod
-    def _send(add: _Add, item: list[TokenOutput | ScoreResult] | RequestError) -> None:
+    def _send(add: _Add, item: list[Output] | RequestError) -> None:
         try:
             add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
         except RuntimeError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from backend.sampler import Sample
@@ -94,3 +95,47 @@ class CacheStatus:
     added_keys: list[int]
     removed_keys: list[int]
     block_size: int
+
+
+class PoolTask(StrEnum):
+    """What a PoolingRequest wants of each input (the model's kind decides which it may ask)."""
+    EMBED = "embed"        # the pooled vector (normalised when the model's config says so)
+    SPARSE = "sparse"      # BGE-M3 lexical weights: token id → weight
+    COLBERT = "colbert"    # BGE-M3 multi-vector: one normalised vector per token after the first
+    CLASSIFY = "classify"  # a cross-encoder's logits
+
+
+@dataclass(frozen=True)
+class PoolItem:
+    """One input of a pooling request, tokenized by the frontend (special tokens included)."""
+    token_ids: list[int]
+    pair_start: int = 0              # cross-encoder pairs: where the second text starts (its segment id
+                                     # is 1 from there on); 0 = one text
+
+
+@dataclass
+class PoolingRequest:
+    """Pool each item through the model: embeddings, lexical weights, token vectors or logits."""
+    request_id: str
+    items: list[PoolItem]
+    task: PoolTask
+    arrival_time: float = field(default_factory=time.monotonic)
+    n: int = 1                       # one result, so the engine loop counts it like one sequence
+
+
+@dataclass
+class Pooled:
+    """One item's answer. EMBED/CLASSIFY: values. SPARSE: token_ids and their values. COLBERT: values
+    holds `rows` vectors of len(values) / rows each, row-major."""
+    values: list[float]
+    token_ids: list[int] = field(default_factory=list)
+    rows: int = 1
+
+
+@dataclass
+class PoolingResult:
+    """The finished answer to a PoolingRequest: one Pooled per item, in order."""
+    request_id: str
+    outputs: list[Pooled]
+    aux: AuxInfo
+    finish_reason: FinishReason = FinishReason.STOP

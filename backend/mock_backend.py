@@ -7,26 +7,32 @@ The script comes from MOCK_TOKEN_IDS (a JSON list), MOCK_TOKEN_FILE (a file of i
 separated by whitespace/commas) or MOCK_TEXT (encoded with TOKENIZER_PATH's tokenizer, eos appended).
 MOCK_DELAY_MS waits before each token; MOCK_ERROR=<kind>[@<tokens>] fails every request after that many
 tokens (0 = before the first) with one of ErrorCodePB's names, answered as the real backend answers errors.
-A script that ends finishes with "stop"; max_new_tokens reached first finishes with "length" (0 means up to
-the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
+A script that ends finishes with "stop" (its end stands for an eos), unless the request sets ignore_eos: then
+its last token repeats until max_new_tokens; max_new_tokens reached first finishes with "length" (0 means up
+to the context, as in the real backend); stop token ids and stop sequences end a sequence where the engine would.
 Logprobs are made up but fixed per token id (mock_logprob); ScoreCall answers with the same numbers.
 Constraints (guided decoding) are taken but not enforced, and PD hand-overs (RemoteDecode) are not mocked.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import uvicorn
 
-from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+from backend.debug_views import BackendFacts
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
+                                  ScoreResult, TokenOutput)
 from backend.grpc_server import start_grpc_server
+from backend.http_server import create_backend_http_app
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence
@@ -37,9 +43,10 @@ from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import internal_token
 from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
-from kvyard.errors import RequestError
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
-from kvyard.ports import backend_grpc_port, start_port
+from kvyard.metrics import BackendMetrics
+from kvyard.ports import backend_grpc_port, backend_http_port, start_port
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
@@ -149,7 +156,7 @@ class ScriptedEngine:
         self.running += req.n
         steps = 0
         try:
-            for step, token in enumerate(script.token_ids):
+            for step, token in enumerate(_steps(script.token_ids, req)):
                 if script.error is not None and step == script.error_after:
                     raise _scripted_error(script)
                 if script.delay_s:
@@ -161,7 +168,7 @@ class ScriptedEngine:
                 for seq in seqs:
                     seq.append_token(token)
                     reason = seq.check_stop()
-                    if reason is None and step == len(script.token_ids) - 1:
+                    if reason is None and step == len(script.token_ids) - 1 and not req.stop.ignore_eos:
                         reason = FinishReason.STOP  # the script ran out: its end stands for an eos
                     outs.append(TokenOutput(req.request_id, seq.index, token, _sample(token, req.sampling), reason,
                                             aux))
@@ -184,6 +191,15 @@ class ScriptedEngine:
                    for t in req.scored_ids]
         return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
 
+    @functools.cached_property
+    def metrics(self) -> BackendMetrics:
+        """What the backend HTTP app's /metrics serves (made when the mock serves HTTP)."""
+        return BackendMetrics(self.worker_status, "mock")
+
+    async def pool(self, req: PoolingRequest) -> PoolingResult:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "the mock backend serves a generate model: it has no pooling",
+                           "model")
+
     def worker_status(self) -> WorkerStatus:
         return WorkerStatus(role=Role.PDFUSION, running=self.running, waiting=0, queued_prefill_tokens=0,
                             step_latency_ms=1.0, prefill_tokens_per_s=1e6, free_blocks=MOCK_TOTAL_BLOCKS - self.running,
@@ -192,6 +208,14 @@ class ScriptedEngine:
 
     def cache_status(self, since_version: int) -> CacheStatus:
         return CacheStatus(version=0, is_diff=False, cached_keys=[], added_keys=[], removed_keys=[], block_size=16)
+
+
+def _steps(ids: tuple[int, ...], req: GenerationRequest) -> Iterator[int]:
+    """The script, then (ignore_eos: its end is no eos) its last token until max_new_tokens."""
+    yield from ids
+    if req.stop.ignore_eos:
+        for _ in range(req.stop.max_new_tokens - len(ids)):
+            yield ids[-1]
 
 
 def _sample(token: int, sampling: SamplingParams) -> Sample:
@@ -264,16 +288,28 @@ class MockBackendConfig:
     grpc_port: int       # START_PORT + 1, where a frontend looks for its backend
     script: MockScript
     cluster_token: str = ""  # CLUSTER_TOKEN(_FILE): callers must carry it, as with the real backend
+    http_port: int = 0   # START_PORT + 5: the backend's HTTP app (health, /worker_status, /cache_status); 0 = none
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockBackendConfig:
         start = start_port(env)
         host = env_str(env, "HOST", INTERNAL_HOST)
-        return cls(host, backend_grpc_port(start), MockScript.from_env(env), internal_token(env, host))
+        return cls(host, backend_grpc_port(start), MockScript.from_env(env), internal_token(env, host),
+                   backend_http_port(start))
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:
-    server = await start_mock_server(MockServicer(ScriptedEngine(cfg.script)), cfg.host, cfg.grpc_port, cfg.cluster_token)
+    servicer = MockServicer(ScriptedEngine(cfg.script))
+    server = await start_mock_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
+    http: uvicorn.Server | None = None
+    serving: asyncio.Task[None] | None = None
+    if cfg.http_port:
+        facts = BackendFacts(cfg.grpc_port - 1, cfg.grpc_port, cfg.http_port, MOCK_TOTAL_BLOCKS)
+        app = create_backend_http_app(servicer.engine, cfg.cluster_token, servicer.tasks, facts)  # type: ignore[arg-type]
+        http = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
+                                             access_log=False))
+        http.install_signal_handlers = lambda: None  # this function owns the signals
+        serving = asyncio.create_task(http.serve())
     log.info("mock backend on %s:%d: %d scripted tokens, %.0f ms apart%s", cfg.host, cfg.grpc_port,
              len(cfg.script.token_ids), cfg.script.delay_s * 1000,
              f", failing with {cfg.script.error} after {cfg.script.error_after}" if cfg.script.error else "")
@@ -283,3 +319,6 @@ async def serve_mock_backend(cfg: MockBackendConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    if http is not None and serving is not None:
+        http.should_exit = True
+        await serving

@@ -1,14 +1,17 @@
 """The Llama-family network (GQA, RoPE, RMSNorm, SwiGLU): flat token batch in, logits out."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
-from backend.ops import DENSE_ROWS, KernelOps, TorchOps, Weight
+from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
 from backend.quant import QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
+
+log = logging.getLogger("kvyard.backend")
 
 
 def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
@@ -38,6 +41,9 @@ class LlamaModel:
         self.ops = ops or default_ops(self.device, self.dtype)
         if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
             raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
+        if isinstance(self.ops, KernelOps) and config.head_dim not in KERNEL_HEAD_DIMS:
+            log.warning("head_dim %d: the C++ attention kernels take %s; attention runs in PyTorch (slower decode)",
+                        config.head_dim, ", ".join(map(str, sorted(KERNEL_HEAD_DIMS))))
         self.cos, self.sin = rope_tables(config, max_positions or config.max_position_embeddings,
                                          self.device)  # [P, d/2] each, float32
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # 0: the whole context

@@ -34,6 +34,11 @@ DENSE_MAX_NUMEL = 8 << 20
 # int16 kernels and their batch-invariant bits.
 N16_GEMM_ROWS = 256
 
+# The head sizes backend/csrc's decode attention is compiled for (decode_attention, FusedDecoder). Any
+# other head size (Llama-family checkpoints with 16, 80 or 100 exist) runs attention in PyTorch, op by
+# op; the linears, norms and RoPE stay in the kernels.
+KERNEL_HEAD_DIMS = frozenset({32, 64, 96, 128})
+
 
 class TorchOps:
     """Reference implementations; dense weights only."""
@@ -97,23 +102,28 @@ class KernelOps(TorchOps):
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
         """The C++ FusedDecoder (backend/csrc/decode_step.h) when every matrix is in GGUF blocks: one call
         and one OpenMP team per decode step instead of ~10 Python calls per layer."""
+        if config.head_dim not in KERNEL_HEAD_DIMS:
+            return None
         mats = [weights["embed"], lm_head] + [weights[f"layers.{i}.{n}"] for i in range(config.num_layers)
                                               for n in ("qkv", "o", "gate_up", "down")]
         if not all(isinstance(w, QuantWeight) for w in mats):
             return None
         none = torch.empty(0)
 
-        def blocks(w: Weight) -> list[torch.Tensor]:
+        def blocks(w: Weight) -> Any:
             assert isinstance(w, QuantWeight)
-            return [w.qs, w.d, w.m if w.m is not None else none]
+            return self.k.BlockTensors(qs=w.qs, d=w.d, m=w.m if w.m is not None else none)
 
-        tensors = blocks(weights["embed"]) + [weights["norm"]] + blocks(lm_head)
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
+        def layer(p: str) -> Any:
             bias = weights.get(p + "qkv_bias")
-            tensors += ([weights[p + "attn_norm"]] + blocks(weights[p + "qkv"])
-                        + [bias if isinstance(bias, torch.Tensor) else none] + blocks(weights[p + "o"])
-                        + [weights[p + "ffn_norm"]] + blocks(weights[p + "gate_up"]) + blocks(weights[p + "down"]))
+            return self.k.LayerTensors(
+                attn_norm=weights[p + "attn_norm"], qkv=blocks(weights[p + "qkv"]),
+                qkv_bias=bias if isinstance(bias, torch.Tensor) else none, o=blocks(weights[p + "o"]),
+                ffn_norm=weights[p + "ffn_norm"], gate_up=blocks(weights[p + "gate_up"]),
+                down=blocks(weights[p + "down"]))
+
+        tensors = self.k.ModelTensors(embed=blocks(weights["embed"]), norm=weights["norm"], lm_head=blocks(lm_head),
+                                      layers=[layer(f"layers.{i}.") for i in range(config.num_layers)])
         return self.k.FusedDecoder(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
                                    tensors, [config.layer_window(i) for i in range(config.num_layers)])
 
@@ -176,6 +186,8 @@ class KernelOps(TorchOps):
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
                   window: int = 0) -> torch.Tensor:
+        if q.shape[-1] not in KERNEL_HEAD_DIMS:
+            return super().attention(q, cache, layer, meta, window)
         if meta.decode_rows is None:
             out = torch.empty_like(q)
         elif not meta.prefills and meta.decode_rows.shape[0] == q.shape[0]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.engine_types import CacheStatus, GenerationRequest, ScoreRequest, ScoreResult, TokenOutput
+from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, PoolItem, PoolTask,
+                                  ScoreRequest, ScoreResult, TokenOutput)
 from backend.sequence import FinishReason, StopConditions
 from kvyard.aux_info import AuxInfo
 from kvyard.constraint import Constraint, ConstraintKind
@@ -101,6 +102,24 @@ def score_result_to_pb(result: ScoreResult) -> pb.ScoreOutputPB:
         lp = msg.logprobs.add(token_id=smp.token_id, logprob=smp.logprob or 0.0)
         for tok, val in smp.top_logprobs or ():
             lp.top_logprobs.add(token_id=tok, logprob=val)
+    return msg
+
+
+_POOL_TASK_FROM_PB = {pb.POOL_TASK_EMBED: PoolTask.EMBED, pb.POOL_TASK_SPARSE: PoolTask.SPARSE,
+                      pb.POOL_TASK_COLBERT: PoolTask.COLBERT, pb.POOL_TASK_CLASSIFY: PoolTask.CLASSIFY}
+
+
+def pooling_request_from_pb(msg: pb.PoolInputPB) -> PoolingRequest:
+    task = _POOL_TASK_FROM_PB.get(msg.task)
+    if task is None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"unknown pooling task {msg.task}", "task")
+    return PoolingRequest(msg.request_id, [PoolItem(list(it.token_ids), it.pair_start) for it in msg.items], task)
+
+
+def pooling_result_to_pb(result: PoolingResult) -> pb.PoolOutputPB:
+    msg = pb.PoolOutputPB(aux_info=aux_to_pb(result.aux))
+    for out in result.outputs:
+        msg.outputs.add(values=out.values, token_ids=out.token_ids, rows=out.rows)
     return msg
 
 

@@ -8,7 +8,9 @@ the usage when `stream_options.include_usage`; an error after the headers went o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,14 +21,17 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from frontend.backend_client import BackendOutput, TokenLogprob
-from frontend.guided import chat_constraint
+from frontend.guided import chat_constraint, check
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
 from frontend.respond import aux_info, respond
+from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
-from kvyard.tokenizer import TextTokenizer
+from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
+
+log = logging.getLogger("kvyard.frontend")
 
 
 class ChatDialect:
@@ -39,18 +44,48 @@ class ChatDialect:
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
-        return self.renderer.render(RenderRequest(
+        template = req.user_template
+        if req.chat_template is not None:
+            # As vLLM: a template from the request runs only where the operator trusts request templates.
+            if not self.pipeline.cfg.trust_request_chat_template:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "chat_template from the request is not trusted on "
+                                   "this server (the operator sets TRUST_REQUEST_CHAT_TEMPLATE=1)", "chat_template")
+            if template is not None:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "give chat_template or user_template, not both",
+                                   "chat_template")
+            template = req.chat_template
+        rendered = self.renderer.render(RenderRequest(
             messages=messages, add_generation_prompt=req.add_generation_prompt,
             tools=req.tools_in_use(), tool_choice=choice,
-            template_key=req.template_key, user_template=req.user_template,
-            chat_template_kwargs=req.template_kwargs()))
+            template_key=req.template_key, user_template=template,
+            chat_template_kwargs=req.template_kwargs(),
+            functions=[f.model_dump(exclude_none=True) for f in req.functions] if req.legacy_functions else None))
+        return self._continued(rendered, req.messages[-1].text()) if req.continue_final_message else rendered
+
+    def _continued(self, rendered: RenderedPrompt, last: str) -> RenderedPrompt:
+        """continue_final_message: the prompt ends right after the last message's text (the template's
+        end-of-turn after it is cut), so the model goes on with that message."""
+        start = rendered.prompt.rfind(last) if last else -1
+        if start < 0:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the chat template does not show the last message's "
+                               "text, so it cannot be continued", "continue_final_message")
+        tokens = self.pipeline.tokens(rendered.prompt[:start + len(last)])
+        return dataclasses.replace(rendered, prompt=tokens.prompt, input_ids=tokens.input_ids)
 
     def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.pipeline.check_model(req.model)
+        if req.stream and req.prompt_logprobs is not None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
+                               "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
+        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
+        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        rendered = self.render(req)
+        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
+            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
         return self.pipeline.prepare(
-            f"chatcmpl-{uuid.uuid4().hex}", self.render(req), req, Budget(req.requested_max_tokens(), param, "messages"),
+            request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 
@@ -63,22 +98,30 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
         request.app.state.admission.hold(request.scope, prep.params.n)
-        events = chat.pipeline.generate(prep)
         model = prep.model or default_model
+        prompt_lps = None
+        if prep.prompt_logprobs is not None:
+            prompt_lps = prompt_logprob_entries(await chat.pipeline.prompt_logprobs(
+                f"{prep.request_id}-prompt", prep.rendered.input_ids, prep.model, prep.prompt_logprobs),
+                chat.pipeline.tokenizer)
+        events = chat.pipeline.generate(prep)
         return await respond(request, req.stream, lambda: _chunks(chat, req, prep, model, events),
-                             lambda: _body(chat, req, prep, model, events))
+                             lambda: _body(chat, req, prep, model, events, prompt_lps))
 
     @router.post("/v1/chat/render")
     @router.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        return render_info(chat, await off_loop(chat.prepare, req))
+        prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
+        return render_info(chat, prep)
 
     return router
 
 
 async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
-                events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
+                events: AsyncIterator[ChoiceEvent], prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
     n = prep.params.n
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -90,7 +133,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         texts[ev.index].append(ev.text)
         ids[ev.index].extend(ev.token_ids)
         tokens[ev.index] = ev.completion_tokens
-        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.pipeline.tokenizer))
+        logprobs[ev.index].extend(logprob_entries(ev.logprobs, chat.pipeline.tokenizer, req.return_tokens_as_token_ids))
         if ev.backend is not None:
             last[ev.index] = ev.backend
         if ev.finish_reason is not None:
@@ -102,14 +145,19 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         if prep.tool_parser is not None:
             content, calls = message_parts(prep.tool_parser().parse(text))
             message["content"] = content
-            if calls:
+            if calls and req.legacy_functions:  # OpenAI's legacy answer: one function_call
+                message["function_call"] = calls[0]["function"]
+                reason = "function_call" if reason == "stop" else reason
+            elif calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
-    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
         body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
@@ -120,7 +168,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
 
 async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
                   events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
-    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    base = {"id": req.chat_id or prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
     include_usage = req.include_usage
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
@@ -130,7 +179,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -146,13 +195,15 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             continue  # e.g. half a UTF-8 character or a possible stop string held back
         reason = ev.finish_reason
         if reason == "stop" and calls is not None and calls.calls:
-            reason = "tool_calls"
+            reason = "function_call" if req.legacy_functions else "tool_calls"
+        if req.legacy_functions:
+            deltas = [_as_function_call(d) for d in deltas]
         deltas = deltas or [{}]
         for k, delta in enumerate(deltas):
             is_last = k == len(deltas) - 1
             lp = None
             if prep.params.logprobs:
-                lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer) if k == 0 else []}
+                lp = {"content": logprob_entries(ev.logprobs, chat.pipeline.tokenizer, req.return_tokens_as_token_ids) if k == 0 else []}
             extra = {}
             if is_last and reason is not None and req.aux_info and ev.backend is not None:
                 extra["aux_info"] = aux_info([ev.backend])
@@ -160,6 +211,25 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                           "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call delta in OpenAI's legacy shape, {"function_call": {"name", "arguments"}}: the first call
+    only, as the legacy API has one."""
+    calls = delta.get("tool_calls")
+    if calls is None:
+        return delta
+    out = {k: v for k, v in delta.items() if k != "tool_calls"}
+    first = [c for c in calls if c.get("index", 0) == 0]
+    if first:
+        fn = first[0].get("function", {})
+        out["function_call"] = {k: fn[k] for k in ("name", "arguments") if k in fn}
+    return out
+
+
+def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
+    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
+    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:
@@ -185,17 +255,3 @@ def usage(prep: PreparedRequest, completion_tokens: int) -> dict[str, int]:
     n_prompt = len(prep.rendered.input_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
             "total_tokens": n_prompt + completion_tokens}
-
-
-def logprob_entries(items: list[TokenLogprob], tokenizer: TextTokenizer) -> list[dict[str, Any]]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in items]
-
-
-def token_bytes(tokenizer: TextTokenizer, token_id: int) -> list[int]:
-    """The token's own bytes: one of several tokens of a character is not valid UTF-8 by itself, and
-    that is what OpenAI's `bytes` field is for (its `token` text shows U+FFFD then)."""
-    raw = tokenizer.token_bytes(token_id)
-    return list(raw if raw is not None else tokenizer.decode([token_id]).encode("utf-8"))

@@ -7,6 +7,7 @@ ScoreCall (the first one has none, as in OpenAI), which is how evaluation harnes
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -17,7 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from frontend.backend_client import TokenLogprob
-from frontend.guided import constraint_for
+from frontend.guided import check, constraint_for
+from frontend.logprobs import prompt_logprob_entries, token_name
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import CompletionRequest
@@ -32,6 +34,7 @@ class _Job:
     ids: list[int]                 # the prompt's token ids
     prep: PreparedRequest | None   # None: max_tokens 0 (echo only, nothing generated)
     echo_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the same for prompt_logprobs (vLLM's shape)
 
 
 def completion_routes(pipeline: Pipeline) -> APIRouter:
@@ -56,44 +59,47 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
     """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts.
     → (request id, the model to route and echo (Pipeline.check_model), the jobs)."""
     model = pipeline.check_model(req.model)  # to route, score and echo (None: this frontend's own)
+    if req.stream and req.prompt_logprobs is not None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
+                           "prompt_logprobs")
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
-    constraint = await off_loop(constraint_for, req)  # checked once, before anything is generated
+    constraint = await off_loop(constraint_for, req)
+    await check(constraint, req)  # once, before anything is generated
     rendered = await off_loop(lambda: [pipeline.tokens(prompt) for prompt in prompts])
     for number, prompt in enumerate(rendered):
         prep = None
         if req.max_tokens == 0 and req.echo:
             pipeline.budget(len(prompt.input_ids), Budget(None))   # the prompt alone must fit
         else:
-            prep = pipeline.prepare(f"{request_id}-{number}", prompt, req, Budget(req.max_tokens),
+            prep = pipeline.prepare(f"{request_id}-{number}", prompt, req, Budget(req.max_tokens_asked()),
                                     logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
                                     constraint=constraint)
+            prompt = prep.rendered   # truncate_prompt_tokens may have cut it
+            if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
+                prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
         jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
         for job in jobs:
-            job.echo_logprobs = await _prompt_logprobs(pipeline, job.ids, req, model,
-                                                       f"{request_id}-{job.number}-echo")
+            job.echo_logprobs = await pipeline.prompt_logprobs(f"{request_id}-{job.number}-echo", job.ids, model,
+                                                               req.logprobs or 0)
+    if req.prompt_logprobs is not None:
+        for job in jobs:
+            job.prompt_logprobs = await pipeline.prompt_logprobs(f"{request_id}-{job.number}-prompt", job.ids,
+                                                                 model, req.prompt_logprobs)
     return request_id, model, jobs
-
-
-async def _prompt_logprobs(pipeline: Pipeline, ids: list[int], req: CompletionRequest, model: str | None,
-                           request_id: str) -> list[TokenLogprob | None]:
-    first: list[TokenLogprob | None] = [None]
-    if len(ids) == 1:
-        return first
-    score = await pipeline.client.score(request_id, ids[:1], ids[1:], model, req.logprobs or 0)
-    return [*first, *score.logprobs]
 
 
 class _Choice:
     """One choice's text and its logprobs in the legacy shape (tokens, token_logprobs, top_logprobs,
     text_offset)."""
 
-    def __init__(self, pipeline: Pipeline, with_logprobs: bool) -> None:
+    def __init__(self, pipeline: Pipeline, with_logprobs: bool, as_ids: bool = False) -> None:
         self.pipeline = pipeline
+        self.as_ids = as_ids   # return_tokens_as_token_ids
         self.text = ""
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
             if with_logprobs else None
@@ -105,12 +111,12 @@ class _Choice:
         if self.logprobs is None:
             return None
         piece: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        decode = self.pipeline.tokenizer.decode
+        tok = self.pipeline.tokenizer
         for token_id, lp in zip(ids, lps):
-            token = decode([token_id])
+            token = token_name(tok, token_id, self.as_ids)
             piece["tokens"].append(token)
             piece["token_logprobs"].append(None if lp is None else lp.logprob)
-            piece["top_logprobs"].append(None if lp is None else {decode([t]): v for t, v in lp.top})
+            piece["top_logprobs"].append(None if lp is None else {token_name(tok, t, self.as_ids): v for t, v in lp.top})
             piece["text_offset"].append(offset)
             offset += len(token)
         for key, values in piece.items():
@@ -125,21 +131,35 @@ def _echo(job: _Job, choice: _Choice) -> dict[str, Any] | None:
 async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
                     events: AsyncIterator[tuple[int, ChoiceEvent]]) -> dict[str, Any]:
     n = _n(req, jobs)
-    choices = {(j.number, s): _Choice(pipeline, req.logprobs is not None) for j in jobs for s in range(n)}
+    choices = {(j.number, s): _Choice(pipeline, req.logprobs is not None, req.return_tokens_as_token_ids)
+               for j in jobs for s in range(n)}
     finish: dict[tuple[int, int], str] = {}
     tokens: dict[tuple[int, int], int] = {}
     if req.echo:
         for (number, _), choice in choices.items():
             _echo(jobs[number], choice)
     running = [j for j in jobs if j.prep is not None]
+    likelihood: dict[tuple[int, int], float] = {}
     async for k, ev in events:
         key = (running[k].number, ev.index)
         choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
+        likelihood[key] = likelihood.get(key, 0.0) + sum(lp.logprob for lp in ev.logprobs)
         tokens[key] = ev.completion_tokens
         if ev.finish_reason is not None:
             finish[key] = ev.finish_reason
+    if req.best_of and req.best_of > req.n:   # best_of: each prompt's req.n likeliest candidates, best first
+        kept, kept_finish = {}, {}
+        for j in jobs:
+            for rank, s in enumerate(best_candidates([likelihood.get((j.number, s), 0.0) for s in range(n)], req.n)):
+                kept[(j.number, rank)] = choices[(j.number, s)]
+                kept_finish[(j.number, rank)] = finish.get((j.number, s), "length")
+        choices, finish, n = kept, kept_finish, req.n
     body = [{"index": number * n + s, "text": c.text, "logprobs": c.logprobs,
              "finish_reason": finish.get((number, s), "length")} for (number, s), c in choices.items()]
+    if req.prompt_logprobs is not None:   # vLLM's place for it: each choice, its prompt's
+        for choice, ((number, _), _) in zip(body, choices.items()):
+            choice["prompt_logprobs"] = prompt_logprob_entries(jobs[number].prompt_logprobs or [],
+                                                               pipeline.tokenizer)
     return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values()))}
 
 
@@ -153,7 +173,8 @@ async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], bas
             body["usage"] = usage
         return json.dumps(body, ensure_ascii=False)
 
-    choices = {(j.number, s): _Choice(pipeline, req.logprobs is not None) for j in jobs for s in range(n)}
+    choices = {(j.number, s): _Choice(pipeline, req.logprobs is not None, req.return_tokens_as_token_ids)
+               for j in jobs for s in range(n)}
     tokens: dict[tuple[int, int], int] = {}
     for (number, s), choice in choices.items():
         if req.echo:
@@ -172,6 +193,11 @@ async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], bas
                       "finish_reason": ev.finish_reason}])
     if req.include_usage:
         yield chunk([], _usage(jobs, sum(tokens.values())))
+
+
+def best_candidates(logprob_sums: list[float], n: int) -> list[int]:
+    """best_of: the n candidates with the highest summed logprob (vLLM's ranking), best first."""
+    return sorted(range(len(logprob_sums)), key=lambda s: -logprob_sums[s])[:n]
 
 
 def _n(req: CompletionRequest, jobs: list[_Job]) -> int:

@@ -13,7 +13,8 @@ from kvyard.http_errors import ERROR_TABLE
 
 # Routes whose 200 is an SSE stream when the request asks for one ("stream": true, or always for /generate).
 STREAMING = {("/v1/chat/completions", "post"), ("/chat/completions", "post"), ("/v1/completions", "post"),
-             ("/completions", "post"), ("/", "post"), ("/generate", "post")}
+             ("/completions", "post"), ("/", "post"), ("/generate", "post"), ("/v1/responses", "post"),
+             ("/responses", "post")}
 
 ERROR_SCHEMA = {
     "type": "object",

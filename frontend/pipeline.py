@@ -32,6 +32,9 @@ class PreparedRequest:
     model: str | None = None   # as the client named it (None: this frontend's own; Pipeline.check_model);
                                # the master routes by it and the response echoes it
     tool_parser: type[ToolParser] | None = None  # parse the output for tool calls (the request has tools)
+    include_stop: bool = False       # a matched stop string stays in the text (include_stop_str_in_output)
+    skip_special: bool = True        # special tokens are left out of the text (skip_special_tokens)
+    prompt_logprobs: int | None = None  # the prompt's own logprobs, with this many alternatives (None: not asked)
 
 
 @dataclass
@@ -94,10 +97,36 @@ class Pipeline:
         """The prompt's tokens within budget, and the request's sampling fields as SamplingParams."""
         if budget.requested is None and "max_new_tokens" in DIALECT_DEFAULTS[dialect]:
             budget = replace(budget, requested=DIALECT_DEFAULTS[dialect]["max_new_tokens"])
+        rendered = self._truncated(rendered, req.truncate_prompt_tokens)
         max_new = self.budget(len(rendered.input_ids), budget)
         params = self._params(req, dialect, max_new, logprobs, top_logprobs, constraint)
         return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
-                               self.check_model(req.model), tool_parser)
+                               self.check_model(req.model), tool_parser, req.include_stop, req.skip_special_tokens,
+                               req.prompt_logprobs)
+
+    def _truncated(self, rendered: RenderedPrompt, keep: int | None) -> RenderedPrompt:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: all the context holds, leaving room
+        for one more), as vLLM truncates: from the left."""
+        if keep is None:
+            return rendered
+        keep = self.cfg.max_seq_len - 1 if keep == -1 else keep
+        if keep < 1:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens must be at least 1 (or -1)",
+                               "truncate_prompt_tokens")
+        if len(rendered.input_ids) <= keep:
+            return rendered
+        ids = rendered.input_ids[-keep:]
+        return replace(rendered, prompt=self.tokenizer.decode(ids), input_ids=ids)
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as written and after a space (how it appears mid-text), as vLLM bans them."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
 
     def budget(self, n_prompt: int, budget: Budget) -> int:
         """Tokens the completion may have: as requested, else the room left in the context."""
@@ -122,11 +151,17 @@ class Pipeline:
                 constraint: Constraint | None) -> SamplingParams:
         """The request's sampling fields over its dialect's defaults (kvyard/sampling_params.py)."""
         given = req.sampling_fields()
+        for name in ("allowed_token_ids", "stop_token_ids"):
+            try:
+                self.tokenizer.check_ids(list(given.get(name) or ()))
+            except ValueError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{name}: {exc}", name) from None
         stop_ids = (*self.cfg.stop_word_ids, *(given.pop("stop_sequences", None) or ()))
         timeout_ms = given.pop("timeout_ms", None)
         return SamplingParams.for_dialect(
             dialect, **given, max_new_tokens=max_new, logprobs=logprobs, top_logprobs=top_logprobs,
             stop_sequences=tuple(tuple(ids) for ids in stop_ids), logit_bias=self._logit_bias(req.logit_bias),
+            bad_words_ids=self._bad_words(req.bad_words) or None,
             timeout_ms=int(self.cfg.request_timeout_s * 1000) if timeout_ms is None else timeout_ms,
             constraint=constraint)
 
@@ -145,14 +180,22 @@ class Pipeline:
             out[token] = value
         return out
 
+    async def prompt_logprobs(self, request_id: str, ids: list[int], model: str | None, top: int
+                              ) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob after the ones before it (the backend's ScoreCall; the first has none)."""
+        if len(ids) == 1:
+            return [None]
+        score = await self.client.score(request_id, ids[:1], ids[1:], model, top)
+        return [None, *score.logprobs]
+
     # --- generate ---
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[ChoiceEvent]:
         """One event per choice per backend step; exactly one event per choice has finish_reason.
         Closing this closes the backend call, which aborts the request there."""
         context = prep.rendered.input_ids
-        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids=context),
-                              StopStringMatcher(prep.stop_strings)) for i in range(prep.params.n)}
+        choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prep.skip_special, prompt_ids=context),
+                              StopStringMatcher(prep.stop_strings, prep.include_stop)) for i in range(prep.params.n)}
         unfinished = len(choices)
         gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
         try:
@@ -227,8 +270,9 @@ class StopStringMatcher:
     """Feed text pieces; get back what is safe to emit. Once a stop string appears, the text before
     it is released and `stopped` turns True; nothing after it is ever released."""
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include: bool = False) -> None:
         self.stop = [s for s in stop if s]
+        self.include = include   # release the stop string itself too (include_stop_str_in_output)
         self._held = ""
         self.stopped = False
 
@@ -241,11 +285,11 @@ class StopStringMatcher:
         # The stop string that completes first wins (ties: the one that starts first), so the result
         # is the same however the text is split into pieces (e.g. stops "abcd" and "bc" in "abcd").
         found = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stop) if i >= 0]
-        cut = min(found)[1] if found else -1
-        if cut >= 0:
+        if found:
+            end, start = min(found)
             self.stopped = True
             self._held = ""
-            return buf[:cut]
+            return buf[:end if self.include else start]
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]

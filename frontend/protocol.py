@@ -2,10 +2,12 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
 
 # Integers travel in the backend proto's int32/int64 fields: a larger one is the client's 400 here,
@@ -26,9 +28,39 @@ def _valid_text(v: Any, what: str = "stop strings") -> Any:
     return v
 
 
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
+
+
 class _Lenient(BaseModel):
-    # Clients send fields we do not know yet (OpenAI adds some every month): accept, ignore.
-    model_config = ConfigDict(extra="allow")
+    # Every request object names the fields it takes: any other is the client's 400 "Unrecognized request
+    # argument supplied: <name>" (OpenAI's answer; docs/api.md#request-fields), never silently dropped.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_unless(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {why}", field)
+
+
+# RTP-LLM GenerateConfig keys kvyard refuses: (values that ask for nothing, why any other is refused).
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_beams": ((1,), "kvyard samples; it has no beam search (num_beams 1 is taken)"),
+    "return_logits": ((False,), "the full logits are not returned; ask for logprobs / top_logprobs"),
+    "return_hidden_states": ((False,), "hidden states are not returned; the pooling routes (/v1/embeddings) give "
+                                       "embeddings"),
+    "top_p_decay": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "top_p_min": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "no_repeat_ngram_size": ((0,), "n-gram blocking is not implemented; repetition_penalty, presence_penalty and "
+                                   "frequency_penalty are"),
+    "bad_words_list": (([],), "give the words as text in the request's bad_words"),
+    "adapter_name": (("", []), "kvyard serves no LoRA adapters"),
+}
+
+
+def _streams_deltas(extra: GenerateConfig | None) -> None:
+    if extra is not None and extra.return_incremental is False:
+        raise ValueError("extra_configs.return_incremental=false is for POST /: chat and completions stream only "
+                         "the new text")
 
 
 class GenerateConfig(BaseModel):
@@ -54,6 +86,25 @@ class GenerateConfig(BaseModel):
     is_streaming: bool | None = None
     return_output_ids: bool | None = None
     return_input_ids: bool | None = None
+    return_incremental: bool | None = None  # POST /: as the top-level `incremental`; chat/completions: true only
+    # RTP-LLM keys kvyard does not implement, declared so that a request asking for one gets a 400 saying why
+    # (their neutral values, e.g. num_beams=1, are taken): see _UNSUPPORTED.
+    num_beams: int | None = None
+    return_logits: bool | None = None
+    return_hidden_states: bool | None = None
+    top_p_decay: float | None = None
+    top_p_min: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words_list: Any = None
+    adapter_name: Any = None
+
+    @field_validator(*_UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> None:
+        neutral, why = _UNSUPPORTED[info.field_name]
+        if v is not None and v not in neutral:
+            raise ValueError(f"{info.field_name} is not supported: {why}")
+        return None
 
     @field_validator("stop_words_str")
     @classmethod
@@ -73,6 +124,7 @@ class GenerateConfig(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI: padding against length side channels (none is added)
 
 
 class JsonSchemaFormat(_Lenient):
@@ -136,8 +188,45 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     frequency_penalty: float | None = Field(default=None, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     repetition_penalty: RepetitionPenalty | None = None  # extension
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     extra_configs: GenerateConfig | None = None                  # RTP-LLM extension
+    # Descriptive only (no effect on the answer, by design; OpenAI uses them for monitoring and stored outputs)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None                 # true (keep the output for later) is refused: nothing is kept
+    service_tier: str | None = None           # "auto" / "default" (the only tier); others are refused
+    # vLLM's extensions
+    ignore_eos: bool | None = None            # generate through eos (stop tokens and strings still stop)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # no eos or stop token before this many
+    stop_token_ids: list[Int32] | None = None  # token ids that end a choice (kept in its tokens, not its text)
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
+    skip_special_tokens: bool = True          # false: special tokens (e.g. <|im_end|>) appear in the text
+    spaces_between_special_tokens: bool | None = None  # only false (or with skip_special_tokens) is served
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # keep the prompt's last k
+                                              # tokens (-1: as many as the context holds with room for one)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # each prompt token's logprob
+    allowed_token_ids: list[Int32] | None = Field(default=None, min_length=1)  # only these may be sampled
+    bad_words: list[str] | None = None        # words never generated (their tokens, with and without a space)
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)  # locally typical sampling (also llama.cpp's)
+    priority: int = 0                         # only 0: requests are served first come, first served
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # completions: generate this many, return the n
+                                              # likeliest (not streamed); chat: only = n
+    guided_decoding_backend: str | None = None  # "auto", "guidance" or "llguidance": the one there is
+    guided_whitespace_pattern: str | None = None  # refused: llguidance's JSON whitespace is fixed
+    structural_tag: str | dict[str, Any] | None = None  # refused: not served
+    # llama.cpp's extensions
+    n_predict: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # max_tokens (-1: up to the context)
+    n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top logprobs per token
+    cache_prompt: bool | None = None          # only true: cached prefixes are always reused
+    mirostat: int | None = None               # only 0 (off): mirostat sampling is not served
+    mirostat_tau: float | None = None         # mirostat's parameters (meaningful only with mirostat)
+    mirostat_eta: float | None = None
+    samplers: list[str] | str | None = None   # refused: the sampler order is fixed
+    # SGLang's router forwards these with its defaults
+    no_stop_trim: bool | None = None          # SGLang's include_stop_str_in_output
+    separate_reasoning: bool | None = None    # no reasoning parser here: nothing to separate either way
+    stream_reasoning: bool | None = None
+    return_hidden_states: bool | None = None  # only false
 
     @field_validator("stop")
     @classmethod
@@ -145,6 +234,48 @@ class SamplingRequest(_Lenient, GuidedDecoding):
         if isinstance(v, list) and any(s == "" for s in v) or v == "":
             raise ValueError("stop strings must not be empty")
         return _valid_text(v)
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("bad words must not be empty")
+        return _valid_text(v, "bad words")
+
+    @model_validator(mode="after")
+    def _served(self) -> SamplingRequest:
+        """Fields kvyard knows but serves only in part: anything else is a 400 naming the field."""
+        _refuse_unless(self.store is not True, "store", "kvyard keeps no outputs (store must be false)")
+        _refuse_unless(self.service_tier in (None, "auto", "default"), "service_tier",
+                       f"{self.service_tier!r} is not offered (one tier: 'default')")
+        _refuse_unless(self.priority == 0, "priority", "priority scheduling is not enabled (requests are "
+                       "served first come, first served)")
+        _refuse_unless(not (self.spaces_between_special_tokens and not self.skip_special_tokens),
+                       "spaces_between_special_tokens", "special tokens are joined without spaces")
+        _refuse_unless(self.guided_decoding_backend in (None, "auto", "guidance", "llguidance"),
+                       "guided_decoding_backend", "the one backend is llguidance ('guidance')")
+        _refuse_unless(self.guided_whitespace_pattern is None, "guided_whitespace_pattern",
+                       "not supported (llguidance's JSON whitespace is fixed)")
+        _refuse_unless(self.structural_tag is None, "structural_tag", "not supported")
+        _refuse_unless(self.cache_prompt is not False, "cache_prompt", "cached prefixes are always reused")
+        _refuse_unless(not self.mirostat, "mirostat", "mirostat sampling is not supported (use 0)")
+        _refuse_unless(self.samplers is None, "samplers", "the sampler order is fixed (penalties, bias, "
+                       "temperature, top_k, min_p, typical_p, top_p)")
+        _refuse_unless(not self.return_hidden_states, "return_hidden_states", "hidden states are not returned")
+        _refuse_unless(self.best_of is None or self.best_of >= self.n, "best_of", "best_of must be at least n")
+        _refuse_unless(self.n_predict is None or "max_tokens" not in self.model_fields_set
+                       or self.max_tokens == self.n_predict, "n_predict", "give max_tokens or n_predict, not both")
+        return self
+
+    @property
+    def include_stop(self) -> bool:
+        return self.include_stop_str_in_output or bool(self.no_stop_trim)
+
+    def max_tokens_asked(self) -> int | None:
+        """max_tokens, else llama.cpp's n_predict (-1: up to the context), else the dialect's default."""
+        if self.n_predict is not None and "max_tokens" not in self.model_fields_set:
+            return None if self.n_predict < 0 else self.n_predict
+        return self.max_tokens
 
     def stop_list(self) -> list[str]:
         own = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -156,9 +287,12 @@ class SamplingRequest(_Lenient, GuidedDecoding):
         the request leaves unset. None: unset (the dialect's default)."""
         extra = self.extra_configs or GenerateConfig()
         own = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-               "seed": self.seed, "repetition_penalty": self.repetition_penalty,
+               "typical_p": self.typical_p, "seed": self.seed, "repetition_penalty": self.repetition_penalty,
                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-               "n": self.n if self.n != 1 else None}
+               "n": self.n if self.n != 1 else None, "ignore_eos": self.ignore_eos,
+               "min_new_tokens": self.min_tokens,
+               "stop_token_ids": self.stop_token_ids and tuple(self.stop_token_ids),
+               "allowed_token_ids": self.allowed_token_ids and tuple(self.allowed_token_ids)}
         return {**extra.sampling_fields(), **{k: v for k, v in own.items() if v is not None}}
 
     @property
@@ -188,6 +322,12 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None   # an earlier answer's reasoning (templates that show it use it)
+    function_call: FunctionCall | None = None  # the deprecated form of tool_calls (the template sees it)
+    # What the official client echoes back when a response's message is appended as it came
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None                     # audio answers are not served
 
     def text(self) -> str:
         if self.content is None:
@@ -201,6 +341,7 @@ class FunctionDefinition(_Lenient):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None   # the parameters are enforced whenever a call is forced (frontend/guided.py)
 
 
 class ToolDefinition(_Lenient):
@@ -222,20 +363,58 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = None   # the deprecated form of tools
+    _legacy_functions: bool = PrivateAttr(default=False)  # tools came from `functions`: answer with function_call
     # RTP-LLM extensions
     template_key: str | None = None
     user_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat extensions
+    chat_template: str | None = None          # a jinja template for this request: 400 unless the operator
+                                              # trusts request templates (TRUST_REQUEST_CHAT_TEMPLATE=1)
+    continue_final_message: bool = False      # the prompt ends inside the last (assistant) message
+    documents: list[dict[str, str]] | None = None  # RAG documents, handed to the template as `documents`
+    modalities: list[Literal["text"]] | None = None  # text only
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
+    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
+    trace_id: str | None = None    # the caller's trace: heads the backend request id, so its log lines carry it
+    chat_id: str | None = None     # the response's `id` (the backend request id stays unique)
+    extend_fields: dict[str, Any] | None = None  # passed back as they came, in the response
+    master_info: dict[str, Any] | None = None    # RTP-LLM's pre-made routing: refused (the frontend asks the master)
+
+    @field_validator("trace_id", "chat_id")
+    @classmethod
+    def _plain_id(cls, v: str | None) -> str | None:
+        if v is not None and not _PLAIN_ID.fullmatch(v):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : -")
+        return v
+
+    @field_validator("master_info")
+    @classmethod
+    def _no_master_info(cls, v: dict[str, Any] | None) -> None:
+        if v is not None:
+            raise ValueError("is not supported: kvyard's frontend asks its master (MASTER_ADDRESS) for every "
+                             "request and takes no routing from the client")
+        return None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        _streams_deltas(self.extra_configs)
+        _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
+                       "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
+        if self.continue_final_message:
+            _refuse_unless(not self.add_generation_prompt, "continue_final_message",
+                           "cannot be combined with add_generation_prompt: true")
+            _refuse_unless(self.messages[-1].role == "assistant", "continue_final_message",
+                           "the last message must be the assistant's")
+        if self.n_probs is not None and not self.logprobs:
+            self.logprobs, self.top_logprobs = True, self.n_probs
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tools is None and self.functions:
             self.tools = [ToolDefinition(function=f) for f in self.functions]
+            self._legacy_functions = True
         names = {t.function.name for t in self.tools or []}
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.get("name")
@@ -248,13 +427,19 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
-        if self.max_tokens is not None:
-            return self.max_tokens
+        if self.max_tokens_asked() is not None:
+            return self.max_tokens_asked()
         return self.extra_configs.max_new_tokens if self.extra_configs else None
 
     def template_kwargs(self) -> dict[str, Any]:
         extra = (self.extra_configs and self.extra_configs.chat_template_kwargs) or {}
-        return {**(self.chat_template_kwargs or {}), **extra}
+        docs = {"documents": self.documents} if self.documents is not None else {}
+        return {**docs, **(self.chat_template_kwargs or {}), **extra}
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request gave `functions` (no `tools`): OpenAI's legacy API answers with one `function_call`."""
+        return self._legacy_functions
 
     def tools_in_use(self) -> list[dict[str, Any]] | None:
         """The tool definitions the model should see (none when tool_choice is "none")."""
@@ -269,14 +454,16 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
+        _streams_deltas(self.extra_configs)
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (kvyard does not rank candidates)")
+        if self.n_probs is not None and self.logprobs is None:
+            self.logprobs = self.n_probs
+        _refuse_unless(not (self.stream and self.best_of and self.best_of > self.n), "best_of",
+                       "best_of > n cannot be streamed (the best are known only at the end)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self
@@ -306,6 +493,8 @@ class RawRequest(GuidedDecoding):
 
     @model_validator(mode="after")
     def _checks(self) -> RawRequest:
+        if self.generate_config.return_incremental:
+            self.incremental = True
         if self.urls:
             raise ValueError("urls (multimodal input) are not supported")
         if isinstance(self.prompt, list) and not self.prompt:

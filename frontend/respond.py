@@ -47,6 +47,8 @@ def _data(text: str) -> str:
 
 OPENAI_SSE = SseFraming(_data, _data, "data: [DONE]\n\n")
 RTP_SSE = SseFraming(lambda text: f"data:{text}\n\n", lambda text: f"data:{text}\n\n", "data:[done]\n\n")
+# /v1/responses: each event names its type itself (`event: response.output_text.delta`); no end marker.
+RESPONSES_SSE = SseFraming(lambda text: f"{text}\n\n", lambda text: f"event: error\ndata: {text}\n\n", "")
 EVENT_SSE = SseFraming(sse_message, lambda text: sse_message(text, "error"), "event: end\n\n")  # POST /generate
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from gateway.config import ROUTING_PREFIX, GatewayConfig
@@ -28,6 +29,7 @@ from gateway.upstreams import UpstreamTable
 from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
+from kvyard.http_json import OriginCheck
 from kvyard.metrics import HttpMetricsMiddleware, add_metrics_route
 
 PRIORITY_HEADER = "x-priority"
@@ -56,6 +58,11 @@ def create_gateway_app(cfg: GatewayConfig, clock: Callable[[], float] = time.mon
     app.state.dispatcher = dispatcher
     install_error_handlers(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    # The frontend's rule: a browser on another site must not drive the upstreams through the gateway.
+    app.add_middleware(OriginCheck, allowed_origins=cfg.cors_allow_origins)
+    if cfg.cors_allow_origins:  # outermost: answers the browsers' preflights for the allowed origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     add_metrics_route(app, metrics.registry)
 
     @app.post("/v1/{endpoint:path}")

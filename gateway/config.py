@@ -36,6 +36,7 @@ class GatewayConfig:
     prefix_max_bytes: int            # GATEWAY_PREFIX_MAX_BYTES: how much of a request's text is indexed
     prefix_cache_blocks: int         # GATEWAY_PREFIX_CACHE_BLOCKS: blocks remembered per upstream (LRU)
     max_body_bytes: int              # MAX_BODY_BYTES: larger request bodies are a 413
+    cors_allow_origins: tuple[str, ...]  # CORS_ALLOW_ORIGINS: web origins that may call it ("*": any), as the frontend
     policy: PolicyConfig             # the master's routing knobs (imbalance guard, ties)
 
     @classmethod
@@ -68,6 +69,7 @@ class GatewayConfig:
             prefix_max_bytes=env_int(env, "GATEWAY_PREFIX_MAX_BYTES", 65_536, minimum=0),
             prefix_cache_blocks=env_int(env, "GATEWAY_PREFIX_CACHE_BLOCKS", 200_000, minimum=1),
             max_body_bytes=env_int(env, "MAX_BODY_BYTES", 8 << 20, minimum=1024),
+            cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             policy=PolicyConfig(
                 imbalance_abs=env_int(env, "GATEWAY_IMBALANCE_ABS", 8, minimum=0),
                 imbalance_ratio=env_int(env, "GATEWAY_IMBALANCE_PCT", 150, minimum=100) / 100,

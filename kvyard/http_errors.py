@@ -60,6 +60,9 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', 'parse error')}", None
+        elif first.get("type") == "extra_forbidden":  # a field no request model names: OpenAI's wording
+            param = ".".join(loc) or None
+            message = f"Unrecognized request argument supplied: {param}"
         else:
             param = ".".join(loc) or None
             message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"

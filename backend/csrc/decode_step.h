@@ -20,6 +20,28 @@
 
 namespace kvyard {
 
+// The weights as backend/ops.py hands them over, by name (KernelOps.fused_decoder builds them field for
+// field). Held by FusedDecoder, so the pointers its views below keep stay valid.
+struct BlockTensors {  // one matrix in GGUF blocks (tensors.h as_matrix)
+  at::Tensor qs, d, m;  // codes, scales, minimums (empty for Q8_0; the K-quants' sub-scales)
+};
+
+struct LayerTensors {
+  at::Tensor attn_norm;
+  BlockTensors qkv;
+  at::Tensor qkv_bias;  // empty when the model has none
+  BlockTensors o;
+  at::Tensor ffn_norm;
+  BlockTensors gate_up, down;
+};
+
+struct ModelTensors {
+  BlockTensors embed;
+  at::Tensor norm;
+  BlockTensors lm_head;
+  std::vector<LayerTensors> layers;
+};
+
 struct LayerWeights {
   const float* attn_norm;
   QMatrix qkv;
@@ -40,40 +62,35 @@ struct ThreadScratch {
 
 class FusedDecoder {
  public:
-  static constexpr int64_t TENSORS_PER_LAYER = 15;
   // Where a step's time goes (benchmarks/step_profile.py): thread 0's time between barriers, summed.
   enum Phase { EMBED, NORM, QKV, ROPE_STORE, ATTENTION, O, GATE_UP, SILU, DOWN, LM_HEAD, PHASES };
   static constexpr const char* PHASE_NAMES[PHASES] = {"embed", "rms_norm", "qkv", "rope_store", "attention",
                                                       "o", "gate_up", "silu_mul", "down", "lm_head"};
 
-  // tensors: embed (qs, d, m), norm, lm_head (qs, d, m), then per layer attn_norm, qkv (qs, d, m), qkv_bias,
-  // o (qs, d, m), ffn_norm, gate_up (qs, d, m), down (qs, d, m). m and qkv_bias: empty when absent (Q8_0
-  // has no minimums). Kept here, so the pointers below stay valid. windows: per layer, the keys a query sees
-  // (a sliding window, itself included; 0: all).
-  FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::vector<at::Tensor> tensors,
+  // windows: per layer, the keys a query sees (a sliding window, itself included; 0: all).
+  FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, ModelTensors tensors,
                std::vector<int64_t> windows)
       : H_(n_heads), Hkv_(n_kv), d_(head_dim), eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5))),  // as Python's d ** -0.5
         tensors_(std::move(tensors)), windows_(std::move(windows)) {
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && H_ / Hkv_ <= 64, "bad head counts");
     TORCH_CHECK(d_ == 32 || d_ == 64 || d_ == 96 || d_ == 128, "head_dim must be 32, 64, 96 or 128");
-    TORCH_CHECK(tensors_.size() >= 7 && (tensors_.size() - 7) % TENSORS_PER_LAYER == 0, "bad tensor list");
-    embed_ = matrix(0);
-    norm_ = vector_of(3, embed_.K);
-    lm_head_ = matrix(4);
+    embed_ = matrix(tensors_.embed);
+    norm_ = vector_of(tensors_.norm, embed_.K, "norm");
+    lm_head_ = matrix(tensors_.lm_head);
     D_ = embed_.K;
     TORCH_CHECK(lm_head_.K == D_, "lm_head and embedding widths differ");
-    const int64_t L = (tensors_.size() - 7) / TENSORS_PER_LAYER;
+    const int64_t L = static_cast<int64_t>(tensors_.layers.size());
     for (int64_t l = 0; l < L; ++l) {
-      const size_t t = 7 + l * TENSORS_PER_LAYER;
+      const LayerTensors& t = tensors_.layers[l];
       LayerWeights w;
-      w.attn_norm = vector_of(t, D_);
-      w.qkv = matrix(t + 1);
-      w.qkv_bias = tensors_[t + 4].numel() ? vector_of(t + 4, w.qkv.N) : nullptr;
-      w.o = matrix(t + 5);
-      w.ffn_norm = vector_of(t + 8, D_);
-      w.gate_up = matrix(t + 9);
-      w.down = matrix(t + 12);
+      w.attn_norm = vector_of(t.attn_norm, D_, "attn_norm");
+      w.qkv = matrix(t.qkv);
+      w.qkv_bias = t.qkv_bias.numel() ? vector_of(t.qkv_bias, w.qkv.N, "qkv_bias") : nullptr;
+      w.o = matrix(t.o);
+      w.ffn_norm = vector_of(t.ffn_norm, D_, "ffn_norm");
+      w.gate_up = matrix(t.gate_up);
+      w.down = matrix(t.down);
       TORCH_CHECK(w.qkv.K == D_ && w.qkv.N == (H_ + 2 * Hkv_) * d_ && w.o.K == H_ * d_ && w.o.N == D_ &&
                   w.gate_up.K == D_ && w.gate_up.N % 2 == 0 && w.down.K == w.gate_up.N / 2 && w.down.N == D_,
                   "layer ", l, ": weight shapes do not fit the model");
@@ -166,9 +183,10 @@ class FusedDecoder {
           mark(tid, ROPE_STORE);
           int64_t i0, i1;
           split_range(B * Hkv_, tid, nt, i0, i1);
+          const DecodeHeads heads{q_.data(), attn_.data(), H_, d_, scale_};
+          const auto kv = paged_kv<T>(kc, vc, tp, nblk, block_size, Hkv_);
           for (int64_t i = i0; i < i1; ++i)
-            attend(d_, q_.data(), kc, vc, tp, nblk, block_size, H_, Hkv_, i / Hkv_, i % Hkv_, lp[i / Hkv_],
-                   windows_[l], scale_, attn_.data(), sc.attention);
+            attend(heads, kv, i / Hkv_, i % Hkv_, lp[i / Hkv_], windows_[l], sc.attention);
 #pragma omp barrier
           mark(tid, ATTENTION);
           linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
@@ -222,14 +240,10 @@ class FusedDecoder {
     last_mark_ = now;
   }
 
-  QMatrix matrix(size_t i) const {
-    const at::Tensor &qs = tensors_[i], &d = tensors_[i + 1], &m = tensors_[i + 2];
-    return as_matrix(qs, d, m, m.numel() > 0);
-  }
+  static QMatrix matrix(const BlockTensors& b) { return as_matrix(b.qs, b.d, b.m, b.m.numel() > 0); }
 
-  const float* vector_of(size_t i, int64_t n) const {
-    const at::Tensor& t = tensors_[i];
-    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat && t.numel() == n, "tensor ", i,
+  static const float* vector_of(const at::Tensor& t, int64_t n, const char* name) {
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat && t.numel() == n, name,
                 ": a contiguous float32 vector of ", n);
     return t.data_ptr<float>();
   }
@@ -281,7 +295,7 @@ class FusedDecoder {
 
   int64_t H_, Hkv_, d_;
   float eps_, scale_;
-  std::vector<at::Tensor> tensors_;
+  ModelTensors tensors_;
   std::vector<int64_t> windows_;
   QMatrix embed_, lm_head_;
   const float* norm_ = nullptr;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "attention512.h"
@@ -144,18 +145,46 @@ inline void attend_item(const float* q, const T* kc, const T* vc, const int64_t*
   }
 }
 
-// attend_item with the head size as a run-time value (32, 64, 96 or 128; false for any other), over the
-// last `window` of the n keys row b sees (window 0: all of them).
+// The paged KV cache as decode attention reads it: K and V rows [S, Hkv, d] (one layer's), and each
+// query row's block ids, table: [B, nblk].
 template <typename T>
-inline bool attend(int64_t d, const float* q, const T* kc, const T* vc, const int64_t* table, int64_t nblk,
-                   int64_t block_size, int64_t H, int64_t Hkv, int64_t b, int64_t kvh, int64_t n, int64_t window,
-                   float scale, float* out, AttentionScratch& s) {
+struct PagedKV {
+  const T* k;
+  const T* v;
+  const int64_t* table;
+  int64_t nblk, block_size, Hkv;
+};
+
+template <typename T>
+inline PagedKV<T> paged_kv(const T* k, const T* v, const int64_t* table, int64_t nblk, int64_t block_size,
+                           int64_t Hkv) {
+  return {k, v, table, nblk, block_size, Hkv};
+}
+
+// The decode queries and where their answers go: q, out: [B, H, d]; scale: the softmax's.
+struct DecodeHeads {
+  const float* q;
+  float* out;
+  int64_t H, d;
+  float scale;
+};
+
+// attend_item with the head size as a run-time value (32, 64, 96 or 128; false for any other), for query
+// row b's KV head kvh over the last `window` of the n keys it sees (window 0: all of them).
+template <typename T>
+inline bool attend(const DecodeHeads& h, const PagedKV<T>& kv, int64_t b, int64_t kvh, int64_t n, int64_t window,
+                   AttentionScratch& s) {
   const int64_t f = window > 0 && n > window ? n - window : 0;
-  switch (d) {
-    case 64: attend_item<8>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
-    case 128: attend_item<16>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
-    case 32: attend_item<4>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
-    case 96: attend_item<12>(q, kc, vc, table, nblk, block_size, H, Hkv, b, kvh, f, n, scale, out, s); return true;
+  auto item = [&](auto nv) {
+    attend_item<decltype(nv)::value>(h.q, kv.k, kv.v, kv.table, kv.nblk, kv.block_size, h.H, kv.Hkv, b, kvh, f, n,
+                                     h.scale, h.out, s);
+    return true;
+  };
+  switch (h.d) {
+    case 64: return item(std::integral_constant<int64_t, 8>{});
+    case 128: return item(std::integral_constant<int64_t, 16>{});
+    case 32: return item(std::integral_constant<int64_t, 4>{});
+    case 96: return item(std::integral_constant<int64_t, 12>{});
     default: return false;
   }
 }

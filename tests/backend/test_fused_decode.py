@@ -159,3 +159,26 @@ def test_mixed_steps_go_op_by_op(model_blocks: LlamaModel, monkeypatch: pytest.M
     assert calls == []
     runner.run([DirectChunk(DirectSeq(prompt.token_ids + [7], [0, 1]), 20, 1)])
     assert calls == [1]
+
+
+def test_the_weights_cross_by_name_and_a_bad_one_is_named() -> None:
+    """The FusedDecoder takes named structs (BlockTensors, LayerTensors, ModelTensors), not a flat list
+    whose layout both sides mirror by hand; a weight of the wrong shape is refused naming its field."""
+    k = kernels.load()
+    d_model, heads, head_dim, ffn = 64, 2, 32, 128
+    none = torch.empty(0)
+
+    def blocks(n: int, kk: int, seed: int) -> object:
+        w = random_blocks("q8_0", n, kk, seed)
+        return k.BlockTensors(qs=w.qs, d=w.d, m=none)
+
+    def model(attn_norm: torch.Tensor) -> object:
+        layer = k.LayerTensors(attn_norm=attn_norm, qkv=blocks(3 * heads * head_dim, d_model, 1), qkv_bias=none,
+                               o=blocks(d_model, heads * head_dim, 2), ffn_norm=torch.ones(d_model),
+                               gate_up=blocks(2 * ffn, d_model, 3), down=blocks(d_model, ffn, 4))
+        return k.ModelTensors(embed=blocks(96, d_model, 5), norm=torch.ones(d_model), lm_head=blocks(96, d_model, 6),
+                              layers=[layer])
+
+    k.FusedDecoder(heads, heads, head_dim, 1e-5, model(torch.ones(d_model)), [0])  # well formed
+    with pytest.raises(RuntimeError, match="attn_norm: a contiguous float32 vector of 64"):
+        k.FusedDecoder(heads, heads, head_dim, 1e-5, model(torch.ones(d_model + 1)), [0])

@@ -124,6 +124,32 @@ def test_bad_input_is_a_400_error_object_and_reaches_no_upstream() -> None:
             assert not any(f.received for f in fakes)
 
 
+def test_a_cross_site_post_is_refused_as_the_frontend_refuses_it() -> None:
+    """A page on another site (a form post or text/plain fetch, no preflight) reaches no upstream;
+    CORS_ALLOW_ORIGINS opens the gateway to the origins it names, as on the frontend."""
+    chat = {"model": "m", "messages": []}
+    with fake_upstreams(["m"]) as (up,):
+        with gateway([up]) as client:
+            for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/json"):
+                resp = client.post("/v1/chat/completions", content=json.dumps(chat),
+                                   headers={"content-type": ctype, "origin": "https://evil.example"})
+                assert_error(resp, 403, "origin_not_allowed")
+                assert "access-control-allow-origin" not in resp.headers
+            assert not up.received
+            assert client.get("/v1/models", headers={"origin": "https://evil.example"}).status_code == 200
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200  # curl, the SDKs: no Origin
+        with gateway([up], CORS_ALLOW_ORIGINS="https://app.example") as client:
+            pre = client.options("/v1/chat/completions", headers={
+                "origin": "https://app.example", "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type"})
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+            ok = client.post("/v1/chat/completions", json=chat, headers={"origin": "https://app.example"})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+            assert_error(client.post("/v1/chat/completions", json=chat, headers={"origin": "https://evil.example"}),
+                         403, "origin_not_allowed")
+            assert len(up.received) == 2
+
+
 # ---- failures ----------------------------------------------------------------------------------------
 
 def test_a_5xx_before_any_byte_is_retried_once_elsewhere_and_marks_the_upstream_unhealthy() -> None:

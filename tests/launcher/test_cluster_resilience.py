@@ -1,7 +1,8 @@
 """`kvyard cluster --backends 2` on a tiny model, hurt the way an operator's bad day would: `kill -9` of one
 backend's engine process leaves the rest serving (every request answered by the other backend) and the
-launcher restarts it, after which the master routes to it again; a double SIGTERM then SIGKILL of the
-launcher leaves no process of the tree and no port held."""
+launcher restarts it, after which the master routes to it again; SIGSTOP of the other one's engine costs
+its requests a first-token deadline and a health probe, then the other backend answers them; a double
+SIGTERM then SIGKILL of the launcher leaves no process of the tree and no port held."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ from tests.support.proc_tree import descendants, wait_gone
 from tests.support.procs import REPO, free_port_block, stop_groups
 
 READY_TIMEOUT_S = 300  # a tiny model without C++ kernels: ~20 s idle, minutes on a loaded shared machine
+DEADLINE_S = 2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * READY_TIMEOUT_S + 120)]
 
 
@@ -79,7 +81,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
     base = free_port_block(36)
     log = tmp_path_factory.mktemp("cluster") / "cluster.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTER_TOKEN", "ROLE_TYPE", "START_PORT"))}
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), KVYARD_KERNELS="0")
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), KVYARD_KERNELS="0",
+               FIRST_TOKEN_TIMEOUT_S=str(DEADLINE_S), INTER_TOKEN_TIMEOUT_S=str(DEADLINE_S))
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvyard", "cluster", "--backends", "2", "--port", str(base),
                                  "--model", str(tiny_dir), "--kv-cache-mb", "16", "--drain-grace-s", "2",
@@ -128,6 +131,24 @@ def test_a_killed_backend_is_restarted_while_the_other_serves(cluster: Cluster) 
             if routed(cluster, address) > before:
                 break
     assert routed(cluster, address) > before, "the master never routed to the restarted backend"
+
+
+def test_a_stopped_backend_costs_its_requests_a_deadline_not_an_answer(cluster: Cluster) -> None:
+    """SIGSTOP: the backend's connections stay open and nothing answers (the issue's hung backend). Requests
+    the frontend sent it before the master saw it stop are re-routed after the deadline; later ones go to
+    the other backend (tests/frontend/test_deadlines.py pins the re-route itself down)."""
+    engine = cluster.engine_pid(1)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            def timed(i: int) -> tuple[int, float]:
+                started = time.monotonic()
+                return chat(cluster.frontend, f"Question {i}: what is a shuttle? " * (i + 1)), time.monotonic() - started
+            results = list(pool.map(timed, range(8)))
+        assert [status for status, _ in results] == [200] * 8, results
+        assert max(took for _, took in results) < 2 * DEADLINE_S + 15, results  # hung 30 s and more before
+    finally:
+        os.kill(engine, signal.SIGCONT)
 
 
 def test_double_sigterm_then_sigkill_leaves_no_process_and_no_port(cluster: Cluster) -> None:

@@ -185,9 +185,10 @@ class TinyModel:
 
 def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_window: int | None = None,
                tie: bool = False, max_positions: int = 256, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-               layers: int = 2, seed: int = 0) -> TinyModel:
+               layers: int = 2, seed: int = 0, head_dim: int | None = None) -> TinyModel:
     """A random transformers model of the family with a tokenizer trained for it (vocab = the tokenizer's).
-    Sizes keep head_dim ≥ 32 and every width a multiple of 256 (the kernels' and Q4_K's blocks)."""
+    Sizes keep head_dim ≥ 32 and every width a multiple of 256 (the kernels' and Q4_K's blocks), unless
+    head_dim is given (the checkpoint then states it, as head sizes other than hidden / heads do)."""
     import transformers
 
     if family == "llama":
@@ -210,6 +211,8 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
                                   tie_word_embeddings=tie)
     if rope is not None:
         kwargs["rope_parameters"] = rope
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
     if family == "mistral":
         kwargs["sliding_window"] = sliding_window
     config = cls(**kwargs)
@@ -276,7 +279,11 @@ def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None)
     w.add_vocab_size(cfg.vocab_size)
     rope = dict(cfg.rope_parameters or {})
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     kind = rope.get("rope_type", "default")
     if kind == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

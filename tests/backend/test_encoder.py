@@ -1,0 +1,219 @@
+"""The encoder family (backend/encoder.py) and pooling against transformers and sentence-transformers on the
+same weights: the embedded all-MiniLM-L6-v2, tiny random BERT / XLM-R checkpoints and their heads."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from backend.encoder import EncoderModel
+from backend.engine_loop import EngineLoop
+from backend.engine_types import PoolingRequest, PoolItem, PoolTask
+from backend.pooling import run_task
+from backend.pooling_engine import PoolingEngine
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.pooling_model import ModelKind, embedded_embedding_path, load_pooling_spec
+from tests.support.tiny_encoders import tiny_encoder
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SENTENCES = ["A man is eating food.", "The quick brown fox jumps over the lazy dog near the river bank.",
+             "Sentence embeddings", "Ein Mann isst Essen; un homme mange. 你好，世界 🤖",
+             "short", "word " * 40]
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def _batch(tok: Tokenizer, texts: list[str], pairs: list[str] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    encs = [tok.encode(t, p) if pairs else tok.encode(t) for t, p in zip(texts, pairs or texts)]
+    T = max(len(e.ids) for e in encs)
+    ids = torch.zeros(len(encs), T, dtype=torch.long)
+    types = torch.zeros_like(ids)
+    mask = torch.zeros(len(encs), T, dtype=torch.bool)
+    for b, e in enumerate(encs):
+        ids[b, :len(e.ids)] = torch.tensor(e.ids)
+        types[b, :len(e.ids)] = torch.tensor(e.type_ids)
+        mask[b, :len(e.ids)] = True
+    return ids, types, mask
+
+
+def _values(pooled: list) -> torch.Tensor:
+    return torch.tensor([p.values for p in pooled])
+
+
+def test_embedded_minilm_matches_sentence_transformers() -> None:
+    from sentence_transformers import SentenceTransformer
+    path = embedded_embedding_path()
+    spec = load_pooling_spec(path)
+    assert (spec.kind, spec.pooling, spec.normalize, spec.max_len) == (ModelKind.EMBED, "mean", True, 256)
+    ours = _values(run_task(EncoderModel(spec, torch.float32, torch.device("cpu")), PoolTask.EMBED,
+                            *_batch(_tokenizer(path), SENTENCES)))
+    theirs = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(SENTENCES))
+    assert ours.shape == theirs.shape == (len(SENTENCES), 384)
+    assert F.cosine_similarity(ours, theirs).min() >= 0.9999
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean_tokens", "cls_token", "max_tokens", "mean_sqrt_len_tokens"])
+def test_tiny_bert_pooling_matches_transformers(tmp_path: Path, pooling: str) -> None:
+    import transformers
+    path = tiny_encoder(tmp_path / "bert", pooling=pooling, normalize=False)
+    spec = load_pooling_spec(path)
+    ids, types, mask = _batch(_tokenizer(path), SENTENCES[:5], ["a second text"] * 5)  # pairs: segment ids
+    ours = _values(run_task(EncoderModel(spec, torch.float32, torch.device("cpu")), PoolTask.EMBED,
+                            ids, types, mask))
+    with torch.no_grad():
+        hidden = transformers.BertModel.from_pretrained(path).eval()(
+            input_ids=ids, token_type_ids=types, attention_mask=mask.long()).last_hidden_state
+    m = mask.unsqueeze(-1).float()
+    ref = {"mean_tokens": (hidden * m).sum(1) / m.sum(1), "cls_token": hidden[:, 0],
+           "max_tokens": hidden.masked_fill(~mask.unsqueeze(-1), -1e9).amax(1),
+           "mean_sqrt_len_tokens": (hidden * m).sum(1) / m.sum(1).sqrt()}[pooling]
+    assert F.cosine_similarity(ours, ref).min() >= 0.9999
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+def test_tiny_xlm_roberta_matches_transformers(tmp_path: Path) -> None:
+    import transformers
+    path = tiny_encoder(tmp_path / "xlmr", arch="XLMRobertaModel", pooling="cls_token", normalize=True)
+    ids, types, mask = _batch(_tokenizer(path), SENTENCES)
+    ours = _values(run_task(EncoderModel(load_pooling_spec(path), torch.float32, torch.device("cpu")),
+                            PoolTask.EMBED, ids, types, mask))
+    with torch.no_grad():
+        hidden = transformers.XLMRobertaModel.from_pretrained(path).eval()(
+            input_ids=ids, attention_mask=mask.long()).last_hidden_state
+    assert F.cosine_similarity(ours, F.normalize(hidden[:, 0], dim=-1)).min() >= 0.9999
+
+
+def _engine(path: Path, max_num_seqs: int = 4, max_num_batched_tokens: int = 64) -> PoolingEngine:
+    model = EncoderModel(load_pooling_spec(path), torch.float32, torch.device("cpu"))
+    return PoolingEngine(model, "tiny", max_num_seqs, max_num_batched_tokens)
+
+
+def test_engine_batches_inputs_across_requests_and_steps(tmp_path: Path) -> None:
+    """Inputs of two requests share steps within the budget; each answer equals the input run alone."""
+    path = tiny_encoder(tmp_path / "bert")
+    engine = _engine(path)
+    tok = _tokenizer(path)
+    items = [PoolItem(tok.encode(t).ids) for t in SENTENCES[:5]]
+    engine.add(PoolingRequest("a", items[:3], PoolTask.EMBED))
+    engine.add(PoolingRequest("b", items[3:], PoolTask.EMBED))
+    results, steps = {}, 0
+    while engine.has_work:
+        steps += 1
+        results.update({r.request_id: r for r in engine.step()})
+    assert 2 <= steps <= 5 and set(results) == {"a", "b"}
+    assert results["a"].aux.iter_count >= 1 and results["a"].aux.input_len == sum(len(i.token_ids) for i in items[:3])
+    alone = [run_task(engine.model, PoolTask.EMBED, torch.tensor([it.token_ids]), torch.zeros(1, len(it.token_ids),
+                      dtype=torch.long), torch.ones(1, len(it.token_ids), dtype=torch.bool))[0] for it in items]
+    got = [*results["a"].outputs, *results["b"].outputs]
+    assert torch.allclose(_values(got), _values(alone), atol=1e-5)
+    assert engine.worker_status(True).model_kind is ModelKind.EMBED
+
+
+def test_engine_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
+    engine = _engine(tiny_encoder(tmp_path / "bert", max_seq_length=16))
+    cases = [(PoolingRequest("x", [PoolItem(list(range(101, 120)))], PoolTask.EMBED), ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+             (PoolingRequest("x", [PoolItem([101, 10**6])], PoolTask.EMBED), ErrorCode.INVALID_ARGUMENT),
+             (PoolingRequest("x", [PoolItem([])], PoolTask.EMBED), ErrorCode.INVALID_ARGUMENT),
+             (PoolingRequest("x", [PoolItem([101, 102])], PoolTask.SPARSE), ErrorCode.INVALID_ARGUMENT),
+             (PoolingRequest("x", [PoolItem([101, 102])], PoolTask.CLASSIFY), ErrorCode.INVALID_ARGUMENT)]
+    for req, code in cases:
+        with pytest.raises(RequestError) as info:
+            engine.validate(req)
+        assert info.value.code is code
+    assert "sparse" in str(PoolTask.SPARSE) and engine.spec.heads == ("dense",)
+
+
+def test_engine_loop_pools_and_aborts(tmp_path: Path) -> None:
+    """Through the engine thread: a result; a caller that leaves takes its inputs out of the queue."""
+    path = tiny_encoder(tmp_path / "bert")
+    loop = EngineLoop(_engine(path, max_num_seqs=1), model_name="tiny")
+    loop.start()
+
+    async def main() -> None:
+        result = await loop.pool(PoolingRequest("one", [PoolItem([101, 2023, 102])], PoolTask.EMBED))
+        assert len(result.outputs) == 1 and len(result.outputs[0].values) == 32
+        many = asyncio.create_task(loop.pool(PoolingRequest("many", [PoolItem([101, 2023, 102])] * 500,
+                                                            PoolTask.EMBED)))
+        await asyncio.sleep(0.05)
+        many.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await many
+        for _ in range(100):
+            if loop.worker_status().waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert loop.worker_status().waiting == 0
+        with pytest.raises(RequestError, match="cannot generate"):
+            from backend.engine_types import GenerationRequest
+            from backend.sampler import SamplingParams
+            from backend.sequence import StopConditions
+            async for _ in loop.generate(GenerationRequest("g", [101], SamplingParams(), StopConditions(max_new_tokens=1))):
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_tiny_cross_encoder_logits_match_transformers(tmp_path: Path, arch: str, num_labels: int) -> None:
+    """Query-document pairs (segment ids for BERT) → the classifier's logits, within 1e-4."""
+    import transformers
+    path = tiny_encoder(tmp_path / "ce", arch=arch, num_labels=num_labels)
+    spec = load_pooling_spec(path)
+    assert spec.kind is ModelKind.CLASSIFY and len(spec.labels) == num_labels
+    ids, types, mask = _batch(_tokenizer(path), ["what is the capital of france?"] * 4, SENTENCES[:4])
+    ours = _values(run_task(EncoderModel(spec, torch.float32, torch.device("cpu")), PoolTask.CLASSIFY,
+                            ids, types, mask))
+    ref_model = getattr(transformers, arch).from_pretrained(path).eval()
+    extra = {"token_type_ids": types} if arch.startswith("Bert") else {}
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=mask.long(), **extra).logits
+    assert ours.shape == ref.shape == (4, num_labels)
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+def test_bge_m3_sparse_and_colbert_heads(tmp_path: Path) -> None:
+    """BGE-M3's documented formulas, written out by hand: lexical weights = relu(sparse_linear(h)) per token,
+    the largest per token id, zeros left out; ColBERT = normalize(colbert_linear(h[1:])) for the real tokens."""
+    import transformers
+    path = tiny_encoder(tmp_path / "m3", arch="XLMRobertaModel", pooling="cls_token", normalize=True, bge_m3=True)
+    spec = load_pooling_spec(path)
+    assert spec.heads == ("dense", "sparse", "colbert")
+    model = EncoderModel(spec, torch.float32, torch.device("cpu"))
+    texts = ["the the cat sat on the mat", "a dog"]
+    ids, types, mask = _batch(_tokenizer(path), texts)
+    with torch.no_grad():
+        hidden = transformers.XLMRobertaModel.from_pretrained(path).eval()(
+            input_ids=ids, attention_mask=mask.long()).last_hidden_state
+    sparse_w = torch.load(path / "sparse_linear.pt")
+    colbert_w = torch.load(path / "colbert_linear.pt")
+    sparse = run_task(model, PoolTask.SPARSE, ids, types, mask)
+    colbert = run_task(model, PoolTask.COLBERT, ids, types, mask)
+    for b in range(len(texts)):
+        n = int(mask[b].sum())
+        weights = torch.relu(hidden[b, :n] @ sparse_w["weight"].T + sparse_w["bias"]).squeeze(-1)
+        expected: dict[int, float] = {}
+        for t, w in zip(ids[b, :n].tolist(), weights.tolist()):
+            if w > expected.get(t, 0.0):
+                expected[t] = w
+        got = dict(zip(sparse[b].token_ids, sparse[b].values))
+        assert got.keys() == expected.keys() and all(abs(got[k] - expected[k]) < 1e-4 for k in got)
+        vecs = F.normalize(hidden[b, 1:n] @ colbert_w["weight"].T + colbert_w["bias"], dim=-1)
+        assert colbert[b].rows == n - 1
+        assert torch.allclose(torch.tensor(colbert[b].values).view(n - 1, -1), vecs, atol=1e-4)
