@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from frontend.backend_client import BackendOutput, TokenLogprob
-from frontend.guided import chat_constraint
+from frontend.guided import chat_constraint, check
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
@@ -98,6 +98,7 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
         request.app.state.admission.hold(request.scope, prep.params.n)
         model = prep.model or default_model
         prompt_lps = None
@@ -112,7 +113,9 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/v1/chat/render")
     @router.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        return render_info(chat, await off_loop(chat.prepare, req))
+        prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
+        return render_info(chat, prep)
 
     return router
 

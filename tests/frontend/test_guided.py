@@ -6,6 +6,8 @@ refuse them."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +17,10 @@ from llguidance import LLMatcher
 
 from frontend.guided import closed
 from frontend.lmtp_frames import FrameError, parse_frame
+from kvyard.constraint import Constraint
 from kvyard.tokenizer import TextTokenizer
 from proto import model_rpc_pb2 as pb
-from tests.support.mock_stack import MockBackendThread, script
+from tests.support.mock_stack import MockBackendThread, MockFrontend, script
 
 HI = [{"role": "user", "content": "Hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -192,3 +195,59 @@ def test_dialects_without_constraints_refuse_them(http: httpx.Client, mock: Mock
     assert len(mock.servicer.requests) == before  # nothing reached the backend
     assert http.post("/generate?max_tokens=4", content="Hi").status_code == 200
     assert parse_frame('GENERATE {"stream_id": 8, "prompt": [1], "grammar": null}')[0] == "GENERATE"
+
+
+# ---- the grammar pool (frontend/off_loop.py) ----------------------------------------------------------
+
+def held_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[Constraint]]:
+    """A fake slow compiler: every llguidance check holds its grammar worker until the event is set."""
+    release, started = threading.Event(), []
+    real = Constraint.check
+
+    def slow(self: Constraint) -> None:
+        started.append(self)
+        release.wait(60)
+        real(self)
+    monkeypatch.setattr(Constraint, "check", slow)
+    return release, started
+
+
+def test_a_plain_chat_never_waits_behind_big_grammars(front: MockFrontend, mock: MockBackendThread,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six grammars hold both grammar workers (four queue behind them); a chat's preparation does not wait:
+    it is answered while every grammar is still held. Once released, every grammar request is answered."""
+    release, started = held_checks(monkeypatch)
+    results: list[int] = []
+
+    def grammar_request() -> None:
+        results.append(httpx.post(f"{front.url}/v1/chat/completions", timeout=60,
+                                  json={"messages": HI, "guided_json": SCHEMA}).status_code)
+    threads = [threading.Thread(target=grammar_request) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(started) < 2:  # both workers hold a grammar
+            assert time.monotonic() < deadline, "the grammar checks never started"
+            time.sleep(0.02)
+        chat = httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI}, timeout=20)
+        assert chat.status_code == 200, chat.text
+        assert len(started) == 2 and not results  # the chat went by while the grammars were still held
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert results == [200] * 6
+
+
+def test_a_grammar_past_its_time_budget_fails_alone(front: MockFrontend, mock: MockBackendThread,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from frontend import off_loop
+    monkeypatch.setattr(off_loop, "GRAMMAR_BUDGET_S", 0.3)
+    release, started = held_checks(monkeypatch)
+    try:
+        resp = httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI, "guided_json": SCHEMA}, timeout=20)
+        assert resp.status_code == 400 and "more than 0.3 s" in resp.json()["error"]["message"], resp.text
+        assert httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI}, timeout=20).status_code == 200
+    finally:
+        release.set()
