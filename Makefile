@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings clean
 
 setup: $(STAMP)
 
@@ -24,13 +24,20 @@ run: setup
 
 # A master, two PDFUSION backends and a frontend on loopback (the dashboard is on the master).
 cluster: setup
-	$(PY) -m kvyard cluster --backends 2
+	$(PY) -m kvyard cluster --backends 2 --embedding-model embedded
 
+# `make test-multihost` (below) is left out: its cluster alone takes a few minutes; CI runs both.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multihost"
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The cluster across hosts: each role in a network namespace of its own, wired as deploy/kubernetes wires it
+# (docs/deployment.md). Needs root; installs iproute2 if `ip` is missing; skips with the reason elsewhere.
+test-multihost: setup
+	command -v ip >/dev/null || (apt-get update -q && apt-get install -y -q iproute2)
+	$(PY) -m pytest -q tests/multihost tests/test_multihost_manifests.py
 
 # The dashboard in headless Chromium against a running `kvyard cluster` (installs Debian's chromium if missing;
 # `make test` skips that one test without it). The screenshot lands in tests/artifacts/dashboard.png.
@@ -51,6 +58,10 @@ proto: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
+
+# kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2 (docs/embeddings.md).
+bench-embeddings: setup
+	$(PY) benchmarks/embeddings.py
 
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup

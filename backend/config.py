@@ -11,7 +11,7 @@ from kvyard.model_config import load_model_config
 from kvyard.model_path import default_model_name, is_gguf, resolve_model_path
 from kvyard.pooling_model import ModelKind, embedding_model_name, load_pooling_spec, model_kind
 from kvyard.ports import backend_grpc_port, backend_http_port, start_port
-from kvyard.roles import Role
+from kvyard.roles import Role, parse_role
 from kvyard.tokenizer import TextTokenizer
 
 
@@ -41,6 +41,8 @@ class BackendConfig:
     decode_address: str = ""     # DECODE_ADDRESS: PREFILL's decode backend when a request names none
     cluster_token: str = ""      # CLUSTER_TOKEN(_FILE): gRPC/HTTP callers must carry it; sent to master and decode
     drain_grace_s: float = 30.0  # DRAIN_GRACE_S: after SIGTERM, how long RPCs in flight may finish (as the frontend's)
+    server_port: int = 0         # START_PORT, where a backend-only process (PREFILL, DECODE, PDFUSION with
+                                 # FRONTEND_SERVER_COUNT=0) also serves its health/debug app; 0 = a frontend has it
     model_kind: ModelKind = ModelKind.GENERATE  # from the checkpoint: a decoder, or an encoder (embed / classify)
 
     @classmethod
@@ -61,6 +63,10 @@ class BackendConfig:
             if env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")) != "pdfusion":
                 raise ValueError(f"{checkpoint} is an {kind} model: it runs as ROLE_TYPE=PDFUSION only")
         weight_format = _weight_format(env, device, dtype, checkpoint)
+        role = parse_role(env.get("ROLE_TYPE"))
+        if not role.is_backend:
+            raise ValueError(f"ROLE_TYPE must be a backend role (PDFUSION, PREFILL, DECODE), got {role.name}")
+        alone = role is not Role.PDFUSION or env_int(env, "FRONTEND_SERVER_COUNT", 1, minimum=0) == 0
         return cls(
             checkpoint_path=checkpoint,
             tokenizer_path=tokenizer,
@@ -82,10 +88,11 @@ class BackendConfig:
             model_name=env_names(env, "MODEL_NAME", default_model_name(checkpoint) if kind is ModelKind.GENERATE
                                  else embedding_model_name(checkpoint))[0],  # aliases: frontend
             advertise_host=env_str(env, "ADVERTISE_HOST", ""),
-            role=Role(env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")).upper()),
+            role=role,
             decode_address=env_str(env, "DECODE_ADDRESS", ""),
             cluster_token=internal_token(env, host),
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
+            server_port=start if alone else 0,
             model_kind=kind,
         )
 

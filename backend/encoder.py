@@ -70,8 +70,9 @@ class EncoderModel:
         B, T = ids.shape
         positions = torch.arange(cfg.position_offset, cfg.position_offset + T, device=ids.device)  # [T]
         x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][positions]
-        if "embeddings.token_type_embeddings.weight" in w:
-            x = x + w["embeddings.token_type_embeddings.weight"][type_ids]
+        if "embeddings.token_type_embeddings.weight" in w:  # one segment (XLM-R): every token is segment 0
+            types = type_ids if cfg.type_vocab_size > 1 else torch.zeros_like(type_ids)
+            x = x + w["embeddings.token_type_embeddings.weight"][types]
         x = self._norm(x, "embeddings.LayerNorm")                          # [B, T, D]
         H = cfg.num_heads
         d = cfg.hidden_size // H

@@ -7,6 +7,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvyard.cluster_auth import server_interceptors
+from kvyard.grpc_keepalive import SERVER_OPTIONS
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvyard.backend")
@@ -21,6 +22,7 @@ async def start_grpc_server(servicer: pb_grpc.ModelRpcServiceServicer, host: str
         ("grpc.max_send_message_length", 256 * 1024 * 1024),
         ("grpc.max_receive_message_length", 256 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
+        *SERVER_OPTIONS,
     ])
     pb_grpc.add_ModelRpcServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -30,12 +30,23 @@ def _source_digest() -> str:
 _cached: list[ModuleType | None] = []
 
 
-def cpu_supports_avx2() -> bool:
+def cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_supports_avx2() -> bool:
+    flags = cpu_flags()
     return "avx2" in flags and "fma" in flags
+
+
+def int16_prefill_beats_gemm() -> bool:
+    """Whether prefill-sized batches over n16 weights should stay on the int16 kernels: on Intel CPUs with
+    AMX (whose int16 kernels measured ~300 GFLOP/s against the float32 GEMM's 259, docs/performance.md);
+    elsewhere (AVX-512 VNNI without AMX) the float32 GEMM on dequantized tiles measured 1.3-1.9x faster."""
+    return "amx_tile" in cpu_flags()
 
 
 def load(verbose: bool = False) -> ModuleType | None:

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import resource
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from backend.config import BackendConfig
 from backend.constraints import GrammarCompiler
 from backend.engine import Engine
 from backend.engine_loop import EngineLoop
+from backend.debug_views import BackendFacts
 from backend.http_server import create_backend_http_app
 from backend.encoder import EncoderModel
 from backend.model import LlamaModel
@@ -146,6 +148,18 @@ async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfi
         await asyncio.to_thread(thread.join)
 
 
+def _bind_or_warn(host: str, port: int) -> socket.socket | None:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        log.warning("START_PORT %d is busy (%s): the health and debug app is on START_PORT+5 only", port, exc)
+        return None
+    return sock
+
+
 async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
     turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
@@ -154,27 +168,37 @@ async def serve_backend(cfg: BackendConfig) -> None:
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address, grammars)
     servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it
     server, health_servicer = await start_grpc_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
-    http = uvicorn.Server(uvicorn.Config(create_backend_http_app(engine_loop, cfg.cluster_token), host=cfg.host,
-                                         port=cfg.http_port, log_level="warning", access_log=False))
-    http.install_signal_handlers = lambda: None  # this function owns the signals
-    log.info("backend HTTP (status, debug) on %s:%d", cfg.host, cfg.http_port)
+    facts = BackendFacts(cfg.server_port or cfg.grpc_port - 1, cfg.grpc_port, cfg.http_port, cfg.max_num_seqs)
+    app = create_backend_http_app(engine_loop, cfg.cluster_token, servicer.tasks, facts)
+    https = [uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning", access_log=False))
+             for port in (cfg.http_port, cfg.server_port) if port]
+    for http in https:
+        http.install_signal_handlers = lambda: None  # this function owns the signals
+    # START_PORT's copy is a convenience (probes and debugging as on RTP-LLM's backends): bound here, before
+    # anything dials out and may take it as an ephemeral port, and a busy port only costs a warning.
+    extra = _bind_or_warn(cfg.host, cfg.server_port) if cfg.server_port else None
+    if cfg.server_port and extra is None:
+        https.pop()
+    log.info("backend HTTP (status, debug) on %s:%s", cfg.host, " and ".join(str(h.config.port) for h in https))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(http.serve()), asyncio.create_task(watch_engine(engine_loop, health_servicer))]
+    serving = [asyncio.create_task(http.serve(sockets=[extra] if i and extra else None)) for i, http in enumerate(https)]
+    helpers = [asyncio.create_task(watch_engine(engine_loop, health_servicer))]
     if cfg.master_address:
-        tasks.append(asyncio.create_task(register_forever(cfg)))
+        helpers.append(asyncio.create_task(register_forever(cfg)))
     try:
         await stop.wait()
         log.info("draining: NOT_SERVING, up to %.0f s for requests in flight", cfg.drain_grace_s)
         await set_serving(health_servicer, False)
         await server.stop(grace=cfg.drain_grace_s)
     finally:
-        http.should_exit = True
-        for task in tasks[1:]:
+        for http in https:
+            http.should_exit = True
+        for task in helpers:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*serving, *helpers, return_exceptions=True)
         engine_loop.stop()
         if grammars is not None:
             grammars.close()

@@ -16,6 +16,7 @@ Constraints (guided decoding) are taken but not enforced, and PD hand-overs (Rem
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -25,10 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import uvicorn
 
+from backend.debug_views import BackendFacts
 from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, ScoreRequest,
                                   ScoreResult, TokenOutput)
 from backend.grpc_server import start_grpc_server
+from backend.http_server import create_backend_http_app
 from backend.sampler import Sample
 from kvyard.sampling_params import SamplingParams
 from backend.sequence import FinishReason, Sequence
@@ -41,7 +45,8 @@ from kvyard.constraint import Constraint
 from kvyard.env import INTERNAL_HOST, env_int, env_str
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
-from kvyard.ports import backend_grpc_port, start_port
+from kvyard.metrics import BackendMetrics
+from kvyard.ports import backend_grpc_port, backend_http_port, start_port
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
@@ -186,6 +191,11 @@ class ScriptedEngine:
                    for t in req.scored_ids]
         return ScoreResult(req.request_id, samples, AuxInfo(len(req.prompt_ids) + len(req.scored_ids), 0, 0, 0, 0, 0, 0))
 
+    @functools.cached_property
+    def metrics(self) -> BackendMetrics:
+        """What the backend HTTP app's /metrics serves (made when the mock serves HTTP)."""
+        return BackendMetrics(self.worker_status, "mock")
+
     async def pool(self, req: PoolingRequest) -> PoolingResult:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "the mock backend serves a generate model: it has no pooling",
                            "model")
@@ -278,16 +288,28 @@ class MockBackendConfig:
     grpc_port: int       # START_PORT + 1, where a frontend looks for its backend
     script: MockScript
     cluster_token: str = ""  # CLUSTER_TOKEN(_FILE): callers must carry it, as with the real backend
+    http_port: int = 0   # START_PORT + 5: the backend's HTTP app (health, /worker_status, /cache_status); 0 = none
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockBackendConfig:
         start = start_port(env)
         host = env_str(env, "HOST", INTERNAL_HOST)
-        return cls(host, backend_grpc_port(start), MockScript.from_env(env), internal_token(env, host))
+        return cls(host, backend_grpc_port(start), MockScript.from_env(env), internal_token(env, host),
+                   backend_http_port(start))
 
 
 async def serve_mock_backend(cfg: MockBackendConfig) -> None:
-    server = await start_mock_server(MockServicer(ScriptedEngine(cfg.script)), cfg.host, cfg.grpc_port, cfg.cluster_token)
+    servicer = MockServicer(ScriptedEngine(cfg.script))
+    server = await start_mock_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
+    http: uvicorn.Server | None = None
+    serving: asyncio.Task[None] | None = None
+    if cfg.http_port:
+        facts = BackendFacts(cfg.grpc_port - 1, cfg.grpc_port, cfg.http_port, MOCK_TOTAL_BLOCKS)
+        app = create_backend_http_app(servicer.engine, cfg.cluster_token, servicer.tasks, facts)  # type: ignore[arg-type]
+        http = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
+                                             access_log=False))
+        http.install_signal_handlers = lambda: None  # this function owns the signals
+        serving = asyncio.create_task(http.serve())
     log.info("mock backend on %s:%d: %d scripted tokens, %.0f ms apart%s", cfg.host, cfg.grpc_port,
              len(cfg.script.token_ids), cfg.script.delay_s * 1000,
              f", failing with {cfg.script.error} after {cfg.script.error_after}" if cfg.script.error else "")
@@ -297,3 +319,6 @@ async def serve_mock_backend(cfg: MockBackendConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    if http is not None and serving is not None:
+        http.should_exit = True
+        await serving

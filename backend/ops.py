@@ -26,6 +26,14 @@ Weight = torch.Tensor | QuantWeight
 # more than the kernel's slower arithmetic at any batch the engine runs.
 DENSE_ROWS = 64
 DENSE_MAX_NUMEL = 8 << 20
+# From this many rows a linear over "n16" blocks dequantizes tiles of the weight (exactly, float32) and
+# calls the GEMM instead of the int16 kernel (prefill chunks), on CPUs where that is faster
+# (kernels.int16_prefill_beats_gemm). Measured on an Intel Xeon with AVX-512 VNNI but no AMX or AVX512-BF16,
+# 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K) to 1.9x (Q6_K) the kernel's rate, and exact
+# float32 activations. Decode batches (at most 64 rows, the fused step) never reach it: they keep the
+# int16 kernels and their batch-invariant bits.
+N16_GEMM_ROWS = 256
+
 # The head sizes backend/csrc's decode attention is compiled for (decode_attention, FusedDecoder). Any
 # other head size (Llama-family checkpoints with 16, 80 or 100 exist) runs attention in PyTorch, op by
 # op; the linears, norms and RoPE stay in the kernels.
@@ -87,6 +95,9 @@ class KernelOps(TorchOps):
         # One dense weight at a time, reused by every layer: a fresh 10+ MB buffer per matmul costs
         # more in page faults than the decode itself.
         self._dense = torch.empty(0)
+        # Prefill-sized batches over n16 weights through the GEMM (N16_GEMM_ROWS), where that is faster.
+        from backend.kernels import int16_prefill_beats_gemm
+        self.n16_gemm = not int16_prefill_beats_gemm()
 
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
         """The C++ FusedDecoder (backend/csrc/decode_step.h) when every matrix is in GGUF blocks: one call
@@ -132,11 +143,35 @@ class KernelOps(TorchOps):
             dense = self._dense[:n * k].view(n, k)
             self.k.dequantize_into(w.qs, w.d, _mins(w), dense, w.kind == "q4_1")
             return super().linear(x, dense, bias, residual)
+        if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm:
+            return self._gemm_n16(x, w, bias, residual)
         if w.kind in K_KINDS:
             return self.k.kquant_linear(x, w.qs, w.d, w.m, bias, residual)
         if w.kind == "q4_1":
             return self.k.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
         return self.k.q8_0_linear(x, w.qs, w.d, bias, residual)
+
+    def _gemm_n16(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T through torch's GEMM, W dequantized (exactly) a tile of output rows at a time into one
+        reused float32 scratch of at most DENSE_MAX_NUMEL weights."""
+        n, k = w.shape
+        tile = max(16, min(n, DENSE_MAX_NUMEL // k) // 16 * 16)
+        if self._dense.numel() < tile * k:
+            self._dense = torch.empty(tile * k)
+        y = torch.empty(x.shape[0], n) if tile < n else None
+        for n0 in range(0, n, tile):
+            n1 = min(n, n0 + tile)
+            wt = self._dense[:(n1 - n0) * k].view(k, n1 - n0)
+            self.k.dequantize_n16_t(w.qs, w.d, _mins(w), wt, n0 // 16, n1 // 16, w.kind == "q4_1")
+            if y is None:
+                y = x @ wt
+            else:
+                y[:, n0:n1] = x @ wt
+        assert y is not None
+        if bias is not None:
+            y += bias
+        return y if residual is None else residual + y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.k.rms_norm(x, weight, eps)

@@ -27,6 +27,7 @@ from backend.engine_types import GenerationRequest, ImportPlan, KVLayout, TokenO
 from backend.pb_convert import handover_request_from_pb, outputs_to_pb
 from backend.sequence import FinishReason
 from kvyard.cluster_auth import client_interceptors
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb, error_to_pb
 from proto import model_rpc_pb2 as pb
@@ -64,7 +65,7 @@ class DecodeChannels:
         if address not in self._stubs:
             channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(self.token), options=[
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024), *CLIENT_OPTIONS])
             self._stubs[address] = pb_grpc.ModelRpcServiceStub(channel)
         return self._stubs[address]
 

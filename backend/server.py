@@ -12,6 +12,7 @@ from backend.constraints import GrammarCompiler, compile_constraint
 from backend.engine_loop import EngineLoop
 from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
+from backend.task_log import TaskInfo, TaskLog
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_request_from_pb, pooling_result_to_pb,
                                 request_from_pb, score_request_from_pb, score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
@@ -32,19 +33,30 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         self.decode_address = decode_address  # PREFILL's default decode backend
         self.decode_channels = DecodeChannels()
         self.grammars = grammars              # compiles constraints off the engine thread; None: refuse them
+        self.tasks = TaskLog()                # running and finished calls, for /worker_status
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
+        """Each call is a task of /worker_status while it runs, then one of its finished tasks."""
+        with self.tasks.track(request.request_id, len(request.token_ids)) as task:
+            stream = self._generate_stream(request, context, task)
+            try:
+                async for out in stream:
+                    yield out
+            finally:
+                await stream.aclose()
+
+    async def _generate_stream(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext,
+                               task: TaskInfo) -> AsyncIterator[pb.GenerateOutputsPB]:
         request_id = request.request_id
         try:
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
                 req.grammar = await compile_constraint(self.grammars, req.constraint)
-                if self.role is Role.PREFILL:
-                    address = request.decode_address or self.decode_address
-                    if not address:
-                        raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                                           "this PREFILL backend needs a decode_address (or DECODE_ADDRESS)")
+                address = request.decode_address or self.decode_address
+                # A PREFILL backend asked with no decode side serves the request whole (it holds the whole
+                # model): frontends call every backend behind a headless name while the master is away.
+                if self.role is Role.PREFILL and address:
                     # However the call ends (a client that cancels while the hand-over generator waits at a
                     # yield leaves it unclosed until garbage collection), the held prompt KV is freed.
                     context.add_done_callback(lambda _: self.engine_loop.post(lambda e: e.release(request_id)))
@@ -52,12 +64,14 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
                                                             self.decode_channels.stub(address), address):
                         yield out
                 else:
-                    async for outs in self.engine_loop.generate(req):
+                    async for outs in self.tasks.observe(task, self.engine_loop.generate(req)):
                         yield outputs_to_pb(request_id, outs)
         except RequestError as exc:
             log.info("request %s failed: %s", request_id, exc.message)
+            self.tasks.mark_error(task)
             yield error_to_pb(request_id, exc)
         except TimeoutError:
+            self.tasks.mark_error(task)
             yield error_to_pb(request_id, RequestError(
                 ErrorCode.TIMEOUT, f"not finished within timeout_ms={request.generate_config.timeout_ms}"))
         except asyncio.CancelledError:

@@ -91,13 +91,15 @@ def llama_server(gguf: Path, threads: int = 2, slots: int = 32, context: int = 1
 
 
 @contextmanager
-def kvyard_server(env_overrides: dict[str, str]) -> Iterator[tuple[str, int]]:
-    """(base_url, launcher pid) of `python -m kvyard` (PDFUSION) as a user starts it."""
+def kvyard_server(env_overrides: dict[str, str], root: Path = ROOT,
+                  log_name: str = "kvyard-peer.log") -> Iterator[tuple[str, int]]:
+    """(base_url, launcher pid) of `python -m kvyard` (PDFUSION) as a user starts it; root: another checkout
+    to run instead of this one (benchmarks/scale.py's before/after)."""
     port = free_port_block(6)  # START_PORT .. +5: the frontend, the backend's gRPC (+1) and HTTP (+5)
     env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
-           "LOG_LEVEL": "INFO", **env_overrides}
-    log = open(CACHE / "kvyard-peer.log", "w")
-    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=ROOT, env=env,
+           "LOG_LEVEL": "INFO", "PYTHONPATH": str(root), **env_overrides}
+    log = open(CACHE / log_name, "w")
+    proc = subprocess.Popen([str(root / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc, 300)

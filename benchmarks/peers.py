@@ -127,9 +127,9 @@ def kvyard_memory_line() -> str:
     return found[-1] if found else "(not logged)"
 
 
-def kvyard_settings_line() -> str:
+def kvyard_settings_line(log_name: str = "kvyard-peer.log") -> str:
     """The backend's account of its weights and activations (backend/main.py)."""
-    found = re.findall(r"kvyard.backend: weights: (.*)", (CACHE / "kvyard-peer.log").read_text(errors="replace"))
+    found = re.findall(r"kvyard.backend: weights: (.*)", (CACHE / log_name).read_text(errors="replace"))
     return found[-1] if found else "(not logged)"
 
 

@@ -3,7 +3,10 @@ Q4_K_M GGUF (benchmarks/scale_model.py: random weights, quantized by llama.cpp's
 served by both, same workloads, interleaved rounds.
 
     .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama] [--kvyard-env KEY=VALUE ...]
-                                         [--gguf PATH] [--json out.json]
+                                         [--gguf PATH] [--before CHECKOUT] [--json out.json]
+
+--before runs a second kvyard from another checkout (e.g. `git worktree add --detach /tmp/before <commit>`
+with its own .venv link) as a third server, "before": a change's effect measured in the same rounds.
 
 Workloads (chat completions through the HTTP API, the official openai client, as benchmarks/peers.py):
   single   one request at a time ("Tell me a long story about robot number i."), 64 output tokens
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -39,7 +43,7 @@ def measure_ttft(client, model: str, n: int) -> tuple[float, int]:  # type: igno
     """p50 seconds to the first (only) token of a ~930-token prompt no server has seen."""
     ttft, prompt_tokens = [], 0
     for i in range(n):
-        prompt = f"Document {i} of {time.time_ns()}.\n{LONG_TEXT}\nSummarise document {i}."
+        prompt = f"Document {i} of {time.time_ns()}.\n{LONG_TEXT}\n{LONG_TEXT[:1200]}\nSummarise document {i}."
         t0 = time.perf_counter()
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=1, temperature=0)
@@ -49,20 +53,22 @@ def measure_ttft(client, model: str, n: int) -> tuple[float, int]:  # type: igno
 
 
 def report(samples: dict[str, dict[str, list[float]]]) -> None:
-    kv, ll = samples.get("kvyard", {}), samples.get("llama", {})
-    rows = [("one stream tok/s", "single", False), (f"{CONCURRENCY} streams tok/s", "agg", False),
-            ("cold TTFT s", "ttft", True)]
+    rows = [("one stream tok/s", "single"), (f"{CONCURRENCY} streams tok/s", "agg"), ("cold TTFT s", "ttft")]
+    names = [n for n in ("kvyard", "before", "llama") if n in samples]
+    pairs = [(a, b) for a, b in (("kvyard", "llama"), ("before", "llama"), ("kvyard", "before"))
+             if a in samples and b in samples]
     n = max((len(v) for d in samples.values() for v in d.values()), default=0)
-    print(f"\nmedians over {n} rounds (kvyard/llama-server: >1 is kvyard faster for tok/s, <1 for TTFT)")
-    print(f"{'workload':20} {'kvyard':>8} {'llama-server':>13}   kvyard/llama-server (per-round)")
-    for name, key, _ in rows:
-        a = statistics.median(kv[key]) if kv.get(key) else None
-        b = statistics.median(ll[key]) if ll.get(key) else None
-        ratio = "—"
-        if a is not None and b is not None:
-            per_round = ", ".join(f"{x / y:.2f}" for x, y in zip(kv[key], ll[key]))
-            ratio = f"{a / b:.2f}x ({per_round})"
-        print(f"{name:20} {'—' if a is None else f'{a:.2f}':>8} {'—' if b is None else f'{b:.2f}':>13}   {ratio}")
+    print(f"\nmedians over {n} rounds (ratios: >1 is the first faster for tok/s, <1 for TTFT; per round in brackets)")
+    print(f"{'workload':20} " + " ".join(f"{name:>8}" for name in names) + "   " +
+          "   ".join(f"{a}/{b}" for a, b in pairs))
+    for label, key in rows:
+        cells = [f"{statistics.median(samples[name][key]):8.2f}" for name in names]
+        ratios = []
+        for a, b in pairs:
+            xs, ys = samples[a][key], samples[b][key]
+            per_round = ", ".join(f"{x / y:.2f}" for x, y in zip(xs, ys))
+            ratios.append(f"{statistics.median(xs) / statistics.median(ys):.2f}x ({per_round})")
+        print(f"{label:20} " + " ".join(cells) + "   " + "   ".join(ratios))
 
 
 def main() -> None:
@@ -71,8 +77,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gguf", type=Path, help="another GGUF instead of the 1.7B-shaped Q4_K_M")
     ap.add_argument("--kvyard-env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--before", type=Path, help="another kvyard checkout, served too as 'before'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its servers (finally)
     gguf = args.gguf or scale_gguf()
     kvyard_env = {"CHECKPOINT_PATH": str(gguf), **dict(kv.split("=", 1) for kv in args.kvyard_env)}
     only = set(args.only.split(","))
@@ -89,6 +97,12 @@ def main() -> None:
             kv_client = client_for(url)
             servers["kvyard"] = (kv_client, kv_client, pid)
             extra["kvyard settings"] = kvyard_settings_line()
+        if args.before is not None:
+            url, pid = stack.enter_context(kvyard_server(kvyard_env, root=args.before.resolve(),
+                                                         log_name="kvyard-before.log"))
+            before_client = client_for(url)
+            servers["before"] = (before_client, before_client, pid)
+            extra["before settings"] = f"{args.before}: {kvyard_settings_line('kvyard-before.log')}"
         names = list(servers)
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:

@@ -19,13 +19,16 @@ from frontend.admission import Admission, AdmissionMiddleware
 from frontend.chat import ChatDialect, chat_routes
 from frontend.responses import response_routes
 from frontend.completions import completion_routes
+from frontend.embeddings import embedding_routes
 from frontend.config import FrontendConfig
+from frontend.debug_routes import debug_routes
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
 from frontend.pipeline import Pipeline
+from frontend.pooling import PoolingPipeline
 from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import raw_routes
 from frontend.worker_info import worker_info_routes
@@ -67,13 +70,20 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(chat_routes(chat))
     app.include_router(response_routes(chat))
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
+    app.include_router(debug_routes(cfg))  # RTP-LLM's /cache_status, /worker_status, /set_log_level
+    app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @app.get("/v1/models")
     @app.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
-                                           for name in await client.models()]}
+        names = await client.models()
+        pooling = cfg.embedding_model_name if cfg.embedding is not None else ""
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
+                for name in names if name != pooling]
+        if cfg.embedding is not None:
+            data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
+                         "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
+        return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
@@ -103,14 +113,21 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         return {"token_ids": await off_loop(tokenizer.encode, prompt,
                                             parse_special=bool(body.get("parse_special", True)))}
 
+    async def pooling_healthy() -> bool:
+        """Without a master, the pooling model's own backend must serve too (a master answers for the cluster)."""
+        if cfg.embedding is None or cfg.master_address:
+            return True
+        return await client.client(cfg.embedding_backend_address).healthy()
+
     async def health() -> Any:
         if admission.draining:
             return JSONResponse(error_body("this server is draining (shutting down)", "service_unavailable"),
                                 503, headers={"Retry-After": "1"})
-        if await client.healthy():
+        if await client.healthy() and await pooling_healthy():
             return PlainTextResponse("ok")
         where = cfg.master_address and f"master {cfg.master_address} or "
-        return JSONResponse(error_body(f"{where}backend {', '.join(cfg.fallback_addresses)} is not serving",
+        backends = [*cfg.fallback_addresses, *([cfg.embedding_backend_address] if cfg.embedding else [])]
+        return JSONResponse(error_body(f"{where}backend {', '.join(backends)} is not serving",
                                        "service_unavailable"),
                             503, headers={"Retry-After": "1"})
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvyard.aux_info import AuxInfo
 from kvyard.cluster_auth import grpc_metadata
 from kvyard.constraint import ConstraintKind
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.pb_errors import error_from_pb
 from kvyard.sampling_params import SamplingParams
@@ -75,6 +76,31 @@ class ScoreOutput:
     reuse_len: int                  # of those, served from the prefix cache
 
 
+@dataclass(frozen=True)
+class PoolInput:
+    """One input of a PoolCall, tokenized with the model's special tokens."""
+    token_ids: list[int]
+    pair_start: int = 0     # a cross-encoder pair: where the second text starts; 0 = one text
+
+
+@dataclass
+class Pooled:
+    """One input's answer (PooledPB): values; SPARSE adds token_ids; COLBERT holds `rows` vectors."""
+    values: list[float]
+    token_ids: list[int]
+    rows: int
+
+
+@dataclass
+class PoolOutput:
+    outputs: list[Pooled]   # one per input, in order
+    input_len: int          # tokens over every input
+
+
+_POOL_TASKS = {"embed": pb.POOL_TASK_EMBED, "sparse": pb.POOL_TASK_SPARSE, "colbert": pb.POOL_TASK_COLBERT,
+               "classify": pb.POOL_TASK_CLASSIFY}
+
+
 @contextmanager
 def _fits_the_proto() -> Iterator[None]:
     """The last line behind each dialect's own bounds: a number past an int32/int64 field of the proto is
@@ -98,6 +124,7 @@ class BackendClient:
             # up, not after gRPC's default backoff, which grows to two minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            *CLIENT_OPTIONS,  # a backend cut off mid-stream ends the stream with an error, not a hang
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -153,6 +180,25 @@ class BackendClient:
             raise error_from_pb(out.error)
         return ScoreOutput([_logprob_from_pb(lp) for lp in out.logprobs], out.aux_info.input_len,
                            out.aux_info.reuse_len)
+
+
+    async def pool(self, request_id: str, items: list[PoolInput], task: str,
+                   timeout_s: float | None = None) -> PoolOutput:
+        """The backend's PoolCall (task: embed, sparse, colbert or classify). Raises RequestError; a
+        cancelled caller cancels the call, which aborts its inputs there."""
+        with _fits_the_proto():
+            msg = pb.PoolInputPB(request_id=request_id, task=_POOL_TASKS[task],
+                                 timeout_ms=int((timeout_s or 0) * 1000))
+            for it in items:
+                msg.items.add(token_ids=it.token_ids, pair_start=it.pair_start)
+        try:
+            out = await self._stub.PoolCall(msg, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self.address) from exc
+        if out.HasField("error"):
+            raise error_from_pb(out.error)
+        return PoolOutput([Pooled(list(o.values), list(o.token_ids), o.rows) for o in out.outputs],
+                          out.aux_info.input_len)
 
 
 def _from_pb(o: pb.GenerateOutputPB) -> BackendOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from frontend.backend_client import BackendOutput, TokenLogprob
-from frontend.guided import chat_constraint
+from frontend.guided import chat_constraint, check
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
@@ -29,6 +30,8 @@ from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
+
+log = logging.getLogger("kvyard.frontend")
 
 
 class ChatDialect:
@@ -55,7 +58,8 @@ class ChatDialect:
             messages=messages, add_generation_prompt=req.add_generation_prompt,
             tools=req.tools_in_use(), tool_choice=choice,
             template_key=req.template_key, user_template=template,
-            chat_template_kwargs=req.template_kwargs()))
+            chat_template_kwargs=req.template_kwargs(),
+            functions=[f.model_dump(exclude_none=True) for f in req.functions] if req.legacy_functions else None))
         return self._continued(rendered, req.messages[-1].text()) if req.continue_final_message else rendered
 
     def _continued(self, rendered: RenderedPrompt, last: str) -> RenderedPrompt:
@@ -75,8 +79,13 @@ class ChatDialect:
                                "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
+        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
+        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        rendered = self.render(req)
+        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
+            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
         return self.pipeline.prepare(
-            f"chatcmpl-{uuid.uuid4().hex}", self.render(req), req, Budget(req.requested_max_tokens(), param, "messages"),
+            request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 
@@ -89,6 +98,7 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
         request.app.state.admission.hold(request.scope, prep.params.n)
         model = prep.model or default_model
         prompt_lps = None
@@ -103,7 +113,9 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/v1/chat/render")
     @router.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        return render_info(chat, await off_loop(chat.prepare, req))
+        prep = await off_loop(chat.prepare, req)
+        await check(prep.params.constraint, req)
+        return render_info(chat, prep)
 
     return router
 
@@ -133,14 +145,17 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
         if prep.tool_parser is not None:
             content, calls = message_parts(prep.tool_parser().parse(text))
             message["content"] = content
-            if calls:
+            if calls and req.legacy_functions:  # OpenAI's legacy answer: one function_call
+                message["function_call"] = calls[0]["function"]
+                reason = "function_call" if reason == "stop" else reason
+            elif calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
-    body = {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prep, sum(tokens.values()))}
+    body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
@@ -153,7 +168,8 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
 
 async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
                   events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
-    base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    base = {"id": req.chat_id or prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
     include_usage = req.include_usage
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
@@ -163,7 +179,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {"debug_info": render_info(chat, prep)} if req.debug_info else {}
+    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -179,7 +195,9 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             continue  # e.g. half a UTF-8 character or a possible stop string held back
         reason = ev.finish_reason
         if reason == "stop" and calls is not None and calls.calls:
-            reason = "tool_calls"
+            reason = "function_call" if req.legacy_functions else "tool_calls"
+        if req.legacy_functions:
+            deltas = [_as_function_call(d) for d in deltas]
         deltas = deltas or [{}]
         for k, delta in enumerate(deltas):
             is_last = k == len(deltas) - 1
@@ -193,6 +211,25 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                           "finish_reason": reason if is_last else None}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
+
+
+def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call delta in OpenAI's legacy shape, {"function_call": {"name", "arguments"}}: the first call
+    only, as the legacy API has one."""
+    calls = delta.get("tool_calls")
+    if calls is None:
+        return delta
+    out = {k: v for k, v in delta.items() if k != "tool_calls"}
+    first = [c for c in calls if c.get("index", 0) == 0]
+    if first:
+        fn = first[0].get("function", {})
+        out["function_call"] = {k: fn[k] for k in ("name", "arguments") if k in fn}
+    return out
+
+
+def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
+    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
+    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from frontend.backend_client import TokenLogprob
-from frontend.guided import constraint_for
+from frontend.guided import check, constraint_for
 from frontend.logprobs import prompt_logprob_entries, token_name
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
@@ -66,7 +66,8 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
-    constraint = await off_loop(constraint_for, req)  # checked once, before anything is generated
+    constraint = await off_loop(constraint_for, req)
+    await check(constraint, req)  # once, before anything is generated
     rendered = await off_loop(lambda: [pipeline.tokens(prompt) for prompt in prompts])
     for number, prompt in enumerate(rendered):
         prep = None

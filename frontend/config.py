@@ -11,7 +11,8 @@ from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
-from kvyard.ports import backend_grpc_port, start_port
+from kvyard.pooling_model import PoolingSpec, embedding_model_name, load_pooling_spec, resolve_embedding_path
+from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
 
 
@@ -44,7 +45,11 @@ class FrontendConfig:
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
     cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
     model_aliases: tuple[str, ...] = ()  # MODEL_NAME's other names: clients may pass them for model_name
+    service_id: str = ""             # MODEL_SERVICE_CONFIG.service_id: this frontend's service name (/server_info)
     trust_request_chat_template: bool = False  # TRUST_REQUEST_CHAT_TEMPLATE=1: a request's chat_template runs
+    embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
+    embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
+    embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -74,7 +79,9 @@ class FrontendConfig:
             first_token_timeout_s=float(env_int(env, "FIRST_TOKEN_TIMEOUT_S", 10, minimum=0)),
             inter_token_timeout_s=float(env_int(env, "INTER_TOKEN_TIMEOUT_S", 10, minimum=0)),
             master_address=env_str(env, "MASTER_ADDRESS", service.get("master_address", "")),
-            fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend]),
+            fallback_addresses=tuple(fallbacks or service.get("backend_addresses", []) or [backend])
+            if service.get("use_local", True) else (),
+            service_id=service.get("service_id", ""),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             master_timeout_s=env_int(env, "MASTER_TIMEOUT_MS", 500, minimum=1) / 1000,
             master_queue_wait_s=env_int(env, "MASTER_QUEUE_WAIT_MS", 5000, minimum=0) / 1000,
@@ -86,7 +93,22 @@ class FrontendConfig:
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
+            **_embedding(env, port),
         )
+
+
+def _embedding(env: Mapping[str, str], port: int) -> dict[str, Any]:
+    """EMBEDDING_MODEL_PATH (a Hugging Face encoder directory, or `embedded`): its files are read here (the
+    frontend tokenizes for it); its backend is EMBEDDING_BACKEND_ADDRESS, else the one a PDFUSION launch
+    starts beside the chat backend."""
+    value = env.get("EMBEDDING_MODEL_PATH", "")
+    if not value:
+        return {}
+    path = resolve_embedding_path(value)
+    return {"embedding": load_pooling_spec(path),
+            "embedding_model_name": env_str(env, "EMBEDDING_MODEL_NAME", embedding_model_name(path)),
+            "embedding_backend_address": env_str(env, "EMBEDDING_BACKEND_ADDRESS",
+                                                 f"127.0.0.1:{backend_grpc_port(embedding_start_port(port))}")}
 
 
 def _tool_parser(name: str | None) -> str | None:
@@ -117,9 +139,13 @@ def _json_list(env: Mapping[str, str], name: str, item_type: type) -> list:
 
 
 def _model_service_config(env: Mapping[str, str]) -> dict[str, Any]:
-    """MODEL_SERVICE_CONFIG (RTP-LLM's JSON): the master endpoint and, our addition, the backends to fall
-    back to, e.g. {"master_endpoint": {"address": "10.0.0.5:8088"}, "backend_addresses": ["10.0.0.7:8089"]}.
-    Other keys RTP-LLM puts there are ignored."""
+    """MODEL_SERVICE_CONFIG (RTP-LLM's JSON), every key with an effect or refused by name, e.g.
+    {"service_id": "test", "master_endpoint": {"type": "VipServer", "address": "127.0.0.1:16000",
+    "protocol": "http", "path": "/"}, "use_local": true, "backend_addresses": ["10.0.0.7:8089"]}.
+    master_endpoint: the master at protocol://address + path (`type` says how to find it: kvyard has no name
+    service, so "VipServer" and "direct" both dial `address`). use_local: false sends requests only through
+    the master (a 503 while it cannot route) instead of falling back to the direct backends.
+    backend_addresses (ours): those direct backends. service_id: this frontend's service name (/server_info)."""
     raw = env.get("MODEL_SERVICE_CONFIG", "")
     if not raw:
         return {}
@@ -129,15 +155,53 @@ def _model_service_config(env: Mapping[str, str]) -> dict[str, Any]:
         raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}") from exc
     if not isinstance(value, dict):
         raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}")
+    unknown = sorted(set(value) - {"service_id", "master_endpoint", "use_local", "backend_addresses"})
+    if unknown:
+        raise ValueError(f"MODEL_SERVICE_CONFIG.{unknown[0]} is not supported; the keys are service_id, "
+                         "master_endpoint, use_local, backend_addresses")
     out: dict[str, Any] = {}
     endpoint = value.get("master_endpoint")
     if endpoint is not None:
-        address = endpoint.get("address") if isinstance(endpoint, dict) else None
-        if not isinstance(address, str) or ":" not in address:
-            raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.address must be \"host:port\", got {endpoint!r}")
-        out["master_address"] = address
+        out["master_address"] = _master_endpoint(endpoint)
     backends = value.get("backend_addresses", [])
     if not isinstance(backends, list) or not all(isinstance(b, str) and ":" in b for b in backends):
         raise ValueError(f"MODEL_SERVICE_CONFIG.backend_addresses must be a list of \"host:port\", got {backends!r}")
     out["backend_addresses"] = backends
+    use_local = value.get("use_local", True)
+    if not isinstance(use_local, bool):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.use_local must be true or false, got {use_local!r}")
+    if not use_local and endpoint is None:
+        raise ValueError("MODEL_SERVICE_CONFIG.use_local=false needs a master_endpoint: with neither, no request "
+                         "could be routed")
+    out["use_local"] = use_local
+    service_id = value.get("service_id", "")
+    if not isinstance(service_id, str):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.service_id must be a string, got {service_id!r}")
+    out["service_id"] = service_id
     return out
+
+
+def _master_endpoint(endpoint: Any) -> str:
+    """protocol://address/path of MODEL_SERVICE_CONFIG.master_endpoint (plain host:port for http at /)."""
+    if not isinstance(endpoint, dict):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint must be an object, got {endpoint!r}")
+    unknown = sorted(set(endpoint) - {"type", "address", "protocol", "path"})
+    if unknown:
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.{unknown[0]} is not supported; the keys are type, "
+                         "address, protocol, path")
+    address = endpoint.get("address")
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.address must be \"host:port\", got {address!r}")
+    kind = endpoint.get("type", "direct")
+    if not isinstance(kind, str) or kind.lower() not in ("vipserver", "direct"):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.type must be VipServer or direct (both dial the "
+                         f"address), got {kind!r}")
+    protocol = endpoint.get("protocol", "http")
+    if protocol not in ("http", "https"):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.protocol must be http or https, got {protocol!r}")
+    path = endpoint.get("path", "/")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.path must start with '/', got {path!r}")
+    if protocol == "http" and path == "/":
+        return address
+    return f"{protocol}://{address}{path.rstrip('/')}"

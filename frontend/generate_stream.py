@@ -2,7 +2,8 @@
 
 The body is the prompt itself (no chat template), tokenized and budgeted as every text prompt is
 (frontend/pipeline.py: special tokens parsed, BOS once; a max_tokens past the context is a 400, as in the
-other dialects); options come as query parameters. The answer is
+other dialects), except that a prompt longer than context - max_tokens - 1 keeps its last that many tokens,
+as BentoML's service does; options come as query parameters. The answer is
 plain text (`curl -N` shows it arrive), or Server-Sent Events when the client accepts
 `text/event-stream`: `event: message` with one `data:` line per line of the new text, then `event: end`.
 Failures before the first text are ordinary HTTP errors (the error table); after it, SSE sends an
@@ -23,7 +24,7 @@ from frontend.pipeline import Budget, ChoiceEvent, Pipeline
 from frontend.protocol import INT32_MAX, INT64_MAX, SamplingRequest
 from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.sampling_params import Dialect
+from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -46,8 +47,11 @@ def generate_stream_routes(pipeline: Pipeline) -> APIRouter:
         except UnicodeDecodeError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the body must be UTF-8 text ({exc})") from None
         # The query's own bounds were checked above (temperature has no upper one here, as before).
+        # BentoML's service keeps a long prompt's last context - max_new_tokens - 1 tokens (left-truncation);
+        # a max_tokens that leaves no room at all is still the 400 every dialect gives.
+        room = pipeline.cfg.max_seq_len - (max_tokens or DIALECT_DEFAULTS[Dialect.GENERATE]["max_new_tokens"]) - 1
         sampling = SamplingRequest.model_construct(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                                   model=model)
+                                                   model=model, truncate_prompt_tokens=room if room >= 1 else None)
         prep = pipeline.prepare(f"generate-{uuid.uuid4().hex}", await off_loop(pipeline.tokens, prompt), sampling,
                                 Budget(max_tokens), dialect=Dialect.GENERATE)
         chunks = _text(pipeline.generate(prep))

@@ -4,17 +4,20 @@ Sources, at most one per request: OpenAI's `response_format` (`json_object`, `js
 vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, llama.cpp's `grammar` (GBNF)
 and `json_schema`, and, for chat, `tool_choice` "required" or a named function, which forces the model's
 tool-call format around the functions' parameter schemas (renderers/tool_parsers.py writes that grammar).
-Every constraint is checked here with llguidance: a bad schema or grammar is a 400 naming the problem,
-before the backend is called.
+Every constraint is checked here with llguidance (`check`, on the frontend's grammar pool, not the
+preparation threads: frontend/off_loop.py): a bad schema or grammar is a 400 naming the problem, before
+the backend is called.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from typing import Any
 
+from frontend.off_loop import off_loop_grammar
 from frontend.protocol import ChatCompletionRequest, GuidedDecoding, NamedToolChoice
-from kvyard.constraint import JSON_STYLE, Constraint, ConstraintKind
+from kvyard.constraint import JSON_STYLE, Constraint, ConstraintKind, check_schema_depth
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ToolParser
 
@@ -37,9 +40,26 @@ def constraint_for(req: GuidedDecoding) -> Constraint | None:
     if len(given) > 1:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{' and '.join(given)} are alternatives: give one", given[1])
     param = given[0]
-    constraint = _build(req, param)
-    _check(constraint, param)
+    try:
+        constraint = _build(req, param)
+    except RequestError as exc:
+        raise RequestError(exc.code, exc.message if exc.param else f"{param}: {exc.message}", exc.param or param) from None
     return constraint
+
+
+async def check(constraint: Constraint | None, req: GuidedDecoding) -> None:
+    """llguidance's verdict on the constraint built for `req`, on the grammar pool within its time budget;
+    raises RequestError naming the field."""
+    if constraint is not None:
+        param = "tools" if constraint.kind is ConstraintKind.LARK and _forces_tools(req) else _given(req)[0]
+        await off_loop_grammar(functools.partial(_check, constraint, param))
+
+
+def _forces_tools(req: GuidedDecoding) -> bool:
+    """The constraint is the tool-call grammar (chat_constraint): tools in use and forced, or beside a
+    response format."""
+    tools = req.tools_in_use() if isinstance(req, ChatCompletionRequest) else None
+    return bool(tools)
 
 
 def chat_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> Constraint | None:
@@ -67,9 +87,7 @@ def chat_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> Con
     # tend to repeat the same call until max_tokens.
     parallel = req.parallel_tool_calls is True and not isinstance(req.tool_choice, NamedToolChoice)
     answer = None if own is None else json.loads(own.text)
-    constraint = Constraint(ConstraintKind.LARK, parser.calls_grammar(calls, parallel, answer))
-    _check(constraint, "tools")
-    return constraint
+    return Constraint(ConstraintKind.LARK, parser.calls_grammar(calls, parallel, answer))
 
 
 def refuse_constraints(names: Iterable[str], dialect: str) -> None:
@@ -95,6 +113,7 @@ def _build(req: GuidedDecoding, param: str) -> Constraint:
             return Constraint.json_schema(fmt.schema_ if fmt.schema_ is not None else {"type": "object"})
         assert fmt.json_schema is not None and fmt.json_schema.schema_ is not None
         schema = fmt.json_schema.schema_
+        check_schema_depth(schema)  # before closed() recurses into it
         return Constraint.json_schema(closed(schema) if fmt.json_schema.strict else schema)
     if param == "guided_json":
         value = req.guided_json
@@ -159,6 +178,10 @@ def closed(schema: Any) -> Any:
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     """One function's call as JSON: its name, then arguments that follow its parameter schema."""
     params = function.get("parameters") or {"type": "object"}
+    try:
+        check_schema_depth(params)  # before closed() or the call grammar's json.dumps recurse into it
+    except RequestError as exc:
+        raise RequestError(exc.code, f"tools: {function.get('name')}'s parameters: {exc.message}", "tools") from None
     if function.get("strict"):
         params = closed(params)
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},

@@ -33,6 +33,9 @@ log = logging.getLogger("kvyard.frontend")
 Outgoing = tuple[str, dict[str, Any]]  # ("TOKEN" | "MSG", item)
 
 
+AUTO_MODEL = "auto"  # a client that names no model in particular
+
+
 class LmtpService:
     """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, and
     the frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT)."""
@@ -45,8 +48,10 @@ class LmtpService:
         self.admission = admission or Admission(cfg)
 
     def model(self, name: str | None) -> str | None:
-        """The model to route to (None: ours). Without a master only our own name exists; with one, the
-        master knows every served model and answers unknown ones with MODEL_NOT_FOUND."""
+        """The model to route to (None: ours; also for "auto"). Without a master only our own name exists;
+        with one, the master knows every served model and answers unknown ones with MODEL_NOT_FOUND."""
+        if name == AUTO_MODEL:  # LMQL's "auto": whatever this endpoint serves
+            return None
         model = model_to_route(self.cfg, name)
         return None if model is None or self.cfg.serves(model) else model
 

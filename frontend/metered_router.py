@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from frontend.backend_client import BackendOutput, ScoreOutput
+from frontend.backend_client import PoolInput, PoolOutput, BackendOutput, ScoreOutput
 from frontend.config import FrontendConfig
 from frontend.routing import Router
 from kvyard.errors import RequestError
@@ -49,6 +49,13 @@ class MeteredRouter(Router):
                 timer.finish()  # the caller stopped reading (a stop string, a closed socket): it ended here
             gauge.dec()
             await gen.aclose()
+
+    async def pool(self, request_id: str, items: list[PoolInput], task: str, model: str,
+                   direct: tuple[str, ...], timeout_s: float | None = None) -> PoolOutput:
+        """Router.pool, its input tokens counted as prompt tokens."""
+        out = await super().pool(request_id, items, task, model, direct, timeout_s)
+        self.metrics.prompt(out.input_len, 0)
+        return out
 
     async def score(self, request_id: str, prompt_ids: list[int], scored_ids: list[int],
                     model: str | None = None, top_logprobs: int = 0) -> ScoreOutput:

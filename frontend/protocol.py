@@ -2,9 +2,10 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
@@ -27,6 +28,9 @@ def _valid_text(v: Any, what: str = "stop strings") -> Any:
     return v
 
 
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
+
+
 class _Lenient(BaseModel):
     # Every request object names the fields it takes: any other is the client's 400 "Unrecognized request
     # argument supplied: <name>" (OpenAI's answer; docs/api.md#request-fields), never silently dropped.
@@ -36,6 +40,27 @@ class _Lenient(BaseModel):
 def _refuse_unless(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {why}", field)
+
+
+# RTP-LLM GenerateConfig keys kvyard refuses: (values that ask for nothing, why any other is refused).
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_beams": ((1,), "kvyard samples; it has no beam search (num_beams 1 is taken)"),
+    "return_logits": ((False,), "the full logits are not returned; ask for logprobs / top_logprobs"),
+    "return_hidden_states": ((False,), "hidden states are not returned; the pooling routes (/v1/embeddings) give "
+                                       "embeddings"),
+    "top_p_decay": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "top_p_min": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
+    "no_repeat_ngram_size": ((0,), "n-gram blocking is not implemented; repetition_penalty, presence_penalty and "
+                                   "frequency_penalty are"),
+    "bad_words_list": (([],), "give the words as text in the request's bad_words"),
+    "adapter_name": (("", []), "kvyard serves no LoRA adapters"),
+}
+
+
+def _streams_deltas(extra: GenerateConfig | None) -> None:
+    if extra is not None and extra.return_incremental is False:
+        raise ValueError("extra_configs.return_incremental=false is for POST /: chat and completions stream only "
+                         "the new text")
 
 
 class GenerateConfig(BaseModel):
@@ -61,6 +86,25 @@ class GenerateConfig(BaseModel):
     is_streaming: bool | None = None
     return_output_ids: bool | None = None
     return_input_ids: bool | None = None
+    return_incremental: bool | None = None  # POST /: as the top-level `incremental`; chat/completions: true only
+    # RTP-LLM keys kvyard does not implement, declared so that a request asking for one gets a 400 saying why
+    # (their neutral values, e.g. num_beams=1, are taken): see _UNSUPPORTED.
+    num_beams: int | None = None
+    return_logits: bool | None = None
+    return_hidden_states: bool | None = None
+    top_p_decay: float | None = None
+    top_p_min: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words_list: Any = None
+    adapter_name: Any = None
+
+    @field_validator(*_UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> None:
+        neutral, why = _UNSUPPORTED[info.field_name]
+        if v is not None and v not in neutral:
+            raise ValueError(f"{info.field_name} is not supported: {why}")
+        return None
 
     @field_validator("stop_words_str")
     @classmethod
@@ -319,6 +363,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = None   # the deprecated form of tools
+    _legacy_functions: bool = PrivateAttr(default=False)  # tools came from `functions`: answer with function_call
     # RTP-LLM extensions
     template_key: str | None = None
     user_template: str | None = None
@@ -332,9 +377,30 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[Literal["text"]] | None = None  # text only
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
+    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
+    trace_id: str | None = None    # the caller's trace: heads the backend request id, so its log lines carry it
+    chat_id: str | None = None     # the response's `id` (the backend request id stays unique)
+    extend_fields: dict[str, Any] | None = None  # passed back as they came, in the response
+    master_info: dict[str, Any] | None = None    # RTP-LLM's pre-made routing: refused (the frontend asks the master)
+
+    @field_validator("trace_id", "chat_id")
+    @classmethod
+    def _plain_id(cls, v: str | None) -> str | None:
+        if v is not None and not _PLAIN_ID.fullmatch(v):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : -")
+        return v
+
+    @field_validator("master_info")
+    @classmethod
+    def _no_master_info(cls, v: dict[str, Any] | None) -> None:
+        if v is not None:
+            raise ValueError("is not supported: kvyard's frontend asks its master (MASTER_ADDRESS) for every "
+                             "request and takes no routing from the client")
+        return None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        _streams_deltas(self.extra_configs)
         _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
                        "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
         if self.continue_final_message:
@@ -348,6 +414,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tools is None and self.functions:
             self.tools = [ToolDefinition(function=f) for f in self.functions]
+            self._legacy_functions = True
         names = {t.function.name for t in self.tools or []}
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.get("name")
@@ -369,6 +436,11 @@ class ChatCompletionRequest(SamplingRequest):
         docs = {"documents": self.documents} if self.documents is not None else {}
         return {**docs, **(self.chat_template_kwargs or {}), **extra}
 
+    @property
+    def legacy_functions(self) -> bool:
+        """The request gave `functions` (no `tools`): OpenAI's legacy API answers with one `function_call`."""
+        return self._legacy_functions
+
     def tools_in_use(self) -> list[dict[str, Any]] | None:
         """The tool definitions the model should see (none when tool_choice is "none")."""
         if not self.tools or self.tool_choice == "none":
@@ -385,6 +457,7 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
+        _streams_deltas(self.extra_configs)
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.n_probs is not None and self.logprobs is None:
@@ -420,6 +493,8 @@ class RawRequest(GuidedDecoding):
 
     @model_validator(mode="after")
     def _checks(self) -> RawRequest:
+        if self.generate_config.return_incremental:
+            self.incremental = True
         if self.urls:
             raise ValueError("urls (multimodal input) are not supported")
         if isinstance(self.prompt, list) and not self.prompt:

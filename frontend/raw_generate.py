@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from frontend.backend_client import BackendOutput
-from frontend.guided import constraint_for
+from frontend.guided import check, constraint_for
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
@@ -64,6 +64,7 @@ def raw_routes(pipeline: Pipeline) -> APIRouter:
     @router.post("/")
     async def raw(req: RawRequest, request: Request) -> Any:
         state = _State(req, await off_loop(_prepare, pipeline, req))
+        await check(next((p.params.constraint for p in state.preps), None), req)
         request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
         updates = _updates(state, pipeline.generate_many(state.preps))
         return await respond(request, req.streaming, lambda: _events(state, updates), lambda: _collect(state, updates),

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from frontend.chat import ChatDialect
+from frontend.guided import check
 from frontend.off_loop import off_loop
 from frontend.pipeline import ChoiceEvent, PreparedRequest
 from frontend.protocol import INT32_MAX, ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
@@ -250,6 +251,7 @@ def response_routes(chat: ChatDialect) -> APIRouter:
                                    "previous_response_id") from None
         creq = chat_request(req, history)
         prep = await off_loop(chat.prepare, creq)
+        await check(prep.params.constraint, creq)
         request.app.state.admission.hold(request.scope, prep.params.n)
         answer = _Answer(req, prep, prep.model or chat.pipeline.cfg.model_name)
         events = chat.pipeline.generate(prep)

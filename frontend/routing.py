@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
-from frontend.backend_client import BackendClient, BackendOutput
+from frontend.backend_client import BackendClient, BackendOutput, PoolInput, PoolOutput
 from frontend.config import FrontendConfig
+from frontend.master_leader import answers, leader_of, leader_url
 from frontend.deadlines import BackendSilent, watched
 from kvyard.block_keys import block_cache_keys
 from kvyard.cluster_auth import auth_headers
@@ -55,6 +56,10 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
     every name."""
     if not name or name == ROUTER_PLACEHOLDER_MODEL:
         return None
+    if cfg.embedding is not None and name == cfg.embedding_model_name:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
+                           "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
+                           "allows)", "model")
     if not cfg.serves(name) and not cfg.master_address:
         raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
                            f"'{cfg.model_name}'", "model")
@@ -78,10 +83,13 @@ class Router:
             pool = httpx.Limits(max_connections=cfg.concurrency_limit, max_keepalive_connections=cfg.concurrency_limit)
             self._master = httpx.AsyncClient(base_url=base, timeout=cfg.master_timeout_s, limits=pool,
                                              headers=auth_headers(cfg.cluster_token))
+        self._configured_master = self._master  # asked which master leads (POST /rtp_llm/master)
+        self._leader_known = False               # asked since start-up or the last master failure
+        self._retired: list[httpx.AsyncClient] = []  # clients of earlier leaders, closed with the router
 
     async def close(self) -> None:
-        if self._master is not None:
-            await self._master.aclose()
+        for master in {id(c): c for c in (self._master, self._configured_master, *self._retired) if c}.values():
+            await master.aclose()
         for client in self._clients.values():
             await client.close()
 
@@ -129,16 +137,36 @@ class Router:
             self._probes[address] = (now, task)
         return await asyncio.shield(task)
 
-    async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset()) -> Route:
+    async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
+                    direct: tuple[str, ...] | None = None) -> Route:
+        """direct: the backends to call without a master (default: the chat model's fallback list)."""
         model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
+            if not self._leader_known:
+                await self._follow_leader()
             route = await self._ask_master(model, input_ids)
             if route is not None and route.address not in exclude:
                 return route
-        return self._direct(exclude)
+        return self._direct(exclude, self.cfg.fallback_addresses if direct is None else direct)
 
-    def _direct(self, exclude: set[str]) -> Route:
-        choices = [a for a in self.cfg.fallback_addresses if a not in exclude]
+    async def pool(self, request_id: str, items: list[PoolInput], task: str, model: str,
+                   direct: tuple[str, ...], timeout_s: float | None = None) -> PoolOutput:
+        """BackendClient.pool on the backend the master picks for `model` (else one of `direct`); an
+        unreachable backend is tried once more elsewhere (nothing ran yet)."""
+        failed: set[str] = set()
+        ids = [t for it in items for t in it.token_ids]
+        for attempt in range(ATTEMPTS):
+            route = await self.route(model, ids, exclude=failed, direct=direct)
+            try:
+                return await self.client(route.address).pool(request_id, items, task, timeout_s)
+            except RequestError as exc:
+                failed.add(route.address)
+                if exc.code is not ErrorCode.UNAVAILABLE or attempt == ATTEMPTS - 1 or not set(direct) - failed:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _direct(self, exclude: set[str], addresses: tuple[str, ...]) -> Route:
+        choices = [a for a in addresses if a not in exclude]
         if not choices:
             raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
         return Route(choices[next(self._round_robin) % len(choices)], False, 0)
@@ -175,7 +203,25 @@ class Router:
             return self._master_failed(f"HTTP {resp.status_code}: {str(data)[:200]}")
         raise error
 
+    async def _follow_leader(self) -> None:
+        """Route through the master the configured one names as leader (RTP-LLM's real_master_host)."""
+        assert self._master is not None and self._configured_master is not None
+        self._leader_known = True
+        leader = await leader_of(self._configured_master)
+        if leader is None:
+            return
+        url = leader_url(self._configured_master.base_url, leader)
+        if url != self._master.base_url and await answers(url, self._configured_master.timeout):
+            log.info("master %s names %s as the leader: routing through it", self.cfg.master_address, leader)
+            if self._master is not self._configured_master:
+                self._retired.append(self._master)
+            self._master = httpx.AsyncClient(base_url=url, timeout=self._configured_master.timeout,
+                                             headers=auth_headers(self.cfg.cluster_token),
+                                             limits=httpx.Limits(max_connections=self.cfg.concurrency_limit,
+                                                                 max_keepalive_connections=self.cfg.concurrency_limit))
+
     def _master_failed(self, why: str) -> None:
+        self._leader_known = False  # the leader may have moved: ask again before the next try
         if time.monotonic() >= self._master_down_until:
             log.warning("master %s cannot route (%s); calling backends directly for %.0f s",
                         self.cfg.master_address, why, MASTER_RETRY_S)

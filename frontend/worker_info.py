@@ -25,7 +25,8 @@ def worker_info_routes(cfg: FrontendConfig) -> APIRouter:
     router = APIRouter()
     server = {"served_model_name": cfg.model_name, "model_path": cfg.model_name,
               "tokenizer_path": cfg.model_name, "context_length": cfg.max_seq_len,
-              "max_running_requests": cfg.concurrency_limit, "version": _version(), "engine": "kvyard"}
+              "max_running_requests": cfg.concurrency_limit, "version": _version(), "engine": "kvyard",
+              "service_id": cfg.service_id}
     model = {"model_path": cfg.model_name, "tokenizer_path": cfg.model_name, "served_model_name": cfg.model_name,
              "is_generation": True, "context_length": cfg.max_seq_len}
 

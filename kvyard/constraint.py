@@ -10,6 +10,8 @@ from enum import Enum
 from typing import Any
 
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.grammar_depth import lark_depth, schema_depth
+from kvyard.limits import MAX_GRAMMAR_DEPTH, MAX_SCHEMA_DEPTH
 
 # JSON as models write it: one space after ':' and ',', no newlines. Bounded whitespace also keeps a small
 # model from wandering into endless blank lines inside an object (a known failure of flexible whitespace).
@@ -34,6 +36,7 @@ class Constraint:
     def json_schema(cls, schema: dict[str, Any] | bool) -> Constraint:
         # ASCII: a lone surrogate in a client's schema becomes a \\ud800 escape llguidance refuses (a 400),
         # not text that cannot be encoded on the way to the backend.
+        check_schema_depth(schema)
         return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     def llguidance_grammar(self) -> str:
@@ -52,6 +55,7 @@ class Constraint:
                 schema = {}
             if not isinstance(schema, dict):
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "a JSON schema must be a JSON object")
+            check_schema_depth(schema)
             try:
                 return LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_STYLE))
             except ValueError as exc:  # e.g. an integer beyond 64 bits, which llguidance cannot take
@@ -59,6 +63,11 @@ class Constraint:
                                    f"the JSON schema cannot be used: {exc} (numbers must fit in 64 bits)") from None
         if self.kind is ConstraintKind.REGEX:
             return LLMatcher.grammar_from_regex(self.text)
+        rules, embedded = lark_depth(self.text, MAX_SCHEMA_DEPTH, MAX_GRAMMAR_DEPTH)
+        if rules > MAX_GRAMMAR_DEPTH:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the grammar nests rules more than {MAX_GRAMMAR_DEPTH} "
+                               f"deep (a rule using a rule using ...); at most {MAX_GRAMMAR_DEPTH} are accepted")
+        _check_schema_depth_value(embedded)
         return LLMatcher.grammar_from_lark(self.text)
 
     def check(self) -> None:
@@ -69,3 +78,15 @@ class Constraint:
         error = LLMatcher.validate_grammar(self.llguidance_grammar())
         if error:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"invalid {self.kind.value}: {error.strip()}")
+
+
+def check_schema_depth(schema: Any) -> None:
+    """Raises RequestError(INVALID_ARGUMENT) for a schema nested past MAX_SCHEMA_DEPTH; call it before
+    anything recurses into the schema (json.dumps, llguidance: kvyard/grammar_depth.py)."""
+    _check_schema_depth_value(schema_depth(schema, MAX_SCHEMA_DEPTH))
+
+
+def _check_schema_depth_value(depth: int) -> None:
+    if depth > MAX_SCHEMA_DEPTH:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels "
+                           f"deep (counting each $ref into its target); at most {MAX_SCHEMA_DEPTH} are accepted")

@@ -11,3 +11,10 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_BOUND = 2.0          # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's bounds)
 LOGIT_BIAS_BOUND = 100.0     # a logit_bias value lies in [-100, 100] (OpenAI's bound)
 TEMPERATURE_MAX = 2.0        # the OpenAI dialects' upper bound (OpenAI's own)
+
+# Grammars (kvyard/constraint.py): llguidance compiles them recursively, so one deep enough overflows the
+# native stack and kills the process, frontend or backend (an 8 MB stack ran out near 900 objects that
+# each $ref the next, and near 2,600 Lark rules that each use the next). Checked by loops, before
+# llguidance sees the text, with a wide margin.
+MAX_SCHEMA_DEPTH = 200   # JSON levels a schema nests, each local `$ref` continuing into its target
+MAX_GRAMMAR_DEPTH = 400  # Lark rules (and terminals) nested through one another: a uses b uses c ...

@@ -5,6 +5,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from kvyard.errors import ErrorCode, RequestError
+
 LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRACE")  # TRACE is DEBUG (RTP-LLM's name)
 
 
@@ -20,3 +22,15 @@ def setup_logging(component: str, env: Mapping[str, str] = os.environ) -> None:
     logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "INFO",
                         format=f"%(asctime)s %(levelname)s [{component}] %(name)s: %(message)s",
                         force=True)
+
+
+def set_process_log_level(value: object) -> str:
+    """POST /set_log_level's body `log_level` (RTP-LLM's names, TRACE = DEBUG) applied to this process's root
+    logger; returns the level set. Anything else is a 400 naming the field."""
+    level = value.upper() if isinstance(value, str) else ""
+    if level not in LEVELS:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"log_level must be one of {', '.join(LEVELS)}, got {value!r}",
+                           "log_level")
+    level = "DEBUG" if level == "TRACE" else level
+    logging.getLogger().setLevel(level)
+    return level

@@ -12,6 +12,13 @@ BACKEND_GRPC_OFFSET = 1  # a backend's gRPC port: START_PORT + 1 (a frontend bes
 BACKEND_HTTP_OFFSET = 5  # a backend's HTTP port (load reports, /metrics): START_PORT + 5
 
 
+EMBEDDING_OFFSET = 10    # PDFUSION's embedding backend (EMBEDDING_MODEL_PATH): its START_PORT is START_PORT + 10
+
+
+def embedding_start_port(start: int) -> int:
+    return start + EMBEDDING_OFFSET
+
+
 def start_port(env: Mapping[str, str]) -> int:
     """START_PORT: a frontend's or master's HTTP port, the base of a backend's ports."""
     return env_int(env, "START_PORT", DEFAULT_START_PORT, minimum=1)

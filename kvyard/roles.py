@@ -32,10 +32,22 @@ _RTP_TYPES = {Role.PDFUSION: 0, Role.PREFILL: 1, Role.DECODE: 2, Role.FRONTEND: 
 BACKEND_ROLES = frozenset({Role.PDFUSION, Role.PREFILL, Role.DECODE})
 
 
+# RTP-LLM's RoleType numbers, as its ROLE_TYPE takes them; 3 (VIT, a vision encoder) has no kvyard role.
+RTP_ROLE_NUMBERS = {0: Role.PDFUSION, 1: Role.PREFILL, 2: Role.DECODE, 4: Role.FRONTEND}
+
+
 def parse_role(value: str | None) -> Role:
-    """A ROLE_TYPE name, any case; unset means PDFUSION."""
+    """A ROLE_TYPE name, any case, or RTP-LLM's RoleType number; unset means PDFUSION."""
     name = (value or "PDFUSION").strip().upper()
+    if name.isdigit():
+        if int(name) == 3:
+            raise ValueError("ROLE_TYPE=3 is RTP-LLM's VIT (a vision encoder); kvyard serves no vision models")
+        if int(name) not in RTP_ROLE_NUMBERS:
+            raise ValueError(f"unknown ROLE_TYPE {value!r}; RTP-LLM's numbers are "
+                             f"{', '.join(f'{n} ({r.name})' for n, r in RTP_ROLE_NUMBERS.items())}")
+        return RTP_ROLE_NUMBERS[int(name)]
     try:
         return Role[name]
     except KeyError:
-        raise ValueError(f"unknown ROLE_TYPE {value!r}; one of: {', '.join(r.name for r in Role)}") from None
+        raise ValueError(f"unknown ROLE_TYPE {value!r}; one of: {', '.join(r.name for r in Role)} "
+                         f"(or RTP-LLM's numbers 0, 1, 2, 4)") from None

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from kvyard.ports import start_port
 from launcher.usage import USAGE_ERROR, UsageError
 
 
@@ -42,6 +43,10 @@ FLAGS: tuple[Flag, ...] = (
          "model", "PATH"),
     Flag("--served-model-name", "MODEL_NAME", "the name(s) clients pass as 'model'; the first is the one the "
          "cluster registers and reports, the others are aliases the frontend accepts", "model", "NAME", many=True),
+    Flag("--embedding-model", "EMBEDDING_MODEL_PATH", "a pooling model served beside the chat model (embeddings, "
+         "rerank, classify): a Hugging Face encoder directory, or 'embedded' for all-MiniLM-L6-v2", "model", "PATH"),
+    Flag("--embedding-model-name", "EMBEDDING_MODEL_NAME", "the name clients pass as 'model' for it (default: "
+         "all-MiniLM-L6-v2 / the directory's name)", "model", "NAME"),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
     Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
          "or MOCK_MASTER", "net", "ROLE", cluster=False),
@@ -175,8 +180,9 @@ def cluster_parser() -> _Parser:
     counts.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                         help="the frontends' bind address (default 127.0.0.1); the master and backends stay "
                              "on loopback")
-    counts.add_argument("--port", type=_port, default=8088, metavar="PORT",
-                        help="the first frontend's port; the rest follow from it (below)")
+    counts.add_argument("--port", type=_port, default=None, metavar="PORT",
+                        help="the first frontend's port (default START_PORT, else 8088); the rest follow from "
+                             "it (below)")
     counts.add_argument("--ready-timeout-s", type=_count, default=600, metavar="SECONDS",
                         help="give up when the cluster is not serving after this long (default 600)")
     counts.add_argument("--max-restarts", type=_count, default=5, metavar="N",
@@ -184,6 +190,18 @@ def cluster_parser() -> _Parser:
                              "minutes, the rest serving meanwhile; then leave it down (default 5; 0: never)")
     _add_flags(parser, cluster=True)
     return parser
+
+
+def parse_cluster_args(args: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    """`kvyard cluster`'s arguments; without --port the first frontend takes START_PORT, as every other
+    command reads it (`START_PORT=9000 make cluster` serves on 9000)."""
+    ns = cluster_parser().parse_args(args)
+    if ns.port is None:
+        try:
+            ns.port = start_port(env)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return ns
 
 
 def gateway_parser() -> _Parser:
@@ -280,12 +298,15 @@ def with_local_host(env: dict[str, str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from kvyard.logs import setup_logging
+    from launcher.safe_path import harden
+
+    harden()  # every role process: no imports from the start directory (launcher/safe_path.py)
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args and args[0] == "cluster":
             from launcher.local_cluster import run_cluster
-            ns = cluster_parser().parse_args(args[1:])
+            ns = parse_cluster_args(args[1:], os.environ)
             overrides = flag_env(ns, cluster=True)
             setup_logging("cluster", {**os.environ, **overrides})
             logging.getLogger("httpx").setLevel(logging.WARNING)  # its health polls are not news

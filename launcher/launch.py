@@ -13,6 +13,7 @@ from kvyard.logs import check_log_level, setup_logging
 from kvyard.model_path import ModelFileError
 from kvyard.parent_death import die_with_parent
 from kvyard.roles import Role, parse_role
+from launcher.safe_path import harden
 
 log = logging.getLogger("kvyard.launcher")
 
@@ -23,6 +24,24 @@ def run_backend(env: Mapping[str, str]) -> None:
 
     setup_logging("backend", env)
     asyncio.run(serve_backend(BackendConfig.from_env(env)))
+
+
+def run_embedding_backend(env: Mapping[str, str]) -> None:
+    """PDFUSION's second backend: the pooling model EMBEDDING_MODEL_PATH names, on START_PORT + 10."""
+    run_backend(embedding_env(env))
+
+
+def embedding_env(env: Mapping[str, str], start: int | None = None) -> Mapping[str, str]:
+    """The environment of the backend serving EMBEDDING_MODEL_PATH (START_PORT: `start`, else PDFUSION's +10):
+    its own settings over `env`, which is looked up by name, never copied whole."""
+    from collections import ChainMap
+    from kvyard.pooling_model import embedding_model_name, resolve_embedding_path
+    from kvyard.ports import embedding_start_port, start_port
+    path = resolve_embedding_path(env["EMBEDDING_MODEL_PATH"])
+    own = {"CHECKPOINT_PATH": str(path), "TOKENIZER_PATH": str(path),
+           "START_PORT": str(start if start is not None else embedding_start_port(start_port(env))),
+           "MODEL_NAME": env.get("EMBEDDING_MODEL_NAME") or embedding_model_name(path)}
+    return ChainMap(own, env)  # type: ignore[arg-type]
 
 
 def run_frontend(env: Mapping[str, str]) -> None:
@@ -68,7 +87,9 @@ def frontend_count(env: Mapping[str, str]) -> int:
     from kvyard.env import env_int
     count = env_int(env, "FRONTEND_SERVER_COUNT", 1, minimum=0)
     if count > 1:
-        raise ValueError(f"FRONTEND_SERVER_COUNT must be 0 or 1 in this version, got {count}")
+        raise ValueError(f"FRONTEND_SERVER_COUNT must be 0 or 1, got {count}: CONCURRENCY_LIMIT and the metrics "
+                         "are per frontend process, so several sharing START_PORT would each admit the whole "
+                         "limit; run more frontends on their own ports (kvyard cluster --frontends N)")
     return count
 
 
@@ -90,6 +111,8 @@ def _check_configs(role: Role, env: Mapping[str, str]) -> None:
     if role.is_backend:
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
+        if role is Role.PDFUSION and frontend_count(env) and env.get("EMBEDDING_MODEL_PATH"):
+            BackendConfig.from_env(embedding_env(env))
     if role is Role.MASTER:
         from master.config import MasterConfig
         MasterConfig.from_env(env)
@@ -137,6 +160,7 @@ def _supervise(targets: dict[str, Callable[[Mapping[str, str]], None]], env: dic
     A second signal kills whatever is left (each role's process group) at once; a role process dies with
     the launcher even when the launcher is killed (kvyard/parent_death.py)."""
     grace = drain_grace_s(env)
+    harden()  # the spawned roles' own `python -c` start: no imports from the start directory
     ctx = mp.get_context("spawn")
     procs = {name: ctx.Process(target=_role_child, args=(fn, env, os.getpid()), name=name, daemon=False)
              for name, fn in targets.items()}
@@ -204,4 +228,6 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
         return 0
     if role in (Role.PREFILL, Role.DECODE) or not frontend_count(env):
         return _supervise({"backend": run_backend}, env)
+    if env.get("EMBEDDING_MODEL_PATH"):  # the pooling model's backend beside the chat model's
+        return _supervise({"backend": run_backend, "embedding": run_embedding_backend, "frontend": run_frontend}, env)
     return _supervise({"backend": run_backend, "frontend": run_frontend}, env)

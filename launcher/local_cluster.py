@@ -43,6 +43,7 @@ MASTER_OFFSET = 10      # the master listens on PORT+10
 BACKEND_OFFSET = 20     # backend k's START_PORT is PORT+20+10k (gRPC +1, HTTP +5)
 BACKEND_STRIDE = 10
 LOOPBACK = "127.0.0.1"
+EMBEDDING_PART = "embedding"  # the name of the pooling model's backends
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class Layout:
         return f"{LOOPBACK}:{self.master.start_port}"
 
 
-def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) -> Layout:
-    """Raises UsageError for a shape that cannot run."""
+def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int, embedding: int = 0) -> Layout:
+    """Raises UsageError for a shape that cannot run. embedding: backends of the pooling model
+    (EMBEDDING_MODEL_PATH), last."""
     if frontends < 1 or frontends > MAX_FRONTENDS:
         raise UsageError(f"--frontends must be 1..{MAX_FRONTENDS}, got {frontends}")
     if (prefill > 0) != (decode > 0):
@@ -92,7 +94,8 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int) ->
                          "PREFILL backend hands every request to a DECODE one")
     if pdfusion + prefill == 0:
         raise UsageError("no backend: give --backends N (N >= 1) or --prefill P --decode D")
-    kinds = [("backend", Role.PDFUSION, pdfusion), ("prefill", Role.PREFILL, prefill), ("decode", Role.DECODE, decode)]
+    kinds = [("backend", Role.PDFUSION, pdfusion), ("prefill", Role.PREFILL, prefill), ("decode", Role.DECODE, decode),
+             (EMBEDDING_PART, Role.PDFUSION, embedding)]
     backends: list[Part] = []
     for name, role, count in kinds:
         for i in range(count):
@@ -109,8 +112,12 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
     """The environment of one part: the shared settings, then what its place in the cluster fixes."""
     env = {**base, "ROLE_TYPE": part.role.value, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
     for wired in ("MASTER_ADDRESS", "BACKEND_ADDRESS", "BACKEND_ADDRESSES", "DECODE_ADDRESS", "ADVERTISE_HOST",
-                  "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG"):
+                  "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG",
+                  "EMBEDDING_BACKEND_ADDRESS"):
         env.pop(wired, None)  # the cluster wires these itself
+    if part.name.startswith(EMBEDDING_PART):
+        from launcher.launch import embedding_env
+        env = dict(embedding_env(env, part.start_port))
     if part.is_backend:
         env["MASTER_ADDRESS"] = layout.master_address
         if part.role == Role.PDFUSION:  # the cluster's frontends are parts of their own
@@ -120,10 +127,17 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
             prefills = [b for b in layout.backends if b.role == Role.PREFILL]
             env["DECODE_ADDRESS"] = decodes[prefills.index(part) % len(decodes)].grpc_address
     elif part.role == Role.FRONTEND:
-        direct = [b.grpc_address for b in layout.backends if b.role != Role.DECODE]
+        direct = [b.grpc_address for b in layout.backends if b.role != Role.DECODE and not _embedding(b)]
         env.update(HOST=frontend_host, MASTER_ADDRESS=layout.master_address, BACKEND_ADDRESS=direct[0],
                    BACKEND_ADDRESSES=",".join(direct))
+        pooling = [b.grpc_address for b in layout.backends if _embedding(b)]
+        if pooling:
+            env["EMBEDDING_BACKEND_ADDRESS"] = pooling[0]
     return env
+
+
+def _embedding(part: Part) -> bool:
+    return part.name.startswith(EMBEDDING_PART)
 
 
 def shared_env(environ: Mapping[str, str], overrides: Mapping[str, str], layout: Layout) -> dict[str, str]:
@@ -155,7 +169,8 @@ def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str], explain: C
     """Start the cluster `ns` describes; `explain` names the flag behind a config error's variable."""
     try:
         pdfusion = ns.backends if ns.backends is not None else (0 if ns.prefill or ns.decode else 2)
-        layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode)
+        embedding = int(bool({**os.environ, **overrides}.get("EMBEDDING_MODEL_PATH")))
+        layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode, embedding)
         shared = shared_env(os.environ, overrides, layout)
         check(layout, shared, ns.host)
         if not is_loopback(ns.host) and not shared.get("API_KEY"):
@@ -268,6 +283,9 @@ class LocalCluster:
                   f"    -d '{{{model_field}\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital "
                   "of France?\"}], \"temperature\": 0}'",
                   f"  # any OpenAI client: base_url=\"{first}/v1\"", ""]
+        if any(_embedding(b) for b in lay.backends):  # the pooling model answers beside the chat model
+            lines[-1:] = [f"  curl {first}/v1/embeddings{auth} -H 'Content-Type: application/json' \\",
+                          "    -d '{\"input\": [\"The cat sat on the mat.\", \"A dog barked.\"]}'", ""]
         return "\n".join(lines)
 
     def _watch(self) -> int:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvyard.cluster_auth import install_cluster_auth
@@ -18,6 +18,7 @@ from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
+from kvyard.logs import set_process_log_level
 from kvyard.metrics import HttpMetricsMiddleware, add_metrics_route
 from kvyard.roles import Role
 from master.config import BackendEndpoint, MasterConfig
@@ -26,7 +27,7 @@ from master.dashboard import DecisionHistory, dashboard_routes
 from master.discovery import add_static, watch_dns
 from master.hold import ScheduleQueue
 from master.metrics import UNKNOWN_MODEL, MasterMetrics
-from master.policy import Decision, RouteRequest, choose_backend
+from master.policy import Decision, RouteRequest, cache_local, choose_backend
 from master.poll_loop import PollLoop
 from master.registry import SOURCE_REGISTERED, Registry
 from master.schemas import RegisterRequest, ScheduleRequest, candidates_view, debug_info
@@ -118,7 +119,8 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
             d = registry.backends[decision.decode].endpoint
             servers.append({"role": d.role.rtp_type, "server_ip": d.host, "http_port": d.http_port,
                             "grpc_port": d.grpc_port, "debug_info": None})
-        out: dict[str, Any] = {"server_status": servers, "cache_local": 0, "inter_request_id": next(request_ids)}
+        out: dict[str, Any] = {"server_status": servers, "cache_local": cache_local(decision),
+                               "inter_request_id": next(request_ids)}
         if req.debug:
             out["reason"] = decision.reason
             out["candidates"] = candidates_view(decision)
@@ -135,13 +137,23 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "server_ip is empty and the peer address is unknown",
                                "server_ip")
         endpoint = BackendEndpoint(host, req.grpc_port, req.http_port, req.model, Role(req.role))
-        registry.add(endpoint, SOURCE_REGISTERED, clock())
-        return {"name": endpoint.name, "registered": True}
+        now = clock()
+        registry.add(endpoint, SOURCE_REGISTERED, now)
+        # What the master's polls of that address found: a backend advertising an address nobody can dial
+        # learns it here (its log says so) instead of only being missing from routing.
+        state = registry.backends[endpoint.name]
+        return {"name": endpoint.name, "registered": True, "healthy": registry.healthy(state, now),
+                "error": state.error}
 
     async def master_host() -> dict[str, str]:
         return {"real_master_host": cfg.advertise_address}
 
     app.add_api_route("/rtp_llm/master", master_host, methods=["GET", "POST"])
+
+    @app.post("/set_log_level")
+    async def set_log_level(body: dict[str, Any] = Body(...)) -> dict[str, str]:
+        """The master is one process: its level is the role's (needs the cluster token)."""
+        return {"status": "ok", "log_level": set_process_log_level(body.get("log_level"))}
 
     @app.get("/backends")
     async def backends() -> dict[str, Any]:

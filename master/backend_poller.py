@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvyard.cluster_auth import grpc_metadata
+from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.pooling_model import ModelKind
 from kvyard.roles import BACKEND_ROLES, Role
 from kvyard.worker_status import WorkerStatus
@@ -48,6 +49,7 @@ class BackendPoller:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            *CLIENT_OPTIONS,
         ])
         self._stub = pb_grpc.ModelRpcServiceStub(self._channel)
 

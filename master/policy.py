@@ -44,9 +44,12 @@ loaded backend wins whatever the cache says. Otherwise the lowest cost wins; can
 tie_ratio of it count as tied and the least recently chosen of them wins (RTP-LLM), which spreads a
 burst of identical-looking requests instead of piling them on one backend.
 
-Prefill/decode split: when the model has PREFILL backends, the above picks among them, and a DECODE
+Prefill/decode split: the above picks among PREFILL and PDFUSION backends alike (a pool being moved from
+one to the other holds both, and each can start any request); when it picks a PREFILL one, a DECODE
 backend is paired by KV room and load (`choose_decode`): skip the unhealthy and those without free KV
-for the whole prompt, then the lowest load, then the lowest KV usage.
+for the whole prompt, then the lowest load, then the lowest KV usage. With no DECODE room a PDFUSION
+backend takes the request whole, if there is one. DECODE backends are first choice only when nothing
+else serves the model.
 """
 from __future__ import annotations
 
@@ -155,6 +158,14 @@ class Decision:
         return next(c for c in self.candidates if c.name == name)
 
 
+def cache_local(decision: Decision) -> int:
+    """RTP-LLM's ScheduleMeta.cache_local: 0 (LOCAL) when the chosen backend holds as much of the prompt's
+    prefix as any candidate (or none holds any), 1 (REMOTE) when another backend holds more of it."""
+    assert decision.chosen is not None
+    best = max((c.hit_cache_len for c in decision.candidates), default=0)
+    return 0 if decision.candidate(decision.chosen).hit_cache_len >= best else 1
+
+
 def hit_tokens(keys: Sequence[int], backend: BackendLoad, seq_len: int) -> int:
     """Prompt tokens served by the backend's cache: the leading run of keys it holds, never the last token."""
     run = 0
@@ -205,18 +216,20 @@ def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
         models = sorted({b.model for b in backends})
         return Decision(None, "unknown_model", [], ErrorCode.MODEL_NOT_FOUND,
                         f"The model '{request.model}' does not exist; this cluster serves: {', '.join(models)}")
-    prefill = [b for b in serving if b.role == Role.PREFILL]
-    if not prefill:
-        return _choose_first_stage(request, [b for b in serving if b.role != Role.DECODE] or serving, cfg)
-    decision = _choose_first_stage(request, prefill, cfg)
-    if decision.chosen is None:
+    first = [b for b in serving if b.role != Role.DECODE] or serving
+    decision = _choose_first_stage(request, first, cfg)
+    roles = {b.name: b.role for b in first}
+    if decision.chosen is None or roles[decision.chosen] != Role.PREFILL:
         return decision
     decode = choose_decode(request, [b for b in serving if b.role == Role.DECODE])
-    if decode is None:
-        return Decision(None, "no_decode", decision.candidates, ErrorCode.OVERLOADED,
-                        f"no DECODE backend of '{request.model}' is healthy with KV room for "
-                        f"{request.seq_len} tokens; retry shortly")
-    return replace(decision, decode=decode)
+    if decode is not None:
+        return replace(decision, decode=decode)
+    fused = [b for b in first if b.role == Role.PDFUSION]
+    if fused:  # no DECODE room, but a PDFUSION backend can take the whole request
+        return _choose_first_stage(request, fused, cfg)
+    return Decision(None, "no_decode", decision.candidates, ErrorCode.OVERLOADED,
+                    f"no DECODE backend of '{request.model}' is healthy with KV room for "
+                    f"{request.seq_len} tokens; retry shortly")
 
 
 def choose_server(model: str, keys: Sequence[int], size: int, servers: Sequence[ServerLoad],

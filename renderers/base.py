@@ -19,6 +19,7 @@ class RenderRequest:
     template_key: str | None = None           # pick a named template the model ships
     user_template: str | None = None          # a caller-supplied jinja2 template (sandboxed)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    functions: list[dict[str, Any]] | None = None  # the legacy `functions`, as templates read them (RTP-LLM's)
 
 
 @dataclass

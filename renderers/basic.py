@@ -200,6 +200,8 @@ class BasicRenderer(ChatRenderer):
             messages = self._tools_as_text(messages, request.tools, request.tool_choice)
             in_prompt = bool(request.tools)
         args["messages"] = messages
+        if request.functions:  # a legacy request: templates written for it read `functions`
+            args["functions"] = request.functions
         args.update(request.chat_template_kwargs)
         try:
             prompt = render_bounded(template, args)

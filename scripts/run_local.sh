@@ -7,12 +7,14 @@ export START_PORT="$PORT"
 # Only this machine can reach it (HOST=0.0.0.0 opens the API). The launcher generates the cluster token
 # its backend and frontend share unless CLUSTER_TOKEN or CLUSTER_TOKEN_FILE is set.
 export HOST="${HOST:-127.0.0.1}"
-.venv/bin/python -m kvyard serve --host "$HOST" --port "$PORT" &
+# Beside the chat model, the embedded all-MiniLM-L6-v2 for /v1/embeddings (EMBEDDING_MODEL_PATH= turns it off).
+EMBEDDING="${EMBEDDING_MODEL_PATH-embedded}"
+.venv/bin/python -m kvyard serve --host "$HOST" --port "$PORT" ${EMBEDDING:+--embedding-model "$EMBEDDING"} &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' INT TERM EXIT
 for _ in $(seq 1 180); do
   if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-    MODEL=$(curl -s "http://127.0.0.1:$PORT/v1/models" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')
+    MODEL=$(curl -s "http://127.0.0.1:$PORT/v1/models" | sed -n 's/^{"object":"list","data":\[{"id":"\([^"]*\)".*/\1/p')
     cat <<MSG
 
 kvyard is serving $MODEL on http://127.0.0.1:$PORT (pid $PID; Ctrl-C stops it)
@@ -26,6 +28,13 @@ kvyard is serving $MODEL on http://127.0.0.1:$PORT (pid $PID; Ctrl-C stops it)
 
   # any OpenAI client: base_url="http://127.0.0.1:$PORT/v1", api_key="unused"
 MSG
+    if [ -n "$EMBEDDING" ]; then
+      cat <<MSG
+  # embeddings (all routes: docs/embeddings.md):
+  curl http://127.0.0.1:$PORT/v1/embeddings -H 'Content-Type: application/json' \\
+    -d '{"input": ["The cat sat on the mat.", "A dog barked."]}'
+MSG
+    fi
     wait $PID
     exit $?
   fi

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "decode_step.h"
+#include "dequant_n16.h"
 #include "layer_ops.h"
 #include "qlinear.h"
 #include "sampling.h"
@@ -86,6 +87,20 @@ void dequantize_into(const at::Tensor& qs, const at::Tensor& d, const at::Tensor
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) decode_row(w, n, op + n * w.K);
   });
+}
+
+// Output rows [16 g0, 16 g1) of an n16 matrix (any kind), dequantized and transposed into out: [K, 16 (g1 - g0)]
+// float32 (prefill-sized batches hand it to the GEMM, backend/ops.py).
+void dequantize_n16_t(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, at::Tensor out,
+                      int64_t g0, int64_t g1, bool q4) {
+  const QMatrix w = as_matrix(qs, d, mins, q4);
+  TORCH_CHECK(w.n16, "an n16 matrix");
+  TORCH_CHECK(0 <= g0 && g0 < g1 && g1 * G16 <= w.N, "groups out of range");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == w.K &&
+              out.size(1) == (g1 - g0) * G16, "out must be a contiguous float32 [K, 16 groups]");
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.size(1);
+  at::parallel_for(g0, g1, 1, [&](int64_t a, int64_t b) { dequantize_groups_t(w, a, b, op + (a - g0) * G16, ldo); });
 }
 
 // x: [T, D] → x * rsqrt(mean(x²) + eps) * w, float32 throughout (as the reference does for float32).
@@ -246,6 +261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "rows of a block matrix as float32 (mins: K-quants' sub-scales)",
         call_guard<release>());
   m.def("dequantize_into", &dequantize_into, "a whole block matrix into a float32 buffer", call_guard<release>());
+  m.def("dequantize_n16_t", &dequantize_n16_t, "groups of an n16 matrix as a float32 W^T tile", call_guard<release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", call_guard<release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());

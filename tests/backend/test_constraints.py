@@ -127,6 +127,19 @@ def test_compiler_shares_one_compile_and_refuses_bad_grammars(compiler: GrammarC
     assert bad not in compiler._cache  # a failed compile is not kept
 
 
+def test_deep_grammars_are_refused_before_llguidance_compiles_them(compiler: GrammarCompiler) -> None:
+    """A caller with the cluster token reaches the backend's compiler directly: the same depth budget
+    (kvyard/limits.py) holds there, and the compiler works on afterwards."""
+    from tests.frontend.test_guided import ref_chain, rule_chain
+    deep_schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ref_chain(1000)))
+    for constraint, piece in [(deep_schema, "more than 200 levels"),
+                              (Constraint(ConstraintKind.LARK, rule_chain(3000)), "more than 400 deep")]:
+        with pytest.raises(RequestError, match=piece) as info:
+            compiler.compile_now(constraint)
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert compiler.compile_now(COLORS).advance_all([])
+
+
 def test_a_complete_grammar_allows_only_eos(compiler: GrammarCompiler, tokenizer: TextTokenizer, eos_id: int) -> None:
     state = compiler.compile_now(YES_NO)
     mask = torch.zeros(mask_words(tokenizer.vocab_size), dtype=torch.int32)

@@ -167,3 +167,53 @@ def test_engine_loop_pools_and_aborts(tmp_path: Path) -> None:
         asyncio.run(main())
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_tiny_cross_encoder_logits_match_transformers(tmp_path: Path, arch: str, num_labels: int) -> None:
+    """Query-document pairs (segment ids for BERT) → the classifier's logits, within 1e-4."""
+    import transformers
+    path = tiny_encoder(tmp_path / "ce", arch=arch, num_labels=num_labels)
+    spec = load_pooling_spec(path)
+    assert spec.kind is ModelKind.CLASSIFY and len(spec.labels) == num_labels
+    ids, types, mask = _batch(_tokenizer(path), ["what is the capital of france?"] * 4, SENTENCES[:4])
+    ours = _values(run_task(EncoderModel(spec, torch.float32, torch.device("cpu")), PoolTask.CLASSIFY,
+                            ids, types, mask))
+    ref_model = getattr(transformers, arch).from_pretrained(path).eval()
+    extra = {"token_type_ids": types} if arch.startswith("Bert") else {}
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=mask.long(), **extra).logits
+    assert ours.shape == ref.shape == (4, num_labels)
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+def test_bge_m3_sparse_and_colbert_heads(tmp_path: Path) -> None:
+    """BGE-M3's documented formulas, written out by hand: lexical weights = relu(sparse_linear(h)) per token,
+    the largest per token id, zeros left out; ColBERT = normalize(colbert_linear(h[1:])) for the real tokens."""
+    import transformers
+    path = tiny_encoder(tmp_path / "m3", arch="XLMRobertaModel", pooling="cls_token", normalize=True, bge_m3=True)
+    spec = load_pooling_spec(path)
+    assert spec.heads == ("dense", "sparse", "colbert")
+    model = EncoderModel(spec, torch.float32, torch.device("cpu"))
+    texts = ["the the cat sat on the mat", "a dog"]
+    ids, types, mask = _batch(_tokenizer(path), texts)
+    with torch.no_grad():
+        hidden = transformers.XLMRobertaModel.from_pretrained(path).eval()(
+            input_ids=ids, attention_mask=mask.long()).last_hidden_state
+    sparse_w = torch.load(path / "sparse_linear.pt")
+    colbert_w = torch.load(path / "colbert_linear.pt")
+    sparse = run_task(model, PoolTask.SPARSE, ids, types, mask)
+    colbert = run_task(model, PoolTask.COLBERT, ids, types, mask)
+    for b in range(len(texts)):
+        n = int(mask[b].sum())
+        weights = torch.relu(hidden[b, :n] @ sparse_w["weight"].T + sparse_w["bias"]).squeeze(-1)
+        expected: dict[int, float] = {}
+        for t, w in zip(ids[b, :n].tolist(), weights.tolist()):
+            if w > expected.get(t, 0.0):
+                expected[t] = w
+        got = dict(zip(sparse[b].token_ids, sparse[b].values))
+        assert got.keys() == expected.keys() and all(abs(got[k] - expected[k]) < 1e-4 for k in got)
+        vecs = F.normalize(hidden[b, 1:n] @ colbert_w["weight"].T + colbert_w["bias"], dim=-1)
+        assert colbert[b].rows == n - 1
+        assert torch.allclose(torch.tensor(colbert[b].values).view(n - 1, -1), vecs, atol=1e-4)

@@ -33,6 +33,7 @@ class PD:
     decode: int      # START_PORT of the DECODE backend
     prefill: int     # START_PORT of the PREFILL backend (registered with the master, no DECODE_ADDRESS)
     frontend: str    # base URL of a FRONTEND that asks the master for (prefill, decode) pairs
+    decode_pid: int = 0  # the DECODE backend's launcher process
 
     @property
     def decode_grpc(self) -> str:
@@ -61,7 +62,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
             if {"PREFILL", "DECODE"} <= roles:
                 break
             time.sleep(0.1)
-        yield PD(dport, pport, f"http://127.0.0.1:{fport}")
+        yield PD(dport, pport, f"http://127.0.0.1:{fport}", procs[1].proc.pid)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -107,6 +108,17 @@ def test_chat_through_master_pairs_prefill_with_decode(pd: PD, pdfusion: Cluster
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and sum('"finish_reason": "stop"' in ln for ln in lines) == 1
     assert_no_leaks(pd.decode, pd.prefill)
+
+
+def test_a_prefill_backend_asked_without_a_decode_side_serves_the_request_whole(
+        pd: PD, pdfusion: Cluster, tokenizer: TextTokenizer) -> None:
+    """While the master is unreachable frontends call every address behind the backends' headless name, PREFILL
+    ones included (tests/multihost/): with no decode side named, it prefills and decodes itself."""
+    ids = prompts(tokenizer)[1]
+    whole = generate(f"127.0.0.1:{pd.prefill + 1}", ids, "whole")
+    assert tokens(whole) == tokens(generate(pdfusion.grpc_address, ids, "whole-ref"))
+    assert whole[-1].generate_outputs[-1].aux_info.kv_blocks_sent == 0
+    assert_no_leaks(pd.prefill)
 
 
 def test_a_constraint_crosses_the_split(pd: PD, pdfusion: Cluster) -> None:
@@ -289,3 +301,45 @@ def test_hand_overs_beside_ordinary_requests_and_aborts(pd: PD, pdfusion: Cluste
             answered += 1
     assert answered == 3 * 2 * len(ps)
     assert_no_leaks(pd.decode, pd.prefill)
+
+
+def test_killing_decode_mid_hand_over_answers_or_fails_every_request(pd: PD, tokenizer: TextTokenizer) -> None:
+    """Chaos, and last in this module (the DECODE backend stays dead): chats through the master's
+    (prefill, decode) pairs, streaming and not, while the DECODE engine is killed with SIGKILL mid-way.
+    Every request ends within a bound, each answered in full or failed with an error object (a stream: an
+    error chunk then [DONE]); the PREFILL backend keeps no KV; new requests then fail fast, not hang."""
+    import os
+    import signal
+
+    from tests.support.proc_tree import descendants
+
+    def chat(i: int) -> str:
+        body = {"messages": [{"role": "user", "content": f"Tell me about the number {i}."}], "max_tokens": 24,
+                "temperature": 0, "stream": i % 2 == 1}
+        resp = httpx.post(f"{pd.frontend}/v1/chat/completions", json=body, timeout=60)
+        if not body["stream"]:
+            if resp.status_code == 200:
+                return "answered"
+            assert resp.json()["error"]["message"], resp.text
+            return "errored"
+        events = [line[5:].strip() for line in resp.text.splitlines() if line.startswith("data:")]
+        assert resp.status_code != 200 or events[-1] == "[DONE]", resp.text[-500:]  # never cut short
+        if resp.status_code != 200 or any('"error"' in e for e in events):
+            return "errored"
+        return "answered"
+
+    engine = next(pid for pid in descendants(pd.decode_pid)
+                  if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read())
+    started = time.monotonic()
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(chat, i) for i in range(18)]
+        while sum(f.done() for f in futures) < 3:  # hand-overs are under way
+            assert time.monotonic() - started < 120
+            time.sleep(0.05)
+        os.kill(engine, signal.SIGKILL)
+        outcomes = [f.result(timeout=90) for f in futures]
+    assert len(outcomes) == 18 and outcomes.count("answered") >= 3, outcomes
+    assert_no_leaks(pd.prefill)
+    after = time.monotonic()
+    assert chat(100) == "errored" and time.monotonic() - after < 30  # no decode: a quick error, no hang
+

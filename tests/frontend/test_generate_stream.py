@@ -145,3 +145,16 @@ def test_real_plain_and_sse_agree(pdfusion: Cluster) -> None:
     assert events[-1] == ("end", None)
     assert "".join(data or "" for _, data in events[:-1]) == plain.text.replace("\r\n", "\n").replace("\r", "\n")
     assert plain.text.strip()
+
+
+def test_a_long_prompt_is_left_truncated_as_bentoml_does(stub: StubFrontend, tokenizer: TextTokenizer) -> None:
+    """BentoML's service keeps the last context - max_new_tokens - 1 tokens of a long prompt (the other
+    dialects answer it with a 400 unless asked to truncate)."""
+    prompt = " ".join(f"word{i}" for i in range(400))
+    ids = tokenizer.encode(prompt)
+    assert len(ids) > 256
+    assert httpx.post(f"{stub.url}/generate?max_tokens=8", content=prompt, timeout=30).status_code == 200
+    sent = list(stub.backend.servicer.requests[-1].token_ids)
+    assert len(sent) == 256 - 8 - 1 and sent == ids[-len(sent):]
+    long = httpx.post(f"{stub.url}/v1/completions", json={"prompt": prompt, "max_tokens": 8}, timeout=30)
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"

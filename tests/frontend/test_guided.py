@@ -6,6 +6,8 @@ refuse them."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +17,10 @@ from llguidance import LLMatcher
 
 from frontend.guided import closed
 from frontend.lmtp_frames import FrameError, parse_frame
+from kvyard.constraint import Constraint
 from kvyard.tokenizer import TextTokenizer
 from proto import model_rpc_pb2 as pb
-from tests.support.mock_stack import MockBackendThread, script
+from tests.support.mock_stack import MockBackendThread, MockFrontend, script
 
 HI = [{"role": "user", "content": "Hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -88,7 +91,33 @@ def test_forced_tool_calls_carry_the_call_grammar(http: httpx.Client, mock: Mock
     assert sent(mock) is None
 
 
-BAD = [  # (path, fields, the param named, a piece of the message)
+def ref_chain(n: int) -> dict[str, Any]:
+    """n objects, each with one property that $refs the next (llguidance's stack ran out near 900)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(n: int) -> str:
+    """n Lark rules, each using the next (84 KB at 3,000: it killed the frontend)."""
+    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(n)), f'r{n}: "x"'])
+
+
+DEEP = [  # refused by their depth before llguidance recurses into them (kvyard/limits.py)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ref_chain(1000)}}}, "response_format", "more than 200 levels"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ref_chain(1000), "strict": True}}}, "response_format", "more than 200 levels"),
+    ("/v1/chat/completions", {"guided_json": ref_chain(1000)}, "guided_json", "more than 200 levels"),
+    ("/v1/completions", {"guided_json": json.dumps(ref_chain(1000))}, "guided_json", "more than 200 levels"),
+    ("/", {"json_schema": ref_chain(1000)}, "json_schema", "more than 200 levels"),
+    ("/v1/chat/completions", {"guided_grammar": rule_chain(3000)}, "guided_grammar", "more than 400 deep"),
+    ("/v1/chat/completions", {"guided_grammar": f"start: %json {json.dumps(ref_chain(1000))}"}, "guided_grammar",
+     "more than 200 levels"),
+    ("/v1/chat/completions", {"tools": [{**TOOL, "function": {**TOOL["function"], "parameters": ref_chain(250)}}],
+                              "tool_choice": "required"}, "tools", "more than 200 levels"),  # 1000: past the context
+]
+
+BAD = DEEP + [  # (path, fields, the param named, a piece of the message)
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format", "Invalid type: strin"),
     ("/v1/chat/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
@@ -126,6 +155,18 @@ def test_bad_constraints_are_a_400_before_generation(http: httpx.Client, mock: M
     assert len(mock.servicer.requests) == before  # nothing reached the backend
 
 
+def test_deep_grammars_leave_the_server_up_and_recursive_ones_pass(http: httpx.Client,
+                                                                   mock: MockBackendThread) -> None:
+    """After the deep ones above: still serving. A recursive schema (a tree) and chains within the limits
+    are no deeper than they look: they reach the backend."""
+    tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {
+        "$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    for fields in ({"guided_json": tree}, {"guided_json": ref_chain(40)}, {"guided_grammar": rule_chain(300)}):
+        resp = http.post("/v1/chat/completions", json={"messages": HI, **fields})
+        assert resp.status_code == 200, resp.text
+    assert http.get("/health").status_code == 200
+
+
 def test_strict_closes_objects_the_schema_leaves_open() -> None:
     schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {"type": "number"}}},
                                                "properties": {"type": "string"}, "free": {"type": "object",
@@ -154,3 +195,59 @@ def test_dialects_without_constraints_refuse_them(http: httpx.Client, mock: Mock
     assert len(mock.servicer.requests) == before  # nothing reached the backend
     assert http.post("/generate?max_tokens=4", content="Hi").status_code == 200
     assert parse_frame('GENERATE {"stream_id": 8, "prompt": [1], "grammar": null}')[0] == "GENERATE"
+
+
+# ---- the grammar pool (frontend/off_loop.py) ----------------------------------------------------------
+
+def held_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[Constraint]]:
+    """A fake slow compiler: every llguidance check holds its grammar worker until the event is set."""
+    release, started = threading.Event(), []
+    real = Constraint.check
+
+    def slow(self: Constraint) -> None:
+        started.append(self)
+        release.wait(60)
+        real(self)
+    monkeypatch.setattr(Constraint, "check", slow)
+    return release, started
+
+
+def test_a_plain_chat_never_waits_behind_big_grammars(front: MockFrontend, mock: MockBackendThread,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six grammars hold both grammar workers (four queue behind them); a chat's preparation does not wait:
+    it is answered while every grammar is still held. Once released, every grammar request is answered."""
+    release, started = held_checks(monkeypatch)
+    results: list[int] = []
+
+    def grammar_request() -> None:
+        results.append(httpx.post(f"{front.url}/v1/chat/completions", timeout=60,
+                                  json={"messages": HI, "guided_json": SCHEMA}).status_code)
+    threads = [threading.Thread(target=grammar_request) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(started) < 2:  # both workers hold a grammar
+            assert time.monotonic() < deadline, "the grammar checks never started"
+            time.sleep(0.02)
+        chat = httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI}, timeout=20)
+        assert chat.status_code == 200, chat.text
+        assert len(started) == 2 and not results  # the chat went by while the grammars were still held
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert results == [200] * 6
+
+
+def test_a_grammar_past_its_time_budget_fails_alone(front: MockFrontend, mock: MockBackendThread,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from frontend import off_loop
+    monkeypatch.setattr(off_loop, "GRAMMAR_BUDGET_S", 0.3)
+    release, started = held_checks(monkeypatch)
+    try:
+        resp = httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI, "guided_json": SCHEMA}, timeout=20)
+        assert resp.status_code == 400 and "more than 0.3 s" in resp.json()["error"]["message"], resp.text
+        assert httpx.post(f"{front.url}/v1/chat/completions", json={"messages": HI}, timeout=20).status_code == 200
+    finally:
+        release.set()

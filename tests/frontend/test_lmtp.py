@@ -165,11 +165,12 @@ def test_model_info_and_closing_the_socket_cancels_streams(stub: StubFrontend) -
         async with connect(stub.ws_url) as ws:  # "/" too, where LMQL connects
             await send(ws, "MODEL_INFO", {"model": "stub-model", "stream_id": 1})
             await send(ws, "MODEL_INFO", {"model": "other", "stream_id": 2})
+            await send(ws, "MODEL_INFO", {"model": "auto", "stream_id": 4})
             await send(ws, "GENERATE", {"prompt": [1], "stream_id": 3, "max_tokens": LONG})
             msgs: list[dict[str, Any]] = []
             tokens = 0
             async with asyncio.timeout(30):
-                while len(msgs) < 2 or tokens < 3:
+                while len(msgs) < 3 or tokens < 3:
                     kind, _, body = (await ws.recv()).partition(" ")
                     if kind == "MSG":
                         msgs.extend(json.loads(body))
@@ -179,7 +180,8 @@ def test_model_info_and_closing_the_socket_cancels_streams(stub: StubFrontend) -
     msgs = {m["stream_id"]: m for m in run(go())}
     info = msgs[1]["model_info"]
     assert info["model"] == "stub-model" and info["max_seq_len"] == 256 and info["vocab_size"] > 0
-    assert "model_not_found" in msgs[2]["error"]
+    assert "model_not_found" in msgs[2]["error"] and "stub-model" in msgs[2]["error"]  # names what is served
+    assert msgs[4]["model_info"]["model"] == "stub-model"  # "auto": this endpoint's model
     # Every long stream of this module ends only by being cancelled, this one's by the closed socket. (Short
     # streams of other tests may be cancelled too when a slow machine lets their socket close first.)
     long_ids = {r.request_id for r in stub.engine.generation_requests if r.stop.max_new_tokens >= LONG}

@@ -261,9 +261,11 @@ def test_tool_choice_none_and_named(client: openai.OpenAI, http: httpx.Client, t
         resp = client.chat.completions.create(model=MODEL, messages=HI, tools=[WEATHER_TOOL], tool_choice=named)
         assert resp.choices[0].finish_reason == "tool_calls"
         assert "must call the function 'get_weather'" in tokenizer.decode(list(mock.servicer.requests[-1].token_ids))
-        # The deprecated `functions` field is read as tools.
+        # The deprecated `functions` field is read as tools, and answered as OpenAI's legacy API answers it.
         body = {"messages": HI, "functions": [WEATHER_TOOL["function"]]}
-        assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"] == "tool_calls"
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+        assert choice["message"]["function_call"]["name"] == "get_weather"
 
 
 # ---- chat: RTP-LLM extensions --------------------------------------------------------------------
@@ -287,6 +289,14 @@ def test_templates_from_the_request(http: httpx.Client, mock: MockBackendThread,
     assert tokenizer.decode(list(mock.servicer.requests[-1].token_ids)) == "Hi|END"
     body = {"messages": HI, "template_key": "default"}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_template_that_renders_nothing_is_a_400(http: httpx.Client, stream: bool) -> None:
+    """Found by make test's fuzzer: an empty user_template gave the engine a prompt of no tokens (a 500)."""
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "user_template": "", "stream": stream})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages" and "empty" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from launcher.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, serve_env
+from launcher.cli import FLAGS, UsageError, cluster_parser, explain, flag_env, main, parse_cluster_args, serve_env
+from kvyard.pooling_model import embedded_embedding_path
 from launcher.local_cluster import check, part_env, plan
 from kvyard.model_path import embedded_model_path
 from tests.support.env_reads import role_reads
@@ -97,7 +98,7 @@ def test_every_flag_is_read_by_a_role() -> None:
               "TOOL_CALL_PARSER": "hermes", "CORS_ALLOW_ORIGINS": "http://a.example", "CONCURRENCY_LIMIT": "8",
               "MAX_BODY_BYTES": "65536", "REQUEST_TIMEOUT_S": "60", "DRAIN_GRACE_S": "5",
               "MASTER_BACKENDS": "127.0.0.1:9001", "MASTER_BACKEND_DNS": "localhost:9001", "LOG_LEVEL": "info",
-              "CLUSTER_TOKEN": CLUSTER_TOKEN}
+              "CLUSTER_TOKEN": CLUSTER_TOKEN, "EMBEDDING_MODEL_PATH": "embedded", "EMBEDDING_MODEL_NAME": "e"}
     read = set()
     for role in ("PDFUSION", "MASTER", "PREFILL", "FRONTEND"):
         read |= role_reads({**values, "ROLE_TYPE": role})
@@ -149,3 +150,29 @@ def test_a_split_cluster_is_wired_through_the_master() -> None:
     assert {e["HOST"] for n, e in envs.items() if not n.startswith("frontend")} == {"127.0.0.1"}
     for name, env in envs.items():
         assert set(env) - set(base) <= role_reads(env), name  # what the cluster wires is used
+
+
+def test_a_cluster_with_an_embedding_model() -> None:
+    """`kvyard cluster --embedding-model embedded`: one more backend serving all-MiniLM-L6-v2 under its own name,
+    registered with the master; frontends know it as the pooling model's direct backend, not a chat one."""
+    lay = plan(9000, frontends=1, pdfusion=1, prefill=0, decode=0, embedding=1)
+    base = {"CLUSTER_TOKEN": CLUSTER_TOKEN, "CHECKPOINT_PATH": str(embedded_model_path()), "KV_CACHE_MB": "64",
+            "EMBEDDING_MODEL_PATH": "embedded"}
+    check(lay, base, "127.0.0.1")
+    envs = {p.name: part_env(lay, p, base, "127.0.0.1") for p in lay.parts}
+    emb = envs["embedding-1"]
+    assert emb["CHECKPOINT_PATH"] == str(embedded_embedding_path()) and emb["MODEL_NAME"] == "all-MiniLM-L6-v2"
+    assert emb["MASTER_ADDRESS"] == "127.0.0.1:9010" and emb["START_PORT"] == "9030"
+    assert envs["frontend-1"]["BACKEND_ADDRESSES"] == "127.0.0.1:9021"
+    assert envs["frontend-1"]["EMBEDDING_BACKEND_ADDRESS"] == "127.0.0.1:9031"
+    assert envs["backend-1"]["CHECKPOINT_PATH"] == str(embedded_model_path())
+
+
+def test_cluster_takes_start_port_like_every_command() -> None:
+    """`START_PORT=9000 make cluster` serves its first frontend on 9000 (it was 8088 whatever START_PORT said);
+    --port still wins, and a bad START_PORT is a usage error naming it."""
+    assert parse_cluster_args(["--backends", "1"], {"START_PORT": "9000"}).port == 9000
+    assert parse_cluster_args(["--port", "7000"], {"START_PORT": "9000"}).port == 7000
+    assert parse_cluster_args([], {}).port == 8088
+    with pytest.raises(UsageError, match="START_PORT"):
+        parse_cluster_args([], {"START_PORT": "x"})

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from backend.engine_types import CacheStatus
 from backend.http_server import create_backend_http_app
 from kvyard.metrics import BackendMetrics
+from kvyard.roles import Role
+from kvyard.worker_status import WorkerStatus
 from master.app import create_master_app
 from master.backend_poller import worker_status_from_pb
 from master.config import BackendEndpoint, MasterConfig
@@ -81,12 +84,13 @@ def test_master_without_a_token_refuses_every_registration() -> None:
 
 @pytest.fixture
 def backend_http() -> Iterator[TestClient]:
-    def status() -> SimpleNamespace:
-        return SimpleNamespace(running=0, waiting=0, free_blocks=8, total_blocks=8, step_latency_ms=0.0,
-                               prefill_tokens_per_s=0.0)
+    def status() -> WorkerStatus:
+        return WorkerStatus(role=Role.PDFUSION, running=0, waiting=0, queued_prefill_tokens=0, step_latency_ms=0.0,
+                            prefill_tokens_per_s=0.0, free_blocks=8, total_blocks=8, block_size=16, version=1,
+                            iterate_count=0, alive=True, cache_version=3)
 
     loop = SimpleNamespace(metrics=BackendMetrics(status, "m"), alive=True, worker_status=status,
-                           cache_status=lambda since: SimpleNamespace(version=3, cached_keys=[11, 12]))
+                           cache_status=lambda since: CacheStatus(3, False, [11, 12], [], [], 16))
     level = logging.getLogger().level
     try:
         yield TestClient(create_backend_http_app(loop, TOKEN))  # type: ignore[arg-type]
@@ -110,6 +114,21 @@ def test_backend_log_level_needs_the_token(backend_http: TestClient) -> None:
 
 
 def test_backend_probes_stay_open(backend_http: TestClient) -> None:
-    assert backend_http.get("/health").status_code == 200
+    for path in ("/health", "/status", "/GraphService/cm2_status", "/SearchService/cm2_status"):
+        assert backend_http.get(path).status_code == 200 and backend_http.post(path).text == "ok", path
+    assert backend_http.post("/health_check").text == "ok" and backend_http.get("/").text == "ok"
     assert backend_http.get("/metrics").status_code == 200
     assert backend_http.get("/worker_status").status_code == 200  # load numbers, as /metrics shows them
+
+
+def test_master_log_level_needs_the_token() -> None:
+    client, _ = master(TOKEN)
+    level = logging.getLogger().level
+    try:
+        assert_401(client.post("/set_log_level", json={"log_level": "DEBUG"}))
+        resp = client.post("/set_log_level", json={"log_level": "debug"}, headers=GOOD)
+        assert resp.status_code == 200 and logging.getLogger().level == logging.DEBUG, resp.text
+        bad = client.post("/set_log_level", json={"log_level": "LOUD"}, headers=GOOD)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "log_level"
+    finally:
+        logging.getLogger().setLevel(level)

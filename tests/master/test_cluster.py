@@ -141,3 +141,30 @@ def test_killed_backend_is_routed_around_within_3s(cluster: Cluster, tokenizer: 
     assert all(addr == survivor for _, addr, _ in late), late
     view = {b["name"]: b for b in httpx.get(f"{cluster.master}/backends").json()["backends"]}
     assert not view[victim]["healthy"] and view[survivor]["healthy"]
+
+
+def test_a_backend_alone_hosts_the_health_and_debug_app_on_start_port(cluster: Cluster,
+                                                                      tokenizer: TextTokenizer) -> None:
+    """PDFUSION with FRONTEND_SERVER_COUNT=0 answers the health routes and RTP-LLM's /worker_status on
+    START_PORT (as RTP-LLM's backends host the frontend's app), with the real engine's task numbers."""
+    address = list(cluster.backends)[-1]  # the other one is killed above
+    start = int(address.rpartition(":")[2]) - 1
+    base = f"http://127.0.0.1:{start}"
+    for path in ("/health", "/status", "/GraphService/cm2_status", "/SearchService/cm2_status"):
+        assert httpx.get(f"{base}{path}").text == "ok", path
+    assert httpx.post(f"{base}/health_check").text == "ok"
+
+    async def one() -> None:
+        router = router_for(cluster)
+        try:
+            async for _ in router.client(address).generate("alone-1", tokenizer.encode("Hello there."), PARAMS):
+                pass
+        finally:
+            await router.close()
+
+    asyncio.run(one())
+    st = httpx.post(f"{base}/rtp_llm/worker_status", json={}).json()
+    assert (st["server_port"], st["grpc_proto_port"], st["http_proto_port"]) == (start, start + 1, start + 5)
+    assert st["role"] == "PDFUSION" and st["alive"] and st["available_concurrency"] > 0
+    task = next(t for t in st["finished_task_list"] if t["request_id"] == "alone-1")
+    assert task["status"] == "ok" and task["input_length"] > 0 and task["iterate_count"] == 3

@@ -61,6 +61,37 @@ def test_frontend_model_service_config_errors(raw: str) -> None:
         FrontendConfig.from_env({"MODEL_SERVICE_CONFIG": raw})
 
 
+def test_every_model_service_config_key_takes_effect() -> None:
+    """RTP-LLM's keys: protocol and path make the master's URL, use_local=false drops the direct fallback,
+    service_id names the service; the seed's example as written works."""
+    def cfg(**service: object) -> FrontendConfig:
+        return FrontendConfig.from_env({"START_PORT": "7000", "MODEL_SERVICE_CONFIG": json.dumps(service)})
+
+    seed = cfg(service_id="test", use_local=True, master_endpoint={
+        "type": "VipServer", "address": "127.0.0.1:16000", "protocol": "http", "path": "/"})
+    assert (seed.master_address, seed.fallback_addresses, seed.service_id) == (
+        "127.0.0.1:16000", ("127.0.0.1:7001",), "test")
+    https = cfg(master_endpoint={"address": "m:443", "protocol": "https", "path": "/rtp/"})
+    assert https.master_address == "https://m:443/rtp"
+    only_master = cfg(master_endpoint={"address": "m:1"}, use_local=False)
+    assert only_master.fallback_addresses == ()
+
+
+@pytest.mark.parametrize("service,needle", [
+    ({"service_idd": "x"}, "MODEL_SERVICE_CONFIG.service_idd is not supported"),
+    ({"master_endpoint": {"address": "m:1", "port": 1}}, "master_endpoint.port is not supported"),
+    ({"master_endpoint": {"address": "m:1", "type": "Nacos"}}, "master_endpoint.type"),
+    ({"master_endpoint": {"address": "m:1", "protocol": "grpc"}}, "master_endpoint.protocol"),
+    ({"master_endpoint": {"address": "m:1", "path": "x"}}, "master_endpoint.path"),
+    ({"use_local": "yes"}, "use_local"),
+    ({"use_local": False}, "use_local=false needs a master_endpoint"),
+    ({"service_id": 5}, "service_id"),
+])
+def test_model_service_config_refuses_by_key(service: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        FrontendConfig.from_env({"MODEL_SERVICE_CONFIG": json.dumps(service)})
+
+
 def test_internal_ports_bind_loopback_by_default() -> None:
     """Backend gRPC/HTTP and the master have no authentication of their own: only this machine by
     default; HOST opens them (Kubernetes manifests set it). The public frontend keeps 0.0.0.0."""

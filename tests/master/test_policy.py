@@ -6,8 +6,8 @@ from dataclasses import replace
 from kvyard.block_keys import block_cache_keys
 from kvyard.errors import ErrorCode
 from master.policy import (SKIP_KV_FULL, SKIP_QUEUE_FULL, SKIP_TOO_LONG, SKIP_UNHEALTHY, BackendLoad,
-                           PolicyConfig, RouteRequest, ServerLoad, choose_backend, choose_server, evicted_tokens,
-                           hit_tokens)
+                           PolicyConfig, RouteRequest, ServerLoad, cache_local, choose_backend, choose_server,
+                           evicted_tokens, hit_tokens)
 
 MODEL = "m"
 PROMPT = list(range(1000, 1400))          # 400 tokens = 25 full blocks of 16
@@ -224,6 +224,16 @@ def test_prefixes_spread_over_the_backends_under_pressure() -> None:
         loads[d.chosen] = replace(b, recent_keys=frozenset(b.recent_keys) | frozenset(block_cache_keys(ids, 16)),
                                   last_chosen=i + 1.0)
     assert sorted(map(len, homes.values())) == [3, 3], homes
+
+
+def test_cache_local_says_whether_the_chosen_backend_holds_the_prefix() -> None:
+    """RTP-LLM's ScheduleMeta.cache_local: 0 LOCAL, 1 REMOTE (another backend holds more of it)."""
+    hit = choose_backend(request(), [backend("a"), backend("b", cached_keys=frozenset(KEYS))])
+    assert hit.chosen == "b" and cache_local(hit) == 0
+    assert cache_local(choose_backend(request(), [backend("a"), backend("b")])) == 0  # nobody holds it
+    away = choose_backend(request(), [backend("a", cached_keys=frozenset(KEYS), queued_prefill_tokens=20_000,
+                                              waiting=3), backend("b")])
+    assert away.chosen == "b" and cache_local(away) == 1
 
 
 # ---- servers that report nothing (the gateway's upstreams) ------------------------------------------

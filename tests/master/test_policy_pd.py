@@ -19,12 +19,29 @@ def test_pairs_prefill_with_a_decode_backend() -> None:
     assert (d.chosen, d.decode) == ("p1", "d1")
 
 
-def test_prefill_side_uses_prefix_hits_and_never_picks_decode_or_fusion() -> None:
+def test_prefill_side_uses_prefix_hits_and_never_picks_decode() -> None:
     backends = [load("p1", "PREFILL"), load("p2", "PREFILL", cached_keys=frozenset({11, 12, 13})),
                 load("d1", "DECODE", cached_keys=frozenset({11, 12, 13})), load("f1", "PDFUSION")]
     d = choose_backend(REQ, backends)
     assert d.chosen == "p2" and d.reason == "prefix_hit" and d.decode == "d1"
-    assert {c.name for c in d.candidates} == {"p1", "p2"}
+    assert {c.name for c in d.candidates} == {"p1", "p2", "f1"}
+
+
+def test_a_mixed_pool_routes_to_pdfusion_too_and_pairs_only_prefill() -> None:
+    """PDFUSION beside a PREFILL + DECODE pair (a migration, or tests/multihost/): the PDFUSION backend is a
+    first-stage candidate like the PREFILL one (it used to get nothing) and is never given a decode side."""
+    cached = frozenset({11, 12, 13})
+    d = choose_backend(REQ, [load("p1", "PREFILL"), load("d1", "DECODE"), load("f1", "PDFUSION", cached_keys=cached)])
+    assert (d.chosen, d.decode) == ("f1", None)
+    d = choose_backend(REQ, [load("p1", "PREFILL", cached_keys=cached), load("d1", "DECODE"), load("f1", "PDFUSION")])
+    assert (d.chosen, d.decode) == ("p1", "d1")
+
+
+def test_no_decode_room_falls_back_to_pdfusion() -> None:
+    cached = frozenset({11, 12, 13})
+    d = choose_backend(REQ, [load("p1", "PREFILL", cached_keys=cached), load("d1", "DECODE", free_blocks=1),
+                             load("f1", "PDFUSION", running=3)])
+    assert (d.chosen, d.decode) == ("f1", None)
 
 
 def test_decode_choice_skips_unhealthy_and_full_then_prefers_least_loaded() -> None:

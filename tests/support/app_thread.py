@@ -13,10 +13,10 @@ from tests.support.procs import free_port_block
 
 
 class AppThread:
-    """Serves an ASGI app with uvicorn on a free loopback port, on its own thread."""
+    """Serves an ASGI app with uvicorn on `port` or a free loopback port, on its own thread."""
 
-    def __init__(self, app: Any) -> None:
-        self.port = free_port_block(1)
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port_block(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
@@ -35,3 +35,8 @@ class AppThread:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+    def kill(self) -> None:
+        """Stop at once, as a crashed server would: streams in flight are cut, not finished."""
+        self._server.force_exit = True
+        self.__exit__(None, None, None)

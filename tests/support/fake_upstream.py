@@ -51,6 +51,12 @@ class FakeUpstream:
             self.server.__exit__(None, None, None)
             self.server = None
 
+    def die(self) -> None:
+        """Die mid-work: streams in flight are cut and its port refuses connections from now on."""
+        if self.server is not None:
+            self.server.kill()
+            self.server = None
+
     def app(self) -> FastAPI:
         app = FastAPI()
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import grpc
 
+from backend.debug_views import BackendFacts
+from backend.http_server import create_backend_http_app
 from backend.mock_backend import MockScript, MockServicer, ScriptedEngine, start_mock_server
 from kvyard.tokenizer import TextTokenizer
 from tests.support.app_thread import AppThread
@@ -18,6 +20,7 @@ from tests.support.procs import free_port_block
 
 
 EOS = 2  # the embedded model's <|im_end|>
+MOCK_MAX_CONCURRENCY = 64  # what the mock's /worker_status counts available_concurrency from
 
 
 def script(tok: TextTokenizer, text: str, per_char: bool = False, eos: bool = True, **kw: Any) -> MockScript:
@@ -28,23 +31,34 @@ def script(tok: TextTokenizer, text: str, per_char: bool = False, eos: bool = Tr
 
 class MockBackendThread:
     """backend.mock_backend's server on its own thread and event loop, over a script or a scripted engine
-    (tests/support/stub_backend.py's StubEngine), on `port` or a free one."""
+    (tests/support/stub_backend.py's StubEngine), on `port` or a free one. On a free one it also serves the
+    backend's HTTP app where a frontend looks for it (gRPC port - 1 + 5: health, /worker_status, ...)."""
 
     def __init__(self, script: MockScript | ScriptedEngine, port: int | None = None) -> None:
         self.servicer = MockServicer(script if isinstance(script, ScriptedEngine) else ScriptedEngine(script))
-        self.port = port or free_port_block(1)
+        self.port = port or free_port_block(6) + 1
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._http: AppThread | None = None
+        if port is None:
+            start = self.port - 1
+            facts = BackendFacts(start, self.port, start + 5, MOCK_MAX_CONCURRENCY)
+            self._http = AppThread(create_backend_http_app(self.servicer.engine, "", self.servicer.tasks, facts),  # type: ignore[arg-type]
+                                   port=start + 5)
 
     def __enter__(self) -> MockBackendThread:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
             start_mock_server(self.servicer, "127.0.0.1", self.port), self._loop).result(10)
+        if self._http is not None:
+            self._http.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._http is not None:
+            self._http.__exit__()
         if self._server is not None:
             asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

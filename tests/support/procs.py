@@ -71,13 +71,14 @@ class RoleProcess:
     of its own (stop() ends its whole process group), its output kept in a log file. CLUSTER_TOKEN is the
     shared test token unless `env` sets CLUSTER_TOKEN ("" = none) or CLUSTER_TOKEN_FILE."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path, argv: list[str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, argv: list[str] | None = None,
+                 cwd: Path | str = REPO) -> None:
         token = {} if "CLUSTER_TOKEN_FILE" in env else {"CLUSTER_TOKEN": CLUSTER_TOKEN}
         full_env = {**os.environ, "HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", **token, **env}
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "kvyard"], env=full_env, cwd=REPO,
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "kvyard"], env=full_env, cwd=cwd,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, url: str, timeout_s: float = 120.0) -> None:

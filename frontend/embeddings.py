@@ -1,0 +1,189 @@
+"""The pooling routes, each a thin dialect over frontend/pooling.py: OpenAI's /v1/embeddings (RTP-LLM's
+/v1/embeddings/dense, /sparse, /colbert), RTP-LLM's /v1/embeddings/similarity, Cohere/Jina's rerank
+(/v1/rerank, /rerank, RTP-LLM's /v1/reranker) and the classifier (/v1/classifier, /classify).
+docs/embeddings.md has every shape."""
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+
+from frontend.pooling import PoolingModel, PoolingPipeline, sigmoid, softmax
+from frontend.pooling_protocol import (ClassifyRequest, EmbeddingRequest, RerankRequest, SimilarityRequest)
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.pooling_model import ModelKind
+
+EMBED = (ModelKind.EMBED,)
+CLASSIFY = (ModelKind.CLASSIFY,)
+
+
+def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/embeddings")
+    @router.post("/v1/embeddings/dense")
+    async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
+        return await _embed(pooling, req, "dense")
+
+    @router.post("/v1/embeddings/sparse")
+    async def sparse(req: EmbeddingRequest) -> dict[str, Any]:
+        return await _embed(pooling, req, "sparse")
+
+    @router.post("/v1/embeddings/colbert")
+    async def colbert(req: EmbeddingRequest) -> dict[str, Any]:
+        return await _embed(pooling, req, "colbert")
+
+    @router.post("/v1/embeddings/similarity")
+    async def similarity(req: SimilarityRequest) -> dict[str, Any]:
+        model = pooling.resolve(req.model, "/v1/embeddings/similarity", EMBED)
+        left = [req.left] if isinstance(req.left, str) else req.left
+        right = [req.right] if isinstance(req.right, str) else req.right
+        if not left or not right:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "left and right must each hold at least one text",
+                               "left" if not left else "right")
+        inputs = await pooling.tokenize(model, [*left, *right], req.truncate_prompt_tokens, _prompt(model, req.prompt_name))
+        out = await pooling.run(model, inputs, "embed")
+        vecs = [_unit(o.values) for o in out.outputs]
+        scores = [[sum(a * b for a, b in zip(vecs[i], vecs[len(left) + j])) for j in range(len(right))]
+                  for i in range(len(left))]
+        return {"object": "list", "model": model.name, "data": scores, "usage": _usage(out.input_len)}
+
+    @router.post("/v1/rerank")
+    @router.post("/rerank")
+    @router.post("/v1/reranker")
+    async def rerank(req: RerankRequest) -> dict[str, Any]:
+        model = pooling.resolve(req.model, "/v1/rerank", CLASSIFY)
+        docs = [d if isinstance(d, str) else _doc_text(d, i) for i, d in enumerate(req.documents)]
+        if not docs:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "documents is empty", "documents")
+        inputs = await pooling.tokenize(model, [(req.query, d) for d in docs], req.truncate_prompt_tokens)
+        out = await pooling.run(model, inputs, "classify")
+        scores = [_relevance(o.values) for o in out.outputs]
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
+        results = [{"index": i, "relevance_score": scores[i],
+                    **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": results,
+                "usage": {"total_tokens": out.input_len}}
+
+    @router.post("/v1/classifier")
+    @router.post("/classify")
+    async def classify(req: ClassifyRequest) -> dict[str, Any]:
+        model = pooling.resolve(req.model, "/v1/classifier", CLASSIFY)
+        texts: list[Any] = [req.input] if isinstance(req.input, str) else list(req.input)
+        for i, t in enumerate(texts):
+            if isinstance(t, list):
+                if len(t) != 2:
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: a pair is two texts, got {len(t)}",
+                                       "input")
+                texts[i] = (t[0], t[1])
+        inputs = await pooling.tokenize(model, texts, req.truncate_prompt_tokens)
+        out = await pooling.run(model, inputs, "classify")
+        labels = model.spec.labels
+        data = []
+        for i, o in enumerate(out.outputs):
+            probs = _probabilities(model, o.values)
+            best = max(range(len(probs)), key=lambda k: probs[k])
+            data.append({"index": i, "label": labels[best] if best < len(labels) else str(best), "probs": probs,
+                         "labels": list(labels), "num_classes": len(probs)})
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": model.name, "data": data, "usage": _usage(out.input_len)}
+
+    return router
+
+
+async def _embed(pooling: PoolingPipeline, req: EmbeddingRequest, head: str) -> dict[str, Any]:
+    route = "/v1/embeddings" if head == "dense" else f"/v1/embeddings/{head}"
+    model = pooling.resolve(req.model, route, EMBED, head)
+    if head != "dense" and req.encoding_format != "float":
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{route} answers floats only", "encoding_format")
+    dims = _dimensions(model, req.dimensions) if head == "dense" else None
+    if head != "dense" and req.dimensions is not None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{route} takes no dimensions", "dimensions")
+    texts = _inputs(req.input)
+    inputs = await pooling.tokenize(model, texts, req.truncate_prompt_tokens, _prompt(model, req.prompt_name))
+    out = await pooling.run(model, inputs, {"dense": "embed"}.get(head, head))
+    data = []
+    for i, o in enumerate(out.outputs):
+        if head == "sparse":
+            special = set(model.tokenizer.encode("", add_special_tokens=True).ids)
+            embedding: Any = {str(t): w for t, w in zip(o.token_ids, o.values) if t not in special}
+        elif head == "colbert":
+            width = len(o.values) // max(1, o.rows)
+            embedding = [o.values[r * width:(r + 1) * width] for r in range(o.rows)]
+        else:
+            vec = o.values
+            if dims is not None and dims < len(vec):
+                vec = _unit(vec[:dims]) if model.spec.normalize else vec[:dims]
+            embedding = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode() \
+                if req.encoding_format == "base64" else vec
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return {"object": "list", "data": data, "model": req.model or model.name, "usage": _usage(out.input_len)}
+
+
+def _inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's input forms → a list of texts or token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]
+    return list(value)
+
+
+def _dimensions(model: PoolingModel, dims: int | None) -> int | None:
+    """`dimensions`: the full size always; a shorter one only from a Matryoshka model (its sizes if it names
+    them); else a 400."""
+    full = model.spec.dimensions
+    if dims is None or dims == full:
+        return None
+    allowed = model.spec.matryoshka_dimensions
+    if allowed is None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {model.name!r} does not support dimensions other "
+                           f"than its own {full} (it is not a Matryoshka model)", "dimensions")
+    if dims > full or (allowed and dims not in allowed):
+        sizes = ", ".join(map(str, allowed)) if allowed else f"1..{full}"
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"dimensions {dims} is not one of {sizes}", "dimensions")
+    return dims
+
+
+def _prompt(model: PoolingModel, name: str | None) -> str:
+    """The sentence-transformers prompt named (else the model's default one) to put before each text."""
+    prompts = model.spec.prompts
+    if name is None:
+        name = model.spec.default_prompt_name
+        return prompts.get(name, "") if name else ""
+    if name not in prompts:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"prompt_name {name!r} is not one of this model's prompts "
+                           f"({', '.join(prompts) or 'none'})", "prompt_name")
+    return prompts[name]
+
+
+def _doc_text(doc: dict[str, str], i: int) -> str:
+    if set(doc) != {"text"} or not isinstance(doc["text"], str):
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"documents[{i}] must be a string or {{\"text\": ...}}",
+                           "documents")
+    return doc["text"]
+
+
+def _relevance(logits: list[float]) -> float:
+    """One logit: its sigmoid (sentence-transformers' CrossEncoder); several: the last label's probability."""
+    return sigmoid(logits[0]) if len(logits) == 1 else softmax(logits)[-1]
+
+
+def _probabilities(model: PoolingModel, logits: list[float]) -> list[float]:
+    if len(logits) == 1 or model.spec.problem_type == "multi_label_classification":
+        return [sigmoid(x) for x in logits]
+    return softmax(logits)
+
+
+def _unit(vec: list[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [v / norm for v in vec]
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}

@@ -1,0 +1,146 @@
+"""The pooling pipeline (frontend/embeddings.py's routes call it): which model → tokenize (the model's own
+tokenizer, special tokens, pairs for cross-encoders, the context check or truncation) → route (the master
+by model name, else the pooling backend) → PoolCall → plain numbers for the route to shape."""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from tokenizers import Encoding, Tokenizer
+
+from frontend.backend_client import PoolInput, PoolOutput
+from frontend.config import FrontendConfig
+from frontend.off_loop import off_loop
+from frontend.routing import ROUTER_PLACEHOLDER_MODEL, Router
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import MAX_POOL_ITEMS
+from kvyard.pooling_model import ModelKind, PoolingSpec
+
+
+@dataclass(frozen=True)
+class PoolingModel:
+    """The pooling model this frontend serves."""
+    name: str
+    spec: PoolingSpec
+    tokenizer: Tokenizer            # padding and truncation off: we decide both
+    backend_address: str            # without a master
+
+
+class PoolingPipeline:
+    def __init__(self, cfg: FrontendConfig, router: Router) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.model: PoolingModel | None = None
+        if cfg.embedding is not None:
+            tok = Tokenizer.from_file(str(cfg.embedding.path / "tokenizer.json"))
+            tok.no_padding()
+            tok.no_truncation()
+            self.model = PoolingModel(cfg.embedding_model_name, cfg.embedding, tok, cfg.embedding_backend_address)
+
+    # --- which model ---
+
+    def resolve(self, requested: str | None, route: str, kinds: tuple[ModelKind, ...], head: str = "") -> PoolingModel:
+        """The model a pooling route was asked for; a 400 naming the kind when it cannot answer this route."""
+        own = self.model
+        if requested and requested != ROUTER_PLACEHOLDER_MODEL and (own is None or requested != own.name):
+            if self.cfg.serves(requested):
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {requested!r} is a {ModelKind.GENERATE} "
+                                   f"model: it cannot answer {route}" + self._other(), "model")
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model {requested!r} does not exist; this server's "
+                               f"pooling model is {own.name!r}" if own else f"The model {requested!r} does not "
+                               "exist; this server serves no pooling model", "model")
+        if own is None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {self.cfg.model_name!r} is a "
+                               f"{ModelKind.GENERATE} model: it cannot answer {route}; this server serves no pooling "
+                               "model (EMBEDDING_MODEL_PATH)", "model")
+        if own.spec.kind not in kinds or (head and not own.spec.has_head(head)):
+            heads = f" (heads: {', '.join(own.spec.heads)})" if own.spec.kind is ModelKind.EMBED else ""
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {own.name!r} is an {own.spec.kind} "
+                               f"model{heads}: it cannot answer {route}", "model")
+        return own
+
+    def _other(self) -> str:
+        return f"; this server's pooling model is {self.model.name!r}" if self.model else ""
+
+    # --- tokenize ---
+
+    async def tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]],
+                       truncate: int | None, prompt: str = "") -> list[PoolInput]:
+        """Texts (with the prompt before each), token ids as given, or (text, text) pairs → inputs within
+        the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context)."""
+        if not texts:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the input is empty", "input")
+        if len(texts) > MAX_POOL_ITEMS:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"at most {MAX_POOL_ITEMS} inputs per request, got "
+                               f"{len(texts)}", "input")
+        limit = model.spec.max_len
+        if truncate is not None:
+            if truncate > limit:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {truncate} is past this "
+                                   f"model's context ({limit} tokens)", "truncate_prompt_tokens")
+            limit = limit if truncate == -1 else truncate
+        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt)
+
+    def _tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]], limit: int,
+                  cut: bool, prompt: str) -> list[PoolInput]:
+        tok = model.tokenizer
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        out: list[PoolInput] = []
+        for i, text in enumerate(texts):
+            if isinstance(text, list):  # token ids, as given
+                if any(not 0 <= t < vocab for t in text):
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: token ids must be in [0, {vocab})",
+                                       "input")
+                ids = text[:limit] if cut else text
+                out.append(PoolInput(ids))
+            else:
+                first, second = (text if isinstance(text, tuple) else (prompt + text, None))
+                out.append(_encode(tok, first, second, limit if cut else None))
+            if not out[-1].token_ids:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i} has no tokens", "input")
+            if len(out[-1].token_ids) > limit:
+                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"input {i} has {len(out[-1].token_ids)} "
+                                   f"tokens; this model's maximum context length is {limit} tokens (pass "
+                                   "truncate_prompt_tokens to cut it)", "input")
+        return out
+
+    # --- run ---
+
+    async def run(self, model: PoolingModel, inputs: list[PoolInput], task: str) -> PoolOutput:
+        return await self.router.pool(f"pool-{uuid.uuid4().hex}", inputs, task, model.name,
+                                      (model.backend_address,), self.cfg.request_timeout_s or None)
+
+
+def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -> PoolInput:
+    """With the model's special tokens; past `limit`, the longer text is cut first (longest-first)."""
+    a = tok.encode(first, add_special_tokens=False)
+    b = tok.encode(second, add_special_tokens=False) if second is not None else None
+    if limit is not None:
+        room = max(0, limit - tok.post_processor.num_special_tokens_to_add(b is not None)) \
+            if tok.post_processor is not None else limit
+        la, lb = len(a.ids), len(b.ids) if b is not None else 0
+        while la + lb > room:
+            if la >= lb:
+                la -= 1
+            else:
+                lb -= 1
+        a.truncate(la)
+        if b is not None:
+            b.truncate(lb)
+    enc: Encoding = tok.post_process(a, b, add_special_tokens=True)
+    pair_start = enc.type_ids.index(1) if b is not None and 1 in enc.type_ids else 0
+    if b is not None and not pair_start:  # a tokenizer without segment ids (XLM-R): after the first text's end
+        pair_start = next((j for j, s in enumerate(enc.sequence_ids) if s == 1), 0)
+    return PoolInput(enc.ids, pair_start)
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    s = sum(e)
+    return [v / s for v in e]

@@ -1,0 +1,51 @@
+"""Request bodies of the pooling routes (frontend/embeddings.py): OpenAI's embeddings, RTP-LLM's similarity,
+Cohere/Jina's rerank and the classifier. Strict: a field we do not honour is a 400 naming it."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenIds = list[int]
+# OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists.
+EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Truncation(_Strict):
+    model: str | None = None
+    # Keep at most this many tokens of each input (from the start); -1 = the model's context. Unset: an input
+    # longer than the context is a 400.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    user: str | None = None  # OpenAI's end-user id: accepted, logged nowhere
+
+
+class EmbeddingRequest(_Truncation):
+    """POST /v1/embeddings (and /v1/embeddings/dense, /sparse, /colbert)."""
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)  # Matryoshka truncation, where the model allows it
+    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before each input
+
+
+class SimilarityRequest(_Truncation):
+    """POST /v1/embeddings/similarity: cosine similarity of every left input with every right one."""
+    left: str | list[str]
+    right: str | list[str]
+    prompt_name: str | None = None
+
+
+class RerankRequest(_Truncation):
+    """POST /v1/rerank, /rerank, /v1/reranker (Cohere / Jina shape)."""
+    query: str
+    documents: list[str | dict[str, str]]  # strings, or {"text": ...} objects (Cohere)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+
+
+class ClassifyRequest(_Truncation):
+    """POST /v1/classifier, /classify: label probabilities of each input (a text, or a [text, text] pair)."""
+    input: str | list[str | list[str]]

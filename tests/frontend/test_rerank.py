@@ -1,0 +1,92 @@
+"""Rerank and classify end to end: a FRONTEND serving tiny random cross-encoders (one logit, three labels)
+through their backend processes, scores checked against transformers on the same weights (within 1e-4)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.support.procs import RoleProcess, free_port_block
+from tests.support.tiny_encoders import tiny_encoder
+
+pytestmark = pytest.mark.slow
+QUERY = "what is the capital of france?"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France is in Europe.", "The sky is blue."]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _serve(path: Path, logs: Path, name: str) -> tuple[str, list[RoleProcess]]:
+    chat, encoder, frontend = free_port_block(), free_port_block(), free_port_block()
+    procs = [
+        RoleProcess({"ROLE_TYPE": "MOCK_BACKEND", "START_PORT": str(chat), "MOCK_TOKEN_IDS": "[1, 2]"},
+                    logs / f"{name}-chat.log"),
+        RoleProcess({"ROLE_TYPE": "PDFUSION", "FRONTEND_SERVER_COUNT": "0", "START_PORT": str(encoder),
+                     "CHECKPOINT_PATH": str(path)}, logs / f"{name}-encoder.log"),
+        RoleProcess({"ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend), "MODEL_NAME": "chat", "MAX_SEQ_LEN": "1024",
+                     "BACKEND_ADDRESS": f"127.0.0.1:{chat + 1}", "EMBEDDING_MODEL_PATH": str(path),
+                     "EMBEDDING_MODEL_NAME": name, "EMBEDDING_BACKEND_ADDRESS": f"127.0.0.1:{encoder + 1}"},
+                    logs / f"{name}-frontend.log"),
+    ]
+    return f"http://127.0.0.1:{frontend}", procs
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, Path]]]:
+    logs = tmp_path_factory.mktemp("rerank")
+    reranker = tiny_encoder(logs / "reranker", arch="BertForSequenceClassification", num_labels=1, seed=1)
+    classifier = tiny_encoder(logs / "classifier", arch="XLMRobertaForSequenceClassification", num_labels=3, seed=2,
+                              id2label=LABELS)
+    (url_r, procs_r), (url_c, procs_c) = _serve(reranker, logs, "reranker"), _serve(classifier, logs, "classifier")
+    procs = procs_r + procs_c
+    try:
+        for url in (url_r, url_c):
+            procs[0].wait_healthy(f"{url}/health", timeout_s=180)
+        yield {"reranker": (url_r, reranker), "classifier": (url_c, classifier)}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _reference(path: Path, arch: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    import transformers
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    batch = tok([q for q, _ in pairs], [d for _, d in pairs], padding=True, return_tensors="pt")
+    if arch.startswith("XLM"):
+        batch.pop("token_type_ids", None)
+    with torch.no_grad():
+        return getattr(transformers, arch).from_pretrained(path).eval()(**batch).logits
+
+
+def test_rerank_orders_by_relevance(servers: dict[str, tuple[str, Path]]) -> None:
+    url, path = servers["reranker"]
+    expected = torch.sigmoid(_reference(path, "BertForSequenceClassification", [(QUERY, d) for d in DOCS])[:, 0])
+    for route in ("/v1/rerank", "/rerank", "/v1/reranker"):
+        body = httpx.post(url + route, json={"query": QUERY, "documents": DOCS, "top_n": 3}, timeout=60).json()
+        results = body["results"]
+        assert [r["index"] for r in results] == expected.argsort(descending=True)[:3].tolist()
+        assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in results)
+        assert all(r["document"]["text"] == DOCS[r["index"]] for r in results) and body["model"] == "reranker"
+    bare = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                                "return_documents": False}).json()["results"]
+    assert len(bare) == 4 and "document" not in bare[0]
+    bad = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+    assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": []}).status_code == 400
+
+
+def test_classify_label_probabilities(servers: dict[str, tuple[str, Path]]) -> None:
+    url, path = servers["classifier"]
+    body = httpx.post(url + "/v1/classifier", json={"input": [[QUERY, DOCS[0]], [QUERY, DOCS[1]]]}, timeout=60).json()
+    probs = torch.softmax(_reference(path, "XLMRobertaForSequenceClassification",
+                                     [(QUERY, DOCS[0]), (QUERY, DOCS[1])]), dim=-1)
+    for i, item in enumerate(body["data"]):
+        assert item["num_classes"] == 3 and item["labels"] == list(LABELS.values())
+        assert max(abs(a - b) for a, b in zip(item["probs"], probs[i].tolist())) < 1e-4
+        assert item["label"] == LABELS[int(probs[i].argmax())]
+    single = httpx.post(url + "/classify", json={"input": "just one text"}).json()
+    assert len(single["data"]) == 1 and abs(sum(single["data"][0]["probs"]) - 1) < 1e-5
+    bad = httpx.post(url + "/classify", json={"input": [["a", "b", "c"]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"

@@ -1,0 +1,114 @@
+"""RTP-LLM's request fields on chat: chat_id (the response id), trace_id (heads the backend request id, so the
+backend's task list and log lines carry it), extend_fields (passed back), master_info (refused)."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvyard.tokenizer import TextTokenizer
+from tests.support.mock_stack import MockBackendThread, script
+from tests.support.sse import sse_data
+
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
+    with MockBackendThread(script(tokenizer, "Hi there")) as backend:
+        yield backend
+
+
+def test_chat_id_is_the_response_id_and_extend_fields_come_back(http: httpx.Client) -> None:
+    extend = {"biz": "search", "n": [1, 2]}
+    body = http.post("/v1/chat/completions", json={**CHAT, "chat_id": "conv-42", "extend_fields": extend}).json()
+    assert body["id"] == "conv-42" and body["extend_fields"] == extend
+    resp = http.post("/v1/chat/completions", json={**CHAT, "stream": True, "chat_id": "conv-43",
+                                                   "extend_fields": extend})
+    chunks = [json.loads(e) for e in sse_data(resp.text) if e != "[DONE]"]
+    assert {c["id"] for c in chunks} == {"conv-43"}
+    assert chunks[0]["extend_fields"] == extend and all("extend_fields" not in c for c in chunks[1:])
+    # the same chat_id twice at once is fine: the backend's request ids stay unique
+    assert http.post("/v1/chat/completions", json={**CHAT, "chat_id": "conv-42"}).status_code == 200
+
+
+def test_trace_id_reaches_the_backend_and_the_log_lines(http: httpx.Client, mock: MockBackendThread,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="kvyard.frontend"):
+        assert http.post("/v1/chat/completions", json={**CHAT, "trace_id": "trace-7f3a"}).status_code == 200
+    assert mock.servicer.requests[-1].request_id.startswith("trace-7f3a-")
+    assert any("trace-7f3a-" in r.getMessage() for r in caplog.records)
+    finished = http.get("/worker_status").json()["finished_task_list"]
+    assert finished[-1]["request_id"].startswith("trace-7f3a-")
+
+
+@pytest.mark.parametrize("field,value", [("trace_id", "a b"), ("trace_id", "x" * 129), ("chat_id", "id\nforged"),
+                                         ("master_info", {"server_ip": "10.0.0.1"})])
+def test_bad_or_unsupported_fields_are_a_400_naming_them(http: httpx.Client, field: str, value: object) -> None:
+    resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("num_beams", 4, "no beam search"), ("return_logits", True, "logprobs"),
+    ("return_hidden_states", True, "hidden states"), ("top_p_decay", 0.9, "fixed top_p"),
+    ("top_p_min", 0.1, "fixed top_p"), ("no_repeat_ngram_size", 3, "n-gram"),
+    ("bad_words_list", [[5, 6]], "bad_words"), ("adapter_name", "lora_0", "LoRA"),
+])
+def test_unimplemented_generate_config_keys_are_a_400_saying_why(http: httpx.Client, key: str, value: object,
+                                                                 needle: str) -> None:
+    resp = http.post("/v1/chat/completions", json={**CHAT, "extra_configs": {key: value}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert key in error["message"] and needle in error["message"] and key in (error["param"] or ""), error
+    raw = http.post("/", json={"prompt": "Hi", "generate_config": {key: value, "max_new_tokens": 2}})
+    assert raw.status_code == 400 and key in raw.json()["error"]["message"], raw.text
+
+
+def test_neutral_values_of_those_keys_are_taken(http: httpx.Client) -> None:
+    neutral = {"num_beams": 1, "return_logits": False, "no_repeat_ngram_size": 0, "adapter_name": ""}
+    assert http.post("/v1/chat/completions", json={**CHAT, "extra_configs": neutral}).status_code == 200
+
+
+def test_return_incremental(http: httpx.Client) -> None:
+    """POST /: as `incremental` (each event only the new text); chat streams deltas anyway, so false is a 400."""
+    body = {"prompt": "Hi", "generate_config": {"max_new_tokens": 4, "is_streaming": True, "return_incremental": True}}
+    events = [json.loads(e) for e in sse_data(http.post("/", json=body).text) if e != "[done]"]
+    pieces = [e["response"] for e in events]
+    cumulative = [json.loads(e)["response"] for e in sse_data(http.post(
+        "/", json={**body, "generate_config": {**body["generate_config"], "return_incremental": False}}).text)
+        if e != "[done]"]
+    assert cumulative[-1] == "".join(pieces)  # the new text only, event by event
+    assert any(p != c for p, c in zip(pieces, cumulative)) and all(b.startswith(a) for a, b in
+                                                                   zip(cumulative, cumulative[1:]))
+    resp = http.post("/v1/chat/completions", json={**CHAT, "extra_configs": {"return_incremental": False}})
+    assert resp.status_code == 400 and "return_incremental" in resp.json()["error"]["message"]
+
+
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_legacy_functions_are_answered_with_function_call(http: httpx.Client, mock: MockBackendThread,
+                                                          tokenizer: TextTokenizer) -> None:
+    """OpenAI's legacy `functions`: the answer is `function_call` (streamed as function_call deltas),
+    finish_reason "function_call"; a template reads them as the variable `functions` (RTP-LLM's)."""
+    body = {**CHAT, "max_tokens": 64, "functions": [FUNCTION]}
+    with mock.scripted(script(tokenizer, CALL)):
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "function_call"
+        assert choice["message"]["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        chunks = [json.loads(e) for e in sse_data(http.post("/v1/chat/completions",
+                                                            json={**body, "stream": True}).text) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert all("tool_calls" not in d for d in deltas)
+    calls = [d["function_call"] for d in deltas if "function_call" in d]
+    assert calls[0]["name"] == "get_weather" and json.loads("".join(c.get("arguments", "") for c in calls)) == {
+        "city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    render = http.post("/v1/chat/render", json={**body, "user_template": "{{ functions | map(attribute='name') | "
+                                                                         "join(',') }}"}).json()
+    assert render["input_prompt"] == "get_weather"
