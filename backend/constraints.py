@@ -17,6 +17,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from kvyard.constraint import Constraint
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import GRAMMAR_BUDGET_S
 
 CACHE_ENTRIES = 256   # compiled grammars kept (least recently used go first)
 COMPILE_WORKERS = 2   # LLMatcher construction drops the GIL; one slow schema leaves the other worker free
@@ -98,9 +99,17 @@ class GrammarCompiler:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def compile(self, constraint: Constraint) -> GrammarState:
-        """A fresh state at the grammar's start. Raises RequestError(INVALID_ARGUMENT) naming the problem."""
-        return self._state(await asyncio.wrap_future(self._template(constraint)))
+    async def compile(self, constraint: Constraint, budget_s: float = GRAMMAR_BUDGET_S) -> GrammarState:
+        """A fresh state at the grammar's start. Raises RequestError(INVALID_ARGUMENT) naming the problem, also
+        when the compile (queued or running) takes longer than `budget_s`: the worker finishes on its own, and
+        the shield keeps one caller's timeout or cancel from cancelling a compile other requests share."""
+        try:
+            template = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._template(constraint))),
+                                              budget_s)
+        except TimeoutError:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the {constraint.kind.value} grammar did not compile "
+                               f"within {budget_s:g} s (GRAMMAR_BUDGET_S)", "constraint") from None
+        return self._state(template)
 
     def compile_now(self, constraint: Constraint) -> GrammarState:
         """`compile` on the calling thread's time (tests, tools): waits for the worker."""

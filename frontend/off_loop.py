@@ -14,11 +14,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvyard.limits import GRAMMAR_BUDGET_S  # a grammar not checked by then (queued or running) fails its request
+
 T = TypeVar("T")
 
 _WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prepare")
 _GRAMMAR_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-GRAMMAR_BUDGET_S = 10.0  # a grammar not checked by then (queued or running) fails its own request
 
 
 async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

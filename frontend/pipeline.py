@@ -98,6 +98,9 @@ class Pipeline:
         if budget.requested is None and "max_new_tokens" in DIALECT_DEFAULTS[dialect]:
             budget = replace(budget, requested=DIALECT_DEFAULTS[dialect]["max_new_tokens"])
         rendered = self._truncated(rendered, req.truncate_prompt_tokens)
+        if not rendered.input_ids:  # e.g. a user_template that renders nothing: the engine needs one token
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the prompt is empty (the template rendered no tokens)",
+                               "messages")
         max_new = self.budget(len(rendered.input_ids), budget)
         params = self._params(req, dialect, max_new, logprobs, top_logprobs, constraint)
         return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],

@@ -17,4 +17,5 @@ TEMPERATURE_MAX = 2.0        # the OpenAI dialects' upper bound (OpenAI's own)
 # each $ref the next, and near 2,600 Lark rules that each use the next). Checked by loops, before
 # llguidance sees the text, with a wide margin.
 MAX_SCHEMA_DEPTH = 200   # JSON levels a schema nests, each local `$ref` continuing into its target
+GRAMMAR_BUDGET_S = 10.0  # seconds a grammar may take to check (frontend) or compile (backend) before its request fails
 MAX_GRAMMAR_DEPTH = 400  # Lark rules (and terminals) nested through one another: a uses b uses c ...

@@ -140,6 +140,35 @@ def test_deep_grammars_are_refused_before_llguidance_compiles_them(compiler: Gra
     assert compiler.compile_now(COLORS).advance_all([])
 
 
+def test_a_compile_past_its_budget_fails_its_request_and_the_shared_compile_goes_on(
+        tokenizer: TextTokenizer, eos_id: int) -> None:
+    """The backend's compile has a time budget too (kvyard/limits.GRAMMAR_BUDGET_S): a request whose grammar
+    takes longer gets a 400, while another request for the same grammar, with more time, still gets it."""
+    import asyncio
+    import threading
+    release = threading.Event()
+
+    class SlowCompiler(GrammarCompiler):
+        def _build(self, constraint: Constraint):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super()._build(constraint)
+
+    slow = SlowCompiler(tokenizer.to_json(), tokenizer.vocab_size, frozenset({eos_id}))
+
+    async def scenario() -> None:
+        patient = asyncio.ensure_future(slow.compile(YES_NO, budget_s=30))
+        with pytest.raises(RequestError, match="did not compile within 0.2 s") as info:
+            await slow.compile(YES_NO, budget_s=0.2)
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+        release.set()
+        assert (await patient).advance_all([])  # the shared compile was not cancelled by the other's timeout
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        slow.close()
+
+
 def test_a_complete_grammar_allows_only_eos(compiler: GrammarCompiler, tokenizer: TextTokenizer, eos_id: int) -> None:
     state = compiler.compile_now(YES_NO)
     mask = torch.zeros(mask_words(tokenizer.vocab_size), dtype=torch.int32)

@@ -292,6 +292,14 @@ def test_templates_from_the_request(http: httpx.Client, mock: MockBackendThread,
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_template_that_renders_nothing_is_a_400(http: httpx.Client, stream: bool) -> None:
+    """Found by make test's fuzzer: an empty user_template gave the engine a prompt of no tokens (a 500)."""
+    resp = http.post("/v1/chat/completions", json={"messages": HI, "user_template": "", "stream": stream})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages" and "empty" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_debug_info_and_aux_info(http: httpx.Client, mock: MockBackendThread, stream: bool) -> None:
     body = {"messages": HI, "debug_info": True, "aux_info": True, "stream": stream}
     resp = http.post("/v1/chat/completions", json=body)
