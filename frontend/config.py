@@ -155,10 +155,8 @@ def _model_service_config(env: Mapping[str, str]) -> dict[str, Any]:
         raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}") from exc
     if not isinstance(value, dict):
         raise ValueError(f"MODEL_SERVICE_CONFIG must be a JSON object, got {raw!r}")
-    unknown = sorted(set(value) - {"service_id", "master_endpoint", "use_local", "backend_addresses"})
-    if unknown:
-        raise ValueError(f"MODEL_SERVICE_CONFIG.{unknown[0]} is not supported; the keys are service_id, "
-                         "master_endpoint, use_local, backend_addresses")
+    _refuse_unknown_keys(value, ("service_id", "master_endpoint", "use_local", "backend_addresses"),
+                         "MODEL_SERVICE_CONFIG")
     out: dict[str, Any] = {}
     endpoint = value.get("master_endpoint")
     if endpoint is not None:
@@ -181,14 +179,18 @@ def _model_service_config(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """Every key of a config object takes effect or is refused by name."""
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]} is not supported; the keys are {', '.join(known)}")
+
+
 def _master_endpoint(endpoint: Any) -> str:
     """protocol://address/path of MODEL_SERVICE_CONFIG.master_endpoint (plain host:port for http at /)."""
     if not isinstance(endpoint, dict):
         raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint must be an object, got {endpoint!r}")
-    unknown = sorted(set(endpoint) - {"type", "address", "protocol", "path"})
-    if unknown:
-        raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.{unknown[0]} is not supported; the keys are type, "
-                         "address, protocol, path")
+    _refuse_unknown_keys(endpoint, ("type", "address", "protocol", "path"), "MODEL_SERVICE_CONFIG.master_endpoint")
     address = endpoint.get("address")
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"MODEL_SERVICE_CONFIG.master_endpoint.address must be \"host:port\", got {address!r}")

@@ -21,7 +21,8 @@ from fastapi.responses import StreamingResponse
 from frontend.guided import refuse_constraints
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline
-from frontend.protocol import INT32_MAX, INT64_MAX, SamplingRequest
+from frontend.generate_config import INT32_MAX, INT64_MAX
+from frontend.protocol import SamplingRequest
 from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from frontend.backend_client import TokenLogprob
 from frontend.guided import refuse_constraints
-from frontend.protocol import RepetitionPenalty
+from frontend.generate_config import RepetitionPenalty
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_TOP_LOGPROBS
 from kvyard.sampling_params import Dialect, SamplingParams

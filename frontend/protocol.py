@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from frontend.generate_config import INT32_MAX, GenerateConfig, Int32, Int64, RepetitionPenalty, valid_text
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
-
-# Integers travel in the backend proto's int32/int64 fields: a larger one is the client's 400 here,
-# never an encoding error (a 500) further down.
-INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
-Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
-Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
-
-
-def _valid_text(v: Any, what: str = "stop strings") -> Any:
-    """A lone UTF-16 surrogate (JSON's \\ud800) is valid JSON but not text: refuse it."""
-    for s in [v] if isinstance(v, str) else v or []:
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{what} must be valid Unicode (a lone UTF-16 surrogate is not)") from None
-    return v
-
+from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, TEMPERATURE_MAX
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
 
@@ -42,84 +25,10 @@ def _refuse_unless(ok: bool, field: str, why: str) -> None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {why}", field)
 
 
-# RTP-LLM GenerateConfig keys kvyard refuses: (values that ask for nothing, why any other is refused).
-_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "num_beams": ((1,), "kvyard samples; it has no beam search (num_beams 1 is taken)"),
-    "return_logits": ((False,), "the full logits are not returned; ask for logprobs / top_logprobs"),
-    "return_hidden_states": ((False,), "hidden states are not returned; the pooling routes (/v1/embeddings) give "
-                                       "embeddings"),
-    "top_p_decay": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
-    "top_p_min": ((), "top_p does not decay over the answer in kvyard; give a fixed top_p"),
-    "no_repeat_ngram_size": ((0,), "n-gram blocking is not implemented; repetition_penalty, presence_penalty and "
-                                   "frequency_penalty are"),
-    "bad_words_list": (([],), "give the words as text in the request's bad_words"),
-    "adapter_name": (("", []), "kvyard serves no LoRA adapters"),
-}
-
-
 def _streams_deltas(extra: GenerateConfig | None) -> None:
     if extra is not None and extra.return_incremental is False:
         raise ValueError("extra_configs.return_incremental=false is for POST /: chat and completions stream only "
                          "the new text")
-
-
-class GenerateConfig(BaseModel):
-    """RTP-LLM's GenerateConfig, the subset kvyard honours: `extra_configs` of a chat or completion
-    request, `generate_config` of `POST /`. Unknown keys are a 400 rather than silently ignored."""
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    min_new_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: RepetitionPenalty | None = None
-    random_seed: Int64 | None = None
-    stop_words_str: list[str] | None = None        # extra stop strings
-    stop_words_list: list[list[Int32]] | None = None  # extra stop token-id sequences
-    num_return_sequences: int | None = Field(default=None, ge=0, le=MAX_N)  # 0 or 1: one
-    ignore_eos: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # chat only; wins over the request's own
-    timeout_ms: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    # POST / only
-    is_streaming: bool | None = None
-    return_output_ids: bool | None = None
-    return_input_ids: bool | None = None
-    return_incremental: bool | None = None  # POST /: as the top-level `incremental`; chat/completions: true only
-    # RTP-LLM keys kvyard does not implement, declared so that a request asking for one gets a 400 saying why
-    # (their neutral values, e.g. num_beams=1, are taken): see _UNSUPPORTED.
-    num_beams: int | None = None
-    return_logits: bool | None = None
-    return_hidden_states: bool | None = None
-    top_p_decay: float | None = None
-    top_p_min: float | None = None
-    no_repeat_ngram_size: int | None = None
-    bad_words_list: Any = None
-    adapter_name: Any = None
-
-    @field_validator(*_UNSUPPORTED, mode="before")
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> None:
-        neutral, why = _UNSUPPORTED[info.field_name]
-        if v is not None and v not in neutral:
-            raise ValueError(f"{info.field_name} is not supported: {why}")
-        return None
-
-    @field_validator("stop_words_str")
-    @classmethod
-    def _no_empty(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and any(s == "" for s in v):
-            raise ValueError("stop strings must not be empty")
-        return _valid_text(v)
-
-    def sampling_fields(self) -> dict[str, Any]:
-        """The keys SamplingParams takes, under its names (None: unset)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "seed": self.random_seed, "repetition_penalty": self.repetition_penalty,
-                "min_new_tokens": self.min_new_tokens, "ignore_eos": self.ignore_eos, "timeout_ms": self.timeout_ms,
-                "n": self.num_return_sequences or None,
-                "stop_sequences": self.stop_words_list and tuple(tuple(ids) for ids in self.stop_words_list)}
 
 
 class StreamOptions(_Lenient):
@@ -163,12 +72,12 @@ class GuidedDecoding(BaseModel):
     @field_validator("guided_regex", "guided_grammar", "grammar")
     @classmethod
     def _grammar_text(cls, v: str | None) -> str | None:
-        return _valid_text(v, "grammars and regexes")
+        return valid_text(v, "grammars and regexes")
 
     @field_validator("guided_choice")
     @classmethod
     def _choices(cls, v: list[str] | None) -> list[str] | None:
-        return _valid_text(v, "choices")
+        return valid_text(v, "choices")
 
 
 class SamplingRequest(_Lenient, GuidedDecoding):
@@ -233,14 +142,14 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and any(s == "" for s in v) or v == "":
             raise ValueError("stop strings must not be empty")
-        return _valid_text(v)
+        return valid_text(v)
 
     @field_validator("bad_words")
     @classmethod
     def _bad_words(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and any(not w.strip() for w in v):
             raise ValueError("bad words must not be empty")
-        return _valid_text(v, "bad words")
+        return valid_text(v, "bad words")
 
     @model_validator(mode="after")
     def _served(self) -> SamplingRequest:

@@ -28,7 +28,8 @@ from frontend.chat import ChatDialect
 from frontend.guided import check
 from frontend.off_loop import off_loop
 from frontend.pipeline import ChoiceEvent, PreparedRequest
-from frontend.protocol import INT32_MAX, ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
+from frontend.generate_config import INT32_MAX
+from frontend.protocol import ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
 from frontend.respond import RESPONSES_SSE, respond
 from frontend.tool_calls import ToolCallStream, message_parts, new_call_id
 from kvyard.errors import ErrorCode, RequestError

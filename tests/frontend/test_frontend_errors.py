@@ -128,7 +128,7 @@ def test_the_edge_checks_the_samplers_repetition_penalty_range() -> None:
     """One range (kvyard/limits.py): what the edge takes, the sampler takes, and what it refuses, both refuse."""
     from pydantic import ValidationError
 
-    from frontend.protocol import GenerateConfig
+    from frontend.generate_config import GenerateConfig
     from kvyard.limits import REPETITION_PENALTY_RANGE
     from kvyard.sampling_params import SamplingParams
     low, high = REPETITION_PENALTY_RANGE
