@@ -2,6 +2,7 @@
 free loopback ports for whatever starts roles (tests, benchmarks)."""
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Mapping
 
@@ -47,13 +48,36 @@ def is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The range the kernel hands outgoing connections their local ports from (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+_cursor: int | None = None  # where this process's next block search starts (a random place, then onward)
+
+
 def free_port_block(span: int = 1, host: str = "127.0.0.1") -> int:
-    """A port p such that p .. p+span-1 are all free on host right now (a role's START_PORT takes +0..+5;
-    whoever binds them later may still lose a race, as with any free-port pick)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + span < 65535 and all(is_free(base + i, host) for i in range(span)):
+    """A port p such that p .. p+span-1 are all free on host right now (a role's START_PORT takes +0..+5).
+
+    Blocks come from below the kernel's ephemeral range, so no client connection made meanwhile (an HTTP
+    probe, a gRPC channel) can take one of them before the role binds it; successive calls in one process
+    hand out disjoint blocks. Another process may still bind one first, as with any free-port pick."""
+    global _cursor
+    low, high = _ephemeral_range()
+    if low - 10000 > span:
+        first, last = 10000, low - span          # [first, last): below the ephemeral range
+    else:
+        first, last = high + 1, 65535 - span     # a system whose ephemeral range starts low
+    if _cursor is None or not first <= _cursor < last:
+        _cursor = random.randrange(first, last)
+    for _ in range(400):
+        base = _cursor
+        _cursor = base + span if base + 2 * span < last else first
+        if all(is_free(base + i, host) for i in range(span)):
             return base
     raise RuntimeError(f"no free block of {span} ports on {host}")
