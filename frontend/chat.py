@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,9 +22,10 @@ from starlette.responses import Response
 
 from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.guided import chat_constraint, check
+from frontend.images import LoadedImage
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
-from frontend.protocol import ChatCompletionRequest
+from frontend.protocol import ChatCompletionRequest, ImagePart
 from frontend.respond import aux_info, respond
 from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
@@ -41,8 +42,15 @@ class ChatDialect:
         self.pipeline = pipeline
         self.renderer = renderer
 
+    async def images(self, req: ChatCompletionRequest) -> list[LoadedImage]:
+        """The messages' image parts, fetched and checked (before prepare, which runs off the event loop)."""
+        return await self.pipeline.images([(f"messages[{i}].content[{j}]", part.image_url.url)
+                                           for i, m in enumerate(req.messages) if isinstance(m.content, list)
+                                           for j, part in enumerate(m.content) if isinstance(part, ImagePart)])
+
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        placeholder = self.pipeline.image_placeholder  # each image part: the model's image token
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text(placeholder)} for m in req.messages]
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         template = req.user_template
         if req.chat_template is not None:
@@ -72,7 +80,7 @@ class ChatDialect:
         tokens = self.pipeline.tokens(rendered.prompt[:start + len(last)])
         return dataclasses.replace(rendered, prompt=tokens.prompt, input_ids=tokens.input_ids)
 
-    def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
+    def prepare(self, req: ChatCompletionRequest, images: Sequence[LoadedImage] = ()) -> PreparedRequest:
         self.pipeline.check_model(req.model)
         if req.stream and req.prompt_logprobs is not None:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
@@ -87,7 +95,8 @@ class ChatDialect:
         return self.pipeline.prepare(
             request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-            constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
+            constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None,
+            images=images)
 
 
 def chat_routes(chat: ChatDialect) -> APIRouter:
@@ -97,7 +106,7 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/v1/chat/completions")
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        prep = await off_loop(chat.prepare, req)
+        prep = await off_loop(chat.prepare, req, await chat.images(req))
         await check(prep.params.constraint, req)
         request.app.state.admission.hold(request.scope, prep.params.n)
         model = prep.model or default_model
@@ -113,9 +122,9 @@ def chat_routes(chat: ChatDialect) -> APIRouter:
     @router.post("/v1/chat/render")
     @router.post("/chat/render")
     async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        prep = await off_loop(chat.prepare, req)
+        prep = await off_loop(chat.prepare, req, await chat.images(req))
         await check(prep.params.constraint, req)
-        return render_info(chat, prep)
+        return render_info(chat, prep, req)
 
     return router
 
@@ -159,7 +168,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
-        body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
+        body["debug_info"] = {**render_info(chat, prep, req), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
     if req.aux_info:
         body["aux_info"] = aux_info(list(last.values()))
@@ -179,7 +188,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
+    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep, req)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -232,13 +241,15 @@ def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
     return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
-def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:
-    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it."""
+def render_info(chat: ChatDialect, prep: PreparedRequest, req: ChatCompletionRequest) -> dict[str, Any]:
+    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it (the
+    prompt text shows one image placeholder per image; input_ids the run each stands for)."""
     cfg, tok, p = chat.pipeline.cfg, chat.pipeline.tokenizer, prep.params
+    urls = [url for m in req.messages for url in m.image_urls()]
     return {
         "input_prompt": prep.rendered.prompt,
         "input_ids": prep.rendered.input_ids,
-        "input_urls": [],
+        "input_urls": [url if not url.startswith("data:") else url[:40] + "..." for url in urls],
         "tokenizer_info": f"{type(tok).__name__}({cfg.tokenizer_path.name}, vocab={tok.vocab_size})",
         "max_seq_len": cfg.max_seq_len,
         "eos_token_id": tok.eos_token_id,

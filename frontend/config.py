@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frontend.images import ImageLimits
 from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
@@ -14,6 +15,7 @@ from kvyard.model_path import ModelFileError, default_model_name, resolve_model_
 from kvyard.pooling_model import PoolingSpec, embedding_model_name, load_pooling_spec, resolve_embedding_path
 from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
+from kvyard.vision_config import VisionConfig, load_vision_config
 
 
 
@@ -50,6 +52,8 @@ class FrontendConfig:
     embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
     embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
+    vision: VisionConfig | None = None   # the chat model's image side (a LLaVA directory); None: text only
+    images: ImageLimits = ImageLimits()  # IMAGE_*: where images may come from, how many, how large
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -93,6 +97,8 @@ class FrontendConfig:
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
+            vision=load_vision_config(tokenizer) if tokenizer.is_dir() else None,
+            images=ImageLimits.from_env(env),
             **_embedding(env, port),
         )
 

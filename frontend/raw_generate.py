@@ -16,10 +16,12 @@ from fastapi import APIRouter, Request
 
 from frontend.backend_client import BackendOutput
 from frontend.guided import check, constraint_for
+from frontend.images import LoadedImage
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
 from frontend.respond import RTP_SSE, aux_info, respond
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import Dialect
 
 Key = tuple[int, int]   # (prompt number, sequence number)
@@ -63,7 +65,10 @@ def raw_routes(pipeline: Pipeline) -> APIRouter:
 
     @router.post("/")
     async def raw(req: RawRequest, request: Request) -> Any:
-        state = _State(req, await off_loop(_prepare, pipeline, req))
+        if req.urls and not isinstance(req.prompt, str):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "urls go with one prompt, not a batch", "urls")
+        images = await pipeline.images([(f"urls[{i}]", url) for i, url in enumerate(req.urls or [])])
+        state = _State(req, await off_loop(_prepare, pipeline, req, images))
         await check(next((p.params.constraint for p in state.preps), None), req)
         request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
         updates = _updates(state, pipeline.generate_many(state.preps))
@@ -73,16 +78,20 @@ def raw_routes(pipeline: Pipeline) -> APIRouter:
     return router
 
 
-def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
+def _prepare(pipeline: Pipeline, req: RawRequest, images: list[LoadedImage]) -> list[PreparedRequest]:
     model = pipeline.check_model(req.model)  # None: this frontend's own (no name, or SGLang's placeholder)
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg, model=model)   # every field from generate_config
     request_id = f"raw-{uuid.uuid4().hex}"
     constraint = constraint_for(req)
     budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    placeholder = pipeline.image_placeholder
+    if images and placeholder not in prompts[0]:  # RTP-LLM's urls with a prompt that names no image: in front
+        prompts = [f"{placeholder}\n" * len(images) + prompts[0]]
     return [pipeline.prepare(f"{request_id}-{i}", pipeline.tokens(prompt), sampling, budget, constraint=constraint,
-                             dialect=Dialect.RTP)
-            for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt)]
+                             dialect=Dialect.RTP, images=images)
+            for i, prompt in enumerate(prompts)]
 
 
 async def _collect(state: _State, updates: AsyncIterator[tuple[Key, str]]) -> dict[str, Any]:
