@@ -14,9 +14,7 @@ import pytest
 
 from frontend.images import ImageLimits, load_images
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.tokenizer import TextTokenizer
 from tests.support.image_server import BIG, PNG, image_server
-from tests.support.mock_stack import MockBackendThread, script
 
 PART = "messages[0].content[1]"
 
@@ -105,12 +103,6 @@ def test_limits_from_env(tmp_path: Path) -> None:
         ImageLimits.from_env({"IMAGE_FILE_ROOT": str(tmp_path / "nope")})
     with pytest.raises(ValueError, match="not a network"):
         ImageLimits.from_env({"IMAGE_URL_ALLOW_HOSTS": "10.0.0.0/99"})
-
-
-@pytest.fixture(scope="module")
-def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
-    with MockBackendThread(script(tokenizer, "hello")) as backend:
-        yield backend
 
 
 def test_a_text_only_model_refuses_images(client: openai.OpenAI, http: httpx.Client) -> None:

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken
 
 from renderers.llama3 import LLAMA3_TEMPLATE
-from tests.support.tiny_models import LLAMA3_SPECIALS, TokenizerSpec, byte_level_tokenizer, save_hf_tokenizer
+from tests.support.tiny_tokenizers import LLAMA3_SPECIALS, TokenizerSpec, byte_level_tokenizer, save_hf_tokenizer
 
 IMAGE_TOKEN = "<image>"
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
