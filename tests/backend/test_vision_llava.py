@@ -22,7 +22,7 @@ from backend.weights import load_weights
 from kvyard.errors import RequestError
 from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.sampling_params import SamplingParams
-from tests.backend.conftest import CPU, LogitsRecorder, build_engine
+from tests.backend.conftest import CPU, build_engine, greedy_run
 from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
 
 ATOL = 2e-3
@@ -71,16 +71,8 @@ def hf_greedy(tiny: TinyLlava, ids: list[int], pixel_values: torch.Tensor) -> tu
 
 
 def engine_run(engine: Engine, request_id: str, ids: list[int], images: list[ImageInput]) -> tuple[list[int], list[torch.Tensor], int]:
-    recorder = LogitsRecorder(engine)
-    engine.add(GenerationRequest(request_id, list(ids), SamplingParams(), StopConditions(max_new_tokens=STEPS, ignore_eos=True),
-                                 images=images))
-    tokens, reuse = [], 0
-    while engine.has_work:
-        for out in engine.step():
-            tokens.append(out.token_id)
-            reuse = out.aux.reuse_len
-    recorder.close()
-    return tokens, recorder.by_request[request_id], reuse
+    return greedy_run(engine, GenerationRequest(request_id, list(ids), SamplingParams(),
+                                               StopConditions(max_new_tokens=STEPS, ignore_eos=True), images=images))
 
 
 def hf_pixels(path: Path, data: bytes) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from renderers.llama3 import LLAMA3_TEMPLATE
+from tests.support.tiny_models import randomize
 from tests.support.tiny_tokenizers import LLAMA3_SPECIALS, TokenizerSpec, byte_level_tokenizer, save_hf_tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -35,31 +36,26 @@ class TinyLlava:
         return self.tokenizer.id(IMAGE_TOKEN)
 
 
-def tiny_llava(*, image_size: int = 56, patch: int = 14, seed: int = 0) -> TinyLlava:
+def tiny_llava(*, image_size: int = 56, patch: int = 14, seed: int = 0, text: dict[str, int] | None = None,
+               vision: dict[str, int] | None = None) -> TinyLlava:
+    """text / vision: LlamaConfig / CLIPVisionConfig sizes instead of the tiny defaults (benchmarks/vision.py)."""
     import transformers
 
     spec = byte_level_tokenizer("llama-bpe", specials=(*LLAMA3_SPECIALS, IMAGE_TOKEN))
     spec.specials = {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "eot": "<|eot_id|>", "eom": "<|eom_id|>"}
-    text = transformers.LlamaConfig(vocab_size=len(spec.tokens), hidden_size=256, intermediate_size=512,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=512, rms_norm_eps=1e-5)
-    vision = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                           num_attention_heads=2, image_size=image_size, patch_size=patch,
-                                           projection_dim=64)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=spec.id(IMAGE_TOKEN),
+    text_config = transformers.LlamaConfig(**{
+        "vocab_size": len(spec.tokens), "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        **(text or {})})
+    vision_config = transformers.CLIPVisionConfig(**{
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "image_size": image_size, "patch_size": patch, "projection_dim": 64, **(vision or {})})
+    config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_id=spec.id(IMAGE_TOKEN),
                                       vision_feature_layer=-2, vision_feature_select_strategy="default",
                                       projector_hidden_act="gelu")
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layer_norm1.weight") or name.endswith("layer_norm2.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.08)
-    model.eval()
+    randomize(model, bias=0.1, norms=("norm.weight", "layer_norm1.weight", "layer_norm2.weight"))
     return TinyLlava(model, spec, image_size, (image_size // patch) ** 2)
 
 
