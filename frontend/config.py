@@ -69,9 +69,9 @@ class FrontendConfig:
         backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{backend_grpc_port(port)}")
         service = _model_service_config(env)
         fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
-        names = env_names(env, "MODEL_NAME", default_model_name(tokenizer))
-        pooling = _embedding(env, port, tokenizer, names[0], backend)
-        main_pools = bool(pooling) and not env.get("EMBEDDING_MODEL_PATH")  # CHECKPOINT_PATH is a pooling model
+        pools = model_kind(tokenizer) is not ModelKind.GENERATE  # CHECKPOINT_PATH is a pooling model
+        names = env_names(env, "MODEL_NAME", embedding_model_name(tokenizer) if pools else default_model_name(tokenizer))
+        pooling = _embedding(env, port, tokenizer if pools else None, names[0], backend)
         return cls(
             host=env_str(env, "HOST", "0.0.0.0"),
             port=port,
@@ -80,7 +80,7 @@ class FrontendConfig:
             model_aliases=names[1:],
             model_type=env.get("MODEL_TYPE") or None,
             backend_address=backend,
-            max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or (pooling["embedding"].max_len if main_pools
+            max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or (pooling["embedding"].max_len if pools
                                                                        else _model_context(tokenizer)),
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),
             stop_word_ids=tuple(tuple(ids) for ids in _json_list(env, "STOP_WORDS_LIST", list)),
@@ -106,19 +106,18 @@ class FrontendConfig:
         )
 
 
-def _embedding(env: Mapping[str, str], port: int, main: Path, main_name: str, backend: str) -> dict[str, Any]:
+def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: str, backend: str) -> dict[str, Any]:
     """EMBEDDING_MODEL_PATH (a Hugging Face pooling model's directory, or `embedded`): its files are read here
     (the frontend tokenizes for it); its backend is EMBEDDING_BACKEND_ADDRESS, else the one a PDFUSION launch
     starts beside the chat backend. A pooling model as CHECKPOINT_PATH is served the same way, under
     MODEL_NAME on the main backend, and the chat routes answer 400 (FrontendConfig.generates)."""
     value = env.get("EMBEDDING_MODEL_PATH", "")
-    kind = model_kind(main)
-    if kind is not ModelKind.GENERATE:
+    if main is not None:  # CHECKPOINT_PATH pools
+        spec = load_pooling_spec(main)
         if value:
-            raise ValueError(f"CHECKPOINT_PATH {main} is itself an {kind} model; a frontend serves one pooling model, "
-                             "so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
-        return {"embedding": load_pooling_spec(main), "embedding_model_name": main_name,
-                "embedding_backend_address": backend}
+            raise ValueError(f"CHECKPOINT_PATH {main} is itself an {spec.kind} model; a frontend serves one pooling "
+                             "model, so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
+        return {"embedding": spec, "embedding_model_name": main_name, "embedding_backend_address": backend}
     if not value:
         return {}
     path = resolve_embedding_path(value)
