@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,7 @@ def completion_routes(pipeline: Pipeline) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         request_id, model, jobs = await _prepare(pipeline, req,
                                                  lambda n: request.app.state.admission.hold(request.scope, n))
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+        base = {"id": req.chat_id or request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model or pipeline.cfg.model_name}
         events = pipeline.generate_many([j.prep for j in jobs if j.prep is not None])
         return await respond(request, req.stream, lambda: _sse(pipeline, req, jobs, base, events),
@@ -64,7 +63,7 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
                            "prompt_logprobs")
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = req.backend_request_id("cmpl")
     jobs = []
     constraint = await off_loop(constraint_for, req)
     await check(constraint, req)  # once, before anything is generated
@@ -80,6 +79,7 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
             prompt = prep.rendered   # truncate_prompt_tokens may have cut it
             if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
                 prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
+        req.log_prompt(f"{request_id}-{number}", prompt.prompt, len(prompt.input_ids))
         jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
@@ -160,15 +160,18 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
         for choice, ((number, _), _) in zip(body, choices.items()):
             choice["prompt_logprobs"] = prompt_logprob_entries(jobs[number].prompt_logprobs or [],
                                                                pipeline.tokenizer)
-    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values()))}
+    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values())), **req.echoed()}
 
 
 async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
                events: AsyncIterator[tuple[int, ChoiceEvent]]) -> AsyncIterator[str]:
     n = _n(req, jobs)
+    first = req.echoed()   # extend_fields ride on the first chunk
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = {**base, "choices": choices}
+        nonlocal first
+        body = {**base, "choices": choices, **first}
+        first = {}
         if req.include_usage:
             body["usage"] = usage
         return json.dumps(body, ensure_ascii=False)
