@@ -70,7 +70,20 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model)
+    model.eval()
     return TinyModel(family, model, spec, template)
+
+
+def randomize(model: Any, bias: float = 0.5, norms: tuple[str, ...] = ("norm.weight",)) -> None:
+    """Random weights with visible norms and biases (the defaults are ones and zeros)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(norms):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(bias * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
 
 
 def save_hf_dir(tiny: TinyModel, path: Path, *, max_shard_size: str | None = None,
@@ -249,16 +262,3 @@ def hf_greedy(hf_model: Any, ids: Sequence[int], steps: int) -> tuple[list[int],
             out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
                            use_cache=True)
     return tokens, step_logits
-
-
-def randomize(model: Any, bias: float = 0.5, norms: tuple[str, ...] = ("norm.weight",)) -> None:
-    """Random weights with visible norms and biases (the defaults are ones and zeros); eval mode."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(norms):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(bias * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.08)
-    model.eval()

@@ -56,6 +56,7 @@ def tiny_llava(*, image_size: int = 56, patch: int = 14, seed: int = 0, text: di
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).float()
     randomize(model, bias=0.1, norms=("norm.weight", "layer_norm1.weight", "layer_norm2.weight"))
+    model.eval()
     return TinyLlava(model, spec, image_size, (image_size // patch) ** 2)
 
 
