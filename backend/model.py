@@ -68,13 +68,14 @@ class LlamaModel:
                 and embeds is None):
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
-        x = self.hidden_states(input_ids, positions, cache, meta)
+        x = self.hidden_states(input_ids, positions, cache, meta, embeds)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed)."""
+                      meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds
+        as forward's."""
         c, ops, w = self.config, self.ops, self.w
         cos = self.cos[positions]  # [T, d/2]; shared by every layer
         sin = self.sin[positions]
