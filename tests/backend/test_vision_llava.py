@@ -19,9 +19,11 @@ from backend.model import LlamaModel
 from backend.sequence import StopConditions
 from backend.vision_tower import VisionTower, load_vision_tower
 from backend.weights import load_weights
+from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
 from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.sampling_params import SamplingParams
+from kvyard.vision_config import image_starts
 from tests.backend.conftest import CPU, build_engine, greedy_run
 from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
 
@@ -106,6 +108,15 @@ def test_logits_and_tokens_match_transformers_then_cache(served: Served) -> None
         # 28 prompt tokens in blocks of 8: the second run reuses the 3 full blocks (24 tokens)
         assert reuse == (0 if request_id == "cold" else 24)
     assert served.tower.tower_runs == runs + 1  # the second run's embeddings came from the cache
+    # The frontend's keys for the master (kvyard.block_keys with the image salts) are the ones the pool holds;
+    # the same tokens keyed without the image are not.
+    assert served.config.vision is not None
+    per_image = served.config.vision.num_image_tokens
+    salts = image_block_salts(image_starts(ids, served.tiny.image_token_id, per_image),
+                              [hashlib.sha256(data).digest()], per_image, 8)
+    held = set(engine.scheduler.block_pool.cached_keys())
+    assert set(block_cache_keys(ids, 8, salts=salts)) <= held
+    assert not set(block_cache_keys(ids, 8)) & held
     assert float(torch.stack(their_logits).std()) > 0.3
 
     other = png_bytes(80, 60, seed=2)
