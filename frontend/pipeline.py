@@ -103,7 +103,8 @@ class Pipeline:
                                "messages")
         max_new = self.budget(len(rendered.input_ids), budget)
         params = self._params(req, dialect, max_new, logprobs, top_logprobs, constraint)
-        return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
+        stops = [*req.stop_list(), *self.cfg.stop_words, *rendered.format_stops]
+        return PreparedRequest(request_id, rendered, params, stops,
                                self.check_model(req.model), tool_parser, req.include_stop, req.skip_special_tokens,
                                req.prompt_logprobs)
 

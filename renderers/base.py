@@ -31,6 +31,7 @@ class RenderedPrompt:
     renderer: str               # which renderer produced it (for /chat/render)
     template_source: str        # "model", "user_template", "template_key:<name>" or "fallback"
     tools_in_prompt: bool = False  # tool definitions were written into the system prompt by us
+    format_stops: tuple[str, ...] = ()  # markers of the renderer's format that end the answer (stop strings)
 
 
 class ChatRenderer(ABC):
