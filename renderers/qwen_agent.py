@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from renderers.basic import _call_object
-from renderers.qwen2 import DEFAULT_SYSTEM, Qwen25Renderer
+from renderers.qwen2 import Qwen25Renderer, with_system_text
 from renderers.qwen_agent_tools import RESULT, RETURN, STOP_MARKERS
 from renderers.registry import register_renderer
 from renderers.response_stream import Delta, ResponseStream, ToolCallStream
@@ -58,14 +58,7 @@ class QwenAgentRenderer(Qwen25Renderer):
                 and out[-2]["role"] == "user":
             turn = out.pop()["content"].removesuffix(": ")
             out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{turn}"}
-        if tools:
-            system = out[0].get("content") if out and out[0].get("role") == "system" else DEFAULT_SYSTEM
-            prompt = f"{system}\n\n{self.tool_parser.tools_prompt(tools, tool_choice)}"
-            if out and out[0].get("role") == "system":
-                out[0] = {**out[0], "content": prompt}
-            else:
-                out.insert(0, {"role": "system", "content": prompt})
-        return out
+        return with_system_text(out, self.tool_parser.tools_prompt(tools, tool_choice)) if tools else out
 
     def render_response_stream(self, tools_offered: bool) -> ResponseStream:
         return _AfterReturn(self.tool_parser()) if tools_offered else super().render_response_stream(False)
