@@ -121,6 +121,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
     logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
     finish: dict[int, str] = {}
+    stop_reasons: dict[int, int | str | None] = {}
     tokens: dict[int, int] = {}
     last: dict[int, BackendOutput] = {}
     async for ev in events:
@@ -132,6 +133,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
             last[ev.index] = ev.backend
         if ev.finish_reason is not None:
             finish[ev.index] = ev.finish_reason
+            stop_reasons[ev.index] = ev.stop_reason
     choices = []
     for i in range(n):
         text, reason = "".join(texts[i]), finish.get(i, "stop")
@@ -145,7 +147,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
             reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
-                        "finish_reason": reason})
+                        "finish_reason": reason, "stop_reason": stop_reasons.get(i)})
     body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **req.echoed()}
     if prompt_logprobs is not None:
@@ -196,8 +198,9 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             extra = {}
             if is_last and reason is not None and req.aux_info and ev.backend is not None:
                 extra["aux_info"] = aux_info([ev.backend])
-            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
-                          "finish_reason": reason if is_last else None}], **extra)
+            ends = is_last and reason is not None
+            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason if is_last else None,
+                          **({"stop_reason": ev.stop_reason} if ends else {})}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
 
