@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +29,6 @@ from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
-
-log = logging.getLogger("kvyard.frontend")
-
 
 @dataclass
 class ChatState:
@@ -91,11 +86,9 @@ class ChatDialect(GenerationDialect[ChatState]):
                                "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
-        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
-        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        request_id = req.backend_request_id("chatcmpl")
         rendered = self.render(req)
-        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
-            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
+        req.log_prompt(request_id, rendered.prompt, len(rendered.input_ids))
         return self.pipeline.prepare(
             request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -163,7 +156,7 @@ async def _body(chat: ChatDialect, state: ChatState, events: Events) -> dict[str
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason})
     body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
+            "model": state.model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **req.echoed()}
     if state.prompt_logprobs is not None:
         body["prompt_logprobs"] = state.prompt_logprobs   # vLLM's place for it
     if req.debug_info:
@@ -187,7 +180,7 @@ async def _chunks(chat: ChatDialect, state: ChatState, events: Events) -> AsyncI
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
+    first_extra = {**req.echoed(), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
@@ -233,11 +226,6 @@ def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
         fn = first[0].get("function", {})
         out["function_call"] = {k: fn[k] for k in ("name", "arguments") if k in fn}
     return out
-
-
-def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
-    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
-    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:

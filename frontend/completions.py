@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ class _Request:
     jobs: list[_Job]
     base: dict[str, Any]   # id, object, created, model
     model: str | None      # to route, score and echo (Pipeline.check_model: None for this frontend's own)
+    request_id: str        # the backend's (each prompt's is this with its number)
 
 
 class CompletionsDialect(GenerationDialect[_Request]):
@@ -59,7 +59,7 @@ class CompletionsDialect(GenerationDialect[_Request]):
                                "prompt_logprobs")
         p = req.prompt
         prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = req.backend_request_id("cmpl")
         constraint = await off_loop(constraint_for, req)
         rendered = await off_loop(lambda: [pipeline.tokens(prompt) for prompt in prompts])
         jobs = []
@@ -74,15 +74,16 @@ class CompletionsDialect(GenerationDialect[_Request]):
                 prompt = prep.rendered   # truncate_prompt_tokens may have cut it
                 if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
                     prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
+            req.log_prompt(f"{request_id}-{number}", prompt.prompt, len(prompt.input_ids))
             jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+        base = {"id": req.chat_id or request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model or pipeline.cfg.model_name}
-        return Job([j.prep for j in jobs if j.prep is not None], _Request(req, jobs, base, model), req.stream,
+        return Job([j.prep for j in jobs if j.prep is not None], _Request(req, jobs, base, model, request_id), req.stream,
                    constraint, req, sum(job.prep.params.n if job.prep else 1 for job in jobs))
 
     async def started(self, job: Job[_Request]) -> None:
         """The echoed prompts' logprobs, and prompt_logprobs (the backend's ScoreCall)."""
-        req, model, request_id = job.state.req, job.state.model, job.state.base["id"]
+        req, model, request_id = job.state.req, job.state.model, job.state.request_id
         if req.echo and req.logprobs is not None:
             for one in job.state.jobs:
                 one.echo_logprobs = await self.pipeline.prompt_logprobs(f"{request_id}-{one.number}-echo", one.ids,
@@ -166,15 +167,18 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
         for choice, ((number, _), _) in zip(body, choices.items()):
             choice["prompt_logprobs"] = prompt_logprob_entries(jobs[number].prompt_logprobs or [],
                                                                pipeline.tokenizer)
-    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values()))}
+    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values())), **req.echoed()}
 
 
 async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
                events: Events) -> AsyncIterator[str]:
     n = _n(req, jobs)
+    first = req.echoed()   # extend_fields ride on the first chunk
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = {**base, "choices": choices}
+        nonlocal first
+        body = {**base, "choices": choices, **first}
+        first = {}
         if req.include_usage:
             body["usage"] = usage
         return json.dumps(body, ensure_ascii=False)

@@ -188,8 +188,8 @@ class BasicRenderer(ChatRenderer):
         in_prompt = False
         args: dict[str, Any] = {
             "add_generation_prompt": request.add_generation_prompt,
-            "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "",
+            "bos_token": "", "eos_token": "",   # templates concatenate them, so never undefined
+            **tok.special_tokens_map,           # bos, eos, unk, pad, ... and additional_special_tokens
             "json": _TEMPLATE_JSON,
         }
         if _MENTIONS_TOOLS.search(template_text):
