@@ -69,7 +69,14 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
     config = cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # visible norms and biases (the defaults are ones and zeros)
+    randomize(model)
+    model.eval()
+    return TinyModel(family, model, spec, template)
+
+
+def randomize(model: Any) -> None:
+    """Random weights with visible norms and biases (the defaults are ones and zeros)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
@@ -77,8 +84,6 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
                 p.copy_(0.5 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.08)
-    model.eval()
-    return TinyModel(family, model, spec, template)
 
 
 def save_hf_dir(tiny: TinyModel, path: Path, *, max_shard_size: str | None = None,
