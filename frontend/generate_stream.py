@@ -18,30 +18,19 @@ from typing import Annotated
 
 from fastapi import Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import refuse_constraints
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget
-from frontend.generate_config import INT32_MAX, INT64_MAX
+from frontend.generate_config import GenerateQuery
 from frontend.protocol import SamplingRequest
 from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect
 
 log = logging.getLogger("kvyard.frontend")
-
-
-class GenerateQuery(BaseModel):
-    """/generate's options, as query parameters (temperature has no upper bound here, as before)."""
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
-    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    model: str | None = None
 
 
 class GenerateDialect(GenerationDialect[None]):
@@ -60,8 +49,7 @@ class GenerateDialect(GenerationDialect[None]):
         # a max_tokens that leaves no room at all is still the 400 every dialect gives.
         max_tokens = query.max_tokens or DIALECT_DEFAULTS[Dialect.GENERATE]["max_new_tokens"]
         room = pipeline.cfg.max_seq_len - max_tokens - 1
-        sampling = SamplingRequest.model_construct(temperature=query.temperature, top_p=query.top_p,
-                                                   top_k=query.top_k, seed=query.seed, model=model,
+        sampling = SamplingRequest.model_construct(**query.sampling_fields(), model=model,
                                                    truncate_prompt_tokens=room if room >= 1 else None)
         prep = pipeline.prepare(f"generate-{uuid.uuid4().hex}", await off_loop(pipeline.tokens, prompt), sampling,
                                 Budget(query.max_tokens), dialect=Dialect.GENERATE)
