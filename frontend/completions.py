@@ -108,6 +108,7 @@ class _Choice:
         self.pipeline = pipeline
         self.as_ids = as_ids   # return_tokens_as_token_ids
         self.text = ""
+        self.stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
             if with_logprobs else None
 
@@ -154,6 +155,7 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
         tokens[key] = ev.completion_tokens
         if ev.finish_reason is not None:
             finish[key] = ev.finish_reason
+            choices[key].stop_reason = ev.stop_reason
     if req.best_of and req.best_of > req.n:   # best_of: each prompt's req.n likeliest candidates, best first
         kept, kept_finish = {}, {}
         for j in jobs:
@@ -162,7 +164,8 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
                 kept_finish[(j.number, rank)] = finish.get((j.number, s), "length")
         choices, finish, n = kept, kept_finish, req.n
     body = [{"index": number * n + s, "text": c.text, "logprobs": c.logprobs,
-             "finish_reason": finish.get((number, s), "length")} for (number, s), c in choices.items()]
+             "finish_reason": finish.get((number, s), "length"), "stop_reason": c.stop_reason}
+            for (number, s), c in choices.items()]
     if req.prompt_logprobs is not None:   # vLLM's place for it: each choice, its prompt's
         for choice, ((number, _), _) in zip(body, choices.items()):
             choice["prompt_logprobs"] = prompt_logprob_entries(jobs[number].prompt_logprobs or [],
@@ -199,8 +202,8 @@ async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], bas
         if not ev.text and ev.finish_reason is None and not ev.logprobs:
             continue
         lp = choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
-        yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp,
-                      "finish_reason": ev.finish_reason}])
+        yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
+                      **({"stop_reason": ev.stop_reason} if ev.finish_reason is not None else {})}])
     if req.include_usage:
         yield chunk([], _usage(jobs, sum(tokens.values())))
 

@@ -224,7 +224,7 @@ class ToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]  # function: a legacy call's result
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -31,9 +31,9 @@ from frontend.pipeline import PreparedRequest
 from frontend.generate_config import INT32_MAX
 from frontend.protocol import ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
 from frontend.respond import RESPONSES_SSE
-from frontend.tool_calls import ToolCallStream, message_parts, new_call_id
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import TEMPERATURE_MAX
+from renderers.response_stream import ResponseStream, new_call_id, whole_message
 
 STORE_MAX = 1000        # responses kept for previous_response_id (the oldest goes first)
 STORE_TTL_S = 3600.0    # and for at most this long
@@ -237,6 +237,7 @@ def _text_part(text: str = "") -> dict[str, Any]:
 @dataclass
 class _Turn:
     answer: _Answer
+    stream: ResponseStream                   # the model's text → message content and tool calls
     keep: Callable[[dict[str, Any]], None]   # stores the finished response (unless store: false)
 
 
@@ -270,14 +271,15 @@ class ResponsesDialect(GenerationDialect[_Turn]):
             if req.store:
                 self.store.put(body, [*messages, *_output_messages(body)])
 
-        turn = _Turn(_Answer(req, prep, prep.model or self.pipeline.cfg.model_name), keep)
+        turn = _Turn(_Answer(req, prep, prep.model or self.pipeline.cfg.model_name),
+                     self.chat.renderer.render_response_stream(prep.tool_parser is not None), keep)
         return Job([prep], turn, req.stream, prep.params.constraint, creq)
 
     async def whole(self, job: Job[_Turn], events: Events) -> dict[str, Any]:
-        return await _whole(job.state.answer, events, job.state.keep)
+        return await _whole(job.state.answer, job.state.stream, events, job.state.keep)
 
     def events(self, job: Job[_Turn], events: Events) -> AsyncIterator[str]:
-        return _stream(job.state.answer, events, job.state.keep)
+        return _stream(job.state.answer, job.state.stream, events, job.state.keep)
 
     def more_routes(self, router: APIRouter) -> None:
         @router.get("/v1/responses/{response_id}")
@@ -297,17 +299,15 @@ def _output_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-async def _whole(answer: _Answer, events: Events, keep: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+async def _whole(answer: _Answer, stream: ResponseStream, events: Events, keep: Callable[[dict[str, Any]], None]
+                 ) -> dict[str, Any]:
     texts, finish, tokens = [], None, 0
     async for _, ev in events:
         texts.append(ev.text)
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
-    text = "".join(texts)
-    calls: list[dict[str, Any]] = []
-    if answer.prep.tool_parser is not None:
-        content, calls = message_parts(answer.prep.tool_parser().parse(text))
-        text = content or ""
+    content, calls = whole_message(stream, "".join(texts))
+    text = content or ""
     for call in calls:
         answer.call(call["id"], call["function"]["name"])["arguments"] = call["function"]["arguments"]
     if text or not calls:
@@ -317,7 +317,8 @@ async def _whole(answer: _Answer, events: Events, keep: Callable[[dict[str, Any]
     return body
 
 
-async def _stream(answer: _Answer, events: Events, keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+async def _stream(answer: _Answer, stream: ResponseStream, events: Events, keep: Callable[[dict[str, Any]], None]
+                  ) -> AsyncIterator[str]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -328,7 +329,6 @@ async def _stream(answer: _Answer, events: Events, keep: Callable[[dict[str, Any
 
     yield event("response.created", response=answer.body)
     yield event("response.in_progress", response=answer.body)
-    calls = ToolCallStream(answer.prep.tool_parser()) if answer.prep.tool_parser else None
     message: dict[str, Any] | None = None
     open_calls: dict[int, dict[str, Any]] = {}
     finish, tokens = None, 0
@@ -339,10 +339,7 @@ async def _stream(answer: _Answer, events: Events, keep: Callable[[dict[str, Any
     async for _, ev in events:
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
-        if calls is not None:
-            deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
-        else:
-            deltas = [{"content": ev.text}] if ev.text else []
+        deltas = stream.feed(ev.text) + (stream.finish() if ev.finish_reason is not None else [])
         for delta in deltas:
             if "content" in delta and delta["content"]:
                 if message is None:
