@@ -4,7 +4,8 @@ One connection carries many streams at once. Each GENERATE / SCORE runs as its o
 items on the connection's one outbox; one writer task sends whatever is queued as a single `TOKEN [...]`
 frame, so items of different streams interleave while each stream keeps its order. A stream ends with
 exactly one item whose finish_reason is set, or with one `{"stream_id", "error"}` item; a failing
-stream never ends the connection. Closing the socket cancels every stream (and so its backend call).
+stream never ends the connection. A stream whose model no backend can serve yet waits for it (LMTP_WAIT_S),
+saying so in a `MSG {"stream_id", "message"}` item (frontend/lmtp_wait.py). Closing the socket cancels every stream (and so its backend call).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from frontend.admission import Admission
 from frontend.config import FrontendConfig
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
                                   parse_frame, score_items, token_item, unknown_model)
+from frontend.lmtp_wait import ModelWait
 from frontend.metered_router import MeteredRouter
 from frontend.pipeline import Budget, Pipeline
 from frontend.routing import model_to_route
@@ -162,8 +164,9 @@ class LmtpSession:
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
         requested = frame.max_tokens or DIALECT_DEFAULTS[Dialect.LMTP]["max_new_tokens"]
         svc.pipeline.budget(len(frame.prompt), Budget(requested))   # the context-length check every dialect has
-        gen = svc.client.generate(request_id, frame.prompt, frame.params(svc.cfg.request_timeout_s),
-                                  svc.model(frame.model))
+        model, params = svc.model(frame.model), frame.params(svc.cfg.request_timeout_s)
+        gen = self._wait(frame.stream_id, model).stream(lambda: svc.client.generate(request_id, frame.prompt, params,
+                                                                                    model))
         try:
             async for outs in gen:
                 for out in outs:
@@ -183,13 +186,19 @@ class LmtpSession:
 
     async def _score(self, frame: ScoreFrame) -> None:
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
-        out = await self.service.client.score(request_id, frame.prompt, frame.scored,
-                                              self.service.model(frame.model))
+        model = self.service.model(frame.model)
+        out = await self._wait(frame.stream_id, model).call(
+            lambda: self.service.client.score(request_id, frame.prompt, frame.scored, model))
         if len(out.logprobs) != len(frame.scored):
             raise RequestError(ErrorCode.INTERNAL, f"the backend scored {len(out.logprobs)} of "
                                f"{len(frame.scored)} tokens")
         for item in score_items(frame.stream_id, out.logprobs):
             self.outbox.put_nowait(("TOKEN", item))
+
+    def _wait(self, stream_id: Any, model: str | None) -> ModelWait:
+        """A stream's wait for its model (frontend/lmtp_wait.py), announced in a MSG item."""
+        return ModelWait(self.service.cfg.lmtp_wait_s, model or self.service.cfg.model_name,
+                         lambda message: self.outbox.put_nowait(("MSG", {"stream_id": stream_id, "message": message})))
 
     async def _model_info(self, frame: ModelInfoFrame) -> None:
         try:
