@@ -18,7 +18,7 @@ Workloads (chat completions through the HTTP API, the official openai client, as
 All servers start first (an idle server takes no CPU); each round drives one server at a time through
 every workload, alternating which goes first; the table shows medians over rounds and the per-round
 ratios. `--only kvyard,llama,vllm` adds vLLM's CPU backend (benchmarks/vllm_peer.py: a venv of its own, the
-same weights as a Hugging Face directory; KVYARD_VLLM_DTYPE=float32 where bfloat16 is emulated).
+same weights as a Hugging Face directory, bfloat16 where the CPU has it natively, else float32).
 """
 from __future__ import annotations
 
