@@ -123,7 +123,7 @@ def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: 
     if main is not None:  # CHECKPOINT_PATH pools
         spec = load_pooling_spec(main)
         if value:
-            raise ValueError(f"CHECKPOINT_PATH {main} is itself an {spec.kind} model; a frontend serves one pooling "
+            raise ValueError(f"CHECKPOINT_PATH {main} is itself {spec.kind.a}; a frontend serves one pooling "
                              "model, so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
         return {"embedding": spec, "embedding_model_name": main_name, "embedding_backend_address": backend}
     if not value:

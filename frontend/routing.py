@@ -61,7 +61,7 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
             return None
         name = cfg.model_name  # the only model here pools: the 400 below
     if cfg.embedding is not None and (name == cfg.embedding_model_name or (not cfg.generates and cfg.serves(name))):
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is {cfg.embedding.kind.a}: it "
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")
     if not cfg.serves(name) and not cfg.master_address:
