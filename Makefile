@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,9 @@ bench-embeddings: setup
 	$(PY) benchmarks/embeddings.py
 
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
+bench-vision: setup
+	$(PY) benchmarks/vision.py
+
 bench-peers: setup
 	$(PY) benchmarks/peers.py
 
