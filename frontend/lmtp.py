@@ -25,9 +25,11 @@ from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfo
                                   parse_frame, score_items, token_item, unknown_model)
 from frontend.lmtp_wait import ModelWait
 from frontend.metered_router import MeteredRouter
+from frontend.pipeline import Budget, Pipeline
 from frontend.routing import model_to_route
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import ERROR_TABLE
+from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.frontend")
@@ -39,15 +41,17 @@ AUTO_MODEL = "auto"  # a client that names no model in particular
 
 
 class LmtpService:
-    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, and
-    the frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT)."""
+    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, the
+    frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT) and its pipeline's
+    context-length budget (the token ids themselves go straight to the router: no text to detokenize)."""
 
     def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, client: MeteredRouter,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, pipeline: Pipeline | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.client = client
         self.admission = admission or Admission(cfg)
+        self.pipeline = pipeline or Pipeline(cfg, tokenizer, client)
 
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours; also for "auto"). Without a master only our own name exists;
@@ -158,6 +162,8 @@ class LmtpSession:
     async def _generate(self, frame: GenerateFrame) -> None:
         svc = self.service
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
+        requested = frame.max_tokens or DIALECT_DEFAULTS[Dialect.LMTP]["max_new_tokens"]
+        svc.pipeline.budget(len(frame.prompt), Budget(requested))   # the context-length check every dialect has
         model, params = svc.model(frame.model), frame.params(svc.cfg.request_timeout_s)
         gen = self._wait(frame.stream_id, model).stream(lambda: svc.client.generate(request_id, frame.prompt, params,
                                                                                     model))
@@ -221,13 +227,16 @@ class LmtpSession:
         self.metrics.count(f"LMTP {command if command in COMMANDS else 'other'}", status)
 
 
+# "/" too: LMQL's client connects to the endpoint's root (lmql.model(..., endpoint="host:port")).
+LMTP_PATHS = ("/lmtp", "/")
+
+
 def lmtp_routes(service: LmtpService) -> APIRouter:
     router = APIRouter()
 
     async def lmtp(ws: WebSocket) -> None:
         await LmtpSession(ws, service).run()
 
-    # "/" too: LMQL's client connects to the endpoint's root (lmql.model(..., endpoint="host:port")).
-    for path in ("/lmtp", "/"):
+    for path in LMTP_PATHS:
         router.add_api_websocket_route(path, lmtp)
     return router
