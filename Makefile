@@ -54,7 +54,8 @@ image:
 	docker build -f deploy/Dockerfile --build-arg VARIANT=$${VARIANT:-cpu} -t kvyard:$${VARIANT:-cpu} .
 
 proto: setup
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto proto/rtp_llm_rpc.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. proto/rtp_llm_rpc.proto  # messages only: backend/rtp_rpc.py serves it
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py

@@ -15,7 +15,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 from proto import rtp_llm_rpc_pb2 as rtp
-from proto import rtp_llm_rpc_pb2_grpc as rtp_grpc
+
+METHOD = "/RpcService/GenerateStreamCall"   # RTP-LLM's service has no package
 
 # kvyard's ErrorCodePB → the gRPC status an RTP-LLM client sees
 _STATUS = {
@@ -26,9 +27,16 @@ _STATUS = {
 }
 
 
-class RtpRpcServicer(rtp_grpc.RpcServiceServicer):
+class RtpRpcServicer:
     def __init__(self, kvyard: pb_grpc.ModelRpcServiceServicer) -> None:
         self.kvyard = kvyard   # the backend's own servicer, which does the work
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """RpcService with its one method, for grpc.aio.Server.add_generic_rpc_handlers."""
+        method = grpc.unary_stream_rpc_method_handler(self.GenerateStreamCall,
+                                                      request_deserializer=rtp.GenerateInputPB.FromString,
+                                                      response_serializer=rtp.GenerateOutputsPB.SerializeToString)
+        return grpc.method_handlers_generic_handler("RpcService", {"GenerateStreamCall": method})
 
     async def GenerateStreamCall(self, request: rtp.GenerateInputPB, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[rtp.GenerateOutputsPB]:

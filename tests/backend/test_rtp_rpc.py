@@ -10,16 +10,24 @@ import numpy as np
 import pytest
 
 from kvyard.tokenizer import TextTokenizer
+from backend.rtp_rpc import METHOD
 from proto import rtp_llm_rpc_pb2 as rtp
-from proto import rtp_llm_rpc_pb2_grpc as rtp_grpc
 from tests.support.mock_stack import MockBackendThread, script
 
 
+class RpcServiceStub:
+    """What RTP-LLM's generated client stub does for this one method."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.GenerateStreamCall = channel.unary_stream(METHOD, request_serializer=rtp.GenerateInputPB.SerializeToString,
+                                                       response_deserializer=rtp.GenerateOutputsPB.FromString)
+
+
 @pytest.fixture(scope="module")
-def stub(tokenizer: TextTokenizer) -> Iterator[rtp_grpc.RpcServiceStub]:
+def stub(tokenizer: TextTokenizer) -> Iterator[RpcServiceStub]:
     with MockBackendThread(script(tokenizer, "Hi there")) as backend, \
             grpc.insecure_channel(backend.address) as channel:
-        yield rtp_grpc.RpcServiceStub(channel)
+        yield RpcServiceStub(channel)
 
 
 def ids_of(tensor: rtp.TensorPB) -> list[int]:
@@ -29,7 +37,7 @@ def ids_of(tensor: rtp.TensorPB) -> list[int]:
     return ids
 
 
-def test_generate_stream_call_streams_output_ids(stub: rtp_grpc.RpcServiceStub, tokenizer: TextTokenizer) -> None:
+def test_generate_stream_call_streams_output_ids(stub: RpcServiceStub, tokenizer: TextTokenizer) -> None:
     config = rtp.GenerateConfigPB(max_new_tokens=16, temperature=0.0, is_streaming=True, return_incremental=True,
                                   num_beams=1, do_sample=True, reuse_cache=True)
     config.random_seed.value = 7
@@ -42,7 +50,7 @@ def test_generate_stream_call_streams_output_ids(stub: rtp_grpc.RpcServiceStub, 
     assert steps[-1].aux_info.input_len == 3 and steps[-1].aux_info.output_len == len(steps)
 
 
-def test_max_new_tokens_stops_it(stub: rtp_grpc.RpcServiceStub) -> None:
+def test_max_new_tokens_stops_it(stub: RpcServiceStub) -> None:
     outs = list(stub.GenerateStreamCall(rtp.GenerateInputPB(
         request_id=1, token_ids=[1, 2], generate_config=rtp.GenerateConfigPB(max_new_tokens=2)), timeout=30))
     assert len(outs) == 2 and outs[-1].generate_outputs[0].finished
@@ -54,18 +62,18 @@ def test_max_new_tokens_stops_it(stub: rtp_grpc.RpcServiceStub) -> None:
     (rtp.GenerateConfigPB.FromString(rtp.GenerateConfigPB(max_new_tokens=4).SerializeToString() + b"\x90\x01\x01"),
      "GenerateConfigPB field 18"),
 ])
-def test_what_kvyard_does_not_do_is_refused(stub: rtp_grpc.RpcServiceStub, config: rtp.GenerateConfigPB,
+def test_what_kvyard_does_not_do_is_refused(stub: RpcServiceStub, config: rtp.GenerateConfigPB,
                                             needle: str) -> None:
     refused(stub, rtp.GenerateInputPB(request_id=3, token_ids=[1], generate_config=config), needle)
 
 
-def test_multimodal_inputs_are_refused(stub: rtp_grpc.RpcServiceStub) -> None:
+def test_multimodal_inputs_are_refused(stub: RpcServiceStub) -> None:
     plain = rtp.GenerateInputPB(request_id=4, token_ids=[1], generate_config=rtp.GenerateConfigPB(max_new_tokens=2))
     # field 3 (multimodal_inputs), an empty MultimodalInputPB: undeclared here
     refused(stub, rtp.GenerateInputPB.FromString(plain.SerializeToString() + b"\x1a\x00"), "GenerateInputPB field 3")
 
 
-def refused(stub: rtp_grpc.RpcServiceStub, request: rtp.GenerateInputPB, needle: str) -> None:
+def refused(stub: RpcServiceStub, request: rtp.GenerateInputPB, needle: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(stub.GenerateStreamCall(request, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in info.value.details()
