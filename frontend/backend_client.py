@@ -218,5 +218,8 @@ def _rpc_error(exc: grpc.aio.AioRpcError, address: str) -> RequestError:
         return RequestError(ErrorCode.TIMEOUT, "the backend did not answer in time")
     if code == grpc.StatusCode.CANCELLED:
         return RequestError(ErrorCode.CANCELLED, "the backend call was cancelled")
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # an RTP-LLM backend (BACKEND_PROTOCOL=rtp_llm) has no ScoreCall
+        return RequestError(ErrorCode.INVALID_ARGUMENT, f"backend {address} does not serve this call, which the "
+                            "request needs (prompt logprobs, scoring or pooling)")
     log.error("backend %s failed: %s %s", address, code, exc.details())
     return RequestError(ErrorCode.INTERNAL, f"backend error: {code.name}")

@@ -35,6 +35,7 @@ class FrontendConfig:
     first_token_timeout_s: float = 10.0  # FIRST_TOKEN_TIMEOUT_S: quiet this long before the first output, the
                                       # backend is health-checked; silent: re-routed once (0 = no deadline)
     inter_token_timeout_s: float = 10.0  # INTER_TOKEN_TIMEOUT_S: the same between outputs; silent: a timeout error
+    backend_protocol: str = "kvyard"  # BACKEND_PROTOCOL: kvyard's ModelRpcService, or rtp_llm (RTP-LLM's RpcService)
     master_address: str = ""          # host:port of the master's HTTP; "" = call backend_address directly
     fallback_addresses: tuple[str, ...] = ()  # backends called round-robin while the master is unreachable
     block_size: int = 16              # tokens per KV block: must equal the backends' BLOCK_SIZE
@@ -85,6 +86,7 @@ class FrontendConfig:
             model_aliases=names[1:],
             model_type=env.get("MODEL_TYPE") or None,
             backend_address=backend,
+            backend_protocol=env_choice(env, "BACKEND_PROTOCOL", "kvyard", ("kvyard", "rtp_llm")),
             max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or (pooling["embedding"].max_len if pools
                                                                        else _model_context(tokenizer)),
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from frontend.backend_client import BackendClient, BackendOutput, PoolInput, PoolOutput
+from frontend.rtp_backend_client import RtpBackendClient
 from frontend.config import FrontendConfig
 from frontend.master_leader import answers, leader_of, leader_url
 from frontend.deadlines import BackendSilent, watched
@@ -76,6 +77,7 @@ class Router:
     def __init__(self, cfg: FrontendConfig) -> None:
         self.cfg = cfg
         self._clients: dict[str, BackendClient] = {}
+        self._client_type = RtpBackendClient if cfg.backend_protocol == "rtp_llm" else BackendClient
         self._round_robin = itertools.count()
         self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}  # address → its latest health probe
         self._master_down_until = 0.0
@@ -99,7 +101,7 @@ class Router:
 
     def client(self, address: str) -> BackendClient:
         if address not in self._clients:
-            self._clients[address] = BackendClient(address, self.cfg.cluster_token)
+            self._clients[address] = self._client_type(address, self.cfg.cluster_token)
         return self._clients[address]
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,

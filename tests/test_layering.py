@@ -19,6 +19,7 @@ ALLOWED = {
 PROTO_EDGES = {
     "kvyard/pb_errors.py",              # the error table's protobuf side
     "frontend/backend_client.py",
+    "frontend/rtp_backend_client.py",   # the same seam over RTP-LLM's RpcService (BACKEND_PROTOCOL=rtp_llm)
     "master/backend_poller.py",
     "backend/server.py", "backend/pb_convert.py", "backend/grpc_server.py",
     "backend/pd_transfer.py",           # the KV hand-over stream is itself a gRPC protocol
