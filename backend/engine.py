@@ -8,6 +8,7 @@ import time
 import torch
 
 from backend.constraints import GrammarState, mask_words
+from backend.lora import LoraRegistry
 from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, PoolingRequest, ScoreRequest,
                                   ScoreResult, TokenOutput)
 from backend.model_runner import ModelRunner
@@ -31,8 +32,9 @@ class Engine:
     `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int, role: Role = Role.PDFUSION) -> None:
+                 max_model_len: int, role: Role = Role.PDFUSION, loras: LoraRegistry | None = None) -> None:
         self.runner = runner
+        self.loras = loras  # the LoRA adapters it serves; None: none can be loaded
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -53,11 +55,17 @@ class Engine:
     # ---- requests in ------------------------------------------------------------------------
 
     def validate(self, req: GenerationRequest | ScoreRequest | PoolingRequest) -> None:
-        """Raises RequestError for input this engine can never serve. Pure: safe from any thread."""
+        """Raises RequestError for input this engine can never serve. Safe from any thread: it also resolves
+        the LoRA adapter a generation request names (req.adapter), which the request then holds."""
         if isinstance(req, PoolingRequest):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
                                "pooling (embeddings, reranking, classification)", "model")
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
+        if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
+            if self.loras is None:
+                raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
+                                   "loaded: this backend serves no adapters", "model")
+            req.adapter = self.loras.resolve(req.sampling.adapter)
 
     def add(self, req: GenerationRequest | ScoreRequest) -> None:
         if isinstance(req, ScoreRequest):

@@ -15,6 +15,7 @@ from kvyard.constraint import Constraint
 
 if TYPE_CHECKING:
     from backend.constraints import GrammarState
+    from backend.lora_weights import LoraAdapter
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GenerationRequest:
     constraint: Constraint | None = None  # the grammar the output must follow, as asked
     grammar: GrammarState | None = None   # `constraint` compiled (by the gRPC edge, off the engine thread),
                                           # at the place the output starts; each sequence takes a copy
+    adapter: LoraAdapter | None = None    # sampling.adapter resolved by Engine.validate (held to the end)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
+from backend.lora import LoraBatch
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
 from backend.quant import QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
@@ -58,9 +59,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32)."""
-        if self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS:
+                meta: AttentionMetadata, logits_rows: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
+        lora: the rows that use LoRA adapters (backend/lora.py); a step with any runs op by op, since the
+        fused C++ decode step takes no adapters."""
+        if self.fused is not None and lora is None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS:
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
         c, ops, w = self.config, self.ops, self.w
@@ -71,11 +74,22 @@ class LlamaModel:
             p = f"layers.{i}."
             h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))                    # [T, (H+2Hkv)d]
+            if lora is not None:
+                lora.add(qkv, h, i, "qkv")
             q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
             attn = ops.attention(q, cache, i, meta, self.windows[i])                      # [T, H, d]
-            x = ops.linear(attn.reshape(attn.shape[0], -1), w[p + "o"], residual=x)
+            attn = attn.reshape(attn.shape[0], -1)
+            x = ops.linear(attn, w[p + "o"], residual=x)
+            if lora is not None:
+                lora.add(x, attn, i, "o")
             h = ops.rms_norm(x, w[p + "ffn_norm"], c.rms_norm_eps)
-            x = ops.linear(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual=x)
+            gate_up = ops.linear(h, w[p + "gate_up"])
+            if lora is not None:
+                lora.add(gate_up, h, i, "gate_up")
+            m = ops.silu_mul(gate_up)
+            x = ops.linear(m, w[p + "down"], residual=x)
+            if lora is not None:
+                lora.add(x, m, i, "down")
         x = ops.rms_norm(x[logits_rows], w["norm"], c.rms_norm_eps)  # only rows that sample
         return ops.linear(x, self.lm_head).float()                     # [S, V]
 

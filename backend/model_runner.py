@@ -1,18 +1,25 @@
 """One engine step on the device: scheduled chunks → flat tensors → model forward → logits of the rows asked."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Protocol, Sequence, TypeVar
 
 import torch
 
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan
+from backend.lora import LoraBatch
+from backend.lora_weights import LoraAdapter
 from backend.model import LlamaModel
+
+Feature = TypeVar("Feature")
 
 
 class ChunkSeq(Protocol):
     token_ids: list[int]    # prompt then output
     block_table: list[int]  # KV block ids in position order
+
+    def feature(self, kind: type[Feature]) -> Feature | None: ...  # e.g. its LoraAdapter
 
 
 class StepChunk(Protocol):
@@ -28,6 +35,10 @@ class DirectSeq:
     """A bare sequence for callers that drive the runner without a scheduler (benchmarks, tests)."""
     token_ids: list[int]
     block_table: list[int]
+    features: tuple[object, ...] = field(default=())  # e.g. a LoraAdapter
+
+    def feature(self, kind: type[Feature]) -> Feature | None:
+        return next((f for f in self.features if isinstance(f, kind)), None)
 
 
 @dataclass
@@ -45,6 +56,7 @@ class StepTensors:
     positions: torch.Tensor   # [T]
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [R] flat rows whose logits are computed, in chunk order
+    lora: LoraBatch | None = None  # rows grouped by LoRA adapter; None: no row uses one
 
 
 class ModelRunner:
@@ -59,7 +71,7 @@ class ModelRunner:
         if logit_rows is None:
             logit_rows = [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
         t = self.prepare(chunks, logit_rows)
-        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows)
+        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.lora)
 
     def prepare(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]]) -> StepTensors:
         bs = self.cache.block_size
@@ -71,8 +83,10 @@ class ModelRunner:
         decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        adapters: list[LoraAdapter | None] = []
         for chunk, rows in zip(chunks, logit_rows):
             row0, start, n = len(ids), chunk.start, chunk.num_new_tokens
+            adapters.append(chunk.seq.feature(LoraAdapter))
             table = chunk.seq.block_table
             ids.extend(chunk.seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -101,7 +115,11 @@ class ModelRunner:
             meta.decode_blocks = table.to(self.device)
             meta.decode_key_mask = mask[:, None, None, :].to(self.device)
             meta.decode_lens = lens.to(self.device)
-        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows))
+        lora = None
+        if any(a is not None for a in adapters):
+            ends = list(accumulate(c.num_new_tokens for c in chunks))
+            lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.device)
+        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), lora)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -54,7 +54,7 @@ def params_from_pb(cfg: pb.GenerateConfigPB) -> SamplingParams:
         stop_token_ids=tuple(cfg.stop_token_ids), stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
         ignore_eos=cfg.ignore_eos, timeout_ms=cfg.timeout_ms,
         logprobs=cfg.return_logprobs or cfg.top_logprobs > 0, top_logprobs=cfg.top_logprobs,
-        constraint=constraint_from_pb(cfg))
+        constraint=constraint_from_pb(cfg), adapter=cfg.adapter_name)
 
 
 def _request(request_id: str, prompt: list[int], cfg: pb.GenerateConfigPB, eos_token_ids: frozenset[int],

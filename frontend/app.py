@@ -22,6 +22,7 @@ from frontend.completions import completion_routes
 from frontend.embeddings import embedding_routes
 from frontend.config import FrontendConfig
 from frontend.debug_routes import debug_routes
+from frontend.lora_routes import adapter_models, lora_routes
 from frontend.generate_stream import generate_stream_routes
 from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
@@ -71,6 +72,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(response_routes(chat))
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
     app.include_router(debug_routes(cfg))  # RTP-LLM's /cache_status, /worker_status, /set_log_level
+    app.include_router(lora_routes(cfg))  # LoRA adapters: vLLM's load/unload, RTP-LLM's /update
     app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @app.get("/v1/models")
@@ -83,6 +85,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         if cfg.embedding is not None:
             data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
                          "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
+        if cfg.lora:
+            data += [m for m in await adapter_models(cfg) if m["id"] not in names]
         return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")

@@ -34,7 +34,7 @@ def params_to_pb(p: SamplingParams) -> pb.GenerateConfigPB:
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias), allowed_token_ids=p.allowed_token_ids,
         stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, timeout_ms=p.timeout_ms,
-        return_logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+        return_logprobs=p.logprobs, top_logprobs=p.top_logprobs, adapter_name=p.adapter)
     if p.seed is not None:
         cfg.seed = p.seed
     for ids in p.stop_sequences:

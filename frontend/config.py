@@ -50,6 +50,8 @@ class FrontendConfig:
     embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
     embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
+    lora: bool = False               # LORA_MODULES or LORA_ROOT set: a `model` this frontend does not serve
+                                     # names a LoRA adapter (the backend answers 404 if it holds none of that name)
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -93,6 +95,7 @@ class FrontendConfig:
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
+            lora=bool(env.get("LORA_MODULES") or env.get("LORA_ROOT")),
             **_embedding(env, port),
         )
 

@@ -60,7 +60,7 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")
-    if not cfg.serves(name) and not cfg.master_address:
+    if not cfg.serves(name) and not cfg.master_address and not cfg.lora:
         raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
                            f"'{cfg.model_name}'", "model")
     return name
@@ -104,7 +104,9 @@ class Router:
         deadlines; a backend unreachable or silent is retried elsewhere as long as nothing was streamed yet."""
         failed: set[str] = set()
         for attempt in range(ATTEMPTS):
-            route = await self.route(model or self.cfg.model_name, input_ids, exclude=failed)
+            # A LoRA adapter runs on its base model's backends: routed as the base model.
+            route = await self.route(self.cfg.model_name if params.adapter else model or self.cfg.model_name,
+                                     input_ids, exclude=failed)
             started = False
             stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address)
             try:

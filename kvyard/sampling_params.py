@@ -47,6 +47,8 @@ class SamplingParams:
     logprobs: bool = False           # each sampled token's logprob
     top_logprobs: int = 0            # and this many alternatives (<= MAX_TOP_LOGPROBS)
     constraint: Constraint | None = None  # a grammar every sequence's output follows (frontend/guided.py)
+    # which weights
+    adapter: str = ""                # a LoRA adapter's name (backend/lora.py); "" → the base model
 
     @property
     def greedy(self) -> bool:
