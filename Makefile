@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-lora clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,10 @@ bench: setup
 # kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2 (docs/embeddings.md).
 bench-embeddings: setup
 	$(PY) benchmarks/embeddings.py
+
+# LoRA: 32 streams over 4 adapters + base vs the base alone, and one adapter's load time (docs/performance.md).
+bench-lora: setup
+	$(PY) benchmarks/lora.py
 
 # kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
 bench-peers: setup

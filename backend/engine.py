@@ -235,7 +235,8 @@ class Engine:
                 prefill_tokens_per_s=self.stats.prefill_tokens_per_s, free_blocks=st.free_blocks,
                 total_blocks=st.total_blocks, block_size=self.scheduler.config.block_size,
                 version=st.version, iterate_count=self.stats.iterations, alive=alive,
-                cache_version=self.scheduler.block_pool.cache_version)
+                cache_version=self.scheduler.block_pool.cache_version,
+                adapters=() if self.loras is None else tuple(self.loras.names()))
 
     def cache_status(self, since_version: int) -> CacheStatus:
         with self.lock:

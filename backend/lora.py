@@ -111,41 +111,88 @@ def _not_found(name: str) -> RequestError:
 
 
 class LoraBatch:
-    """One step's rows grouped by adapter: (adapter, its rows in the flat batch, or None for every row)."""
+    """One step's rows by adapter. Every adapter of the step is stacked per projection (cached while the
+    step's set of adapters stays the same, as it does from one decode step to the next), so each projection
+    costs three operations whatever the number of adapters: one GEMM of every row into every adapter's rank
+    columns, a mask keeping each row's own adapter's columns (none for rows of the base model), one GEMM out."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]) -> None:
-        self.groups = groups
+    def __init__(self, stack: _Stack, row_owner: torch.Tensor) -> None:
+        self.stack = stack
+        self.row_owner = row_owner  # [T]: each row's index into adapters, -1 for the base model
+        self._masks: dict[int, torch.Tensor] = {}
 
     @staticmethod
-    def of(adapters: Sequence[LoraAdapter | None], spans: Sequence[tuple[int, int]],
+    def of(adapters: Sequence[LoraAdapter | None], spans: Sequence[tuple[int, int]], stacks: LoraStacks,
            device: torch.device) -> LoraBatch | None:
         """adapters[i] serves flat rows spans[i] = (first, end); None when no row uses an adapter."""
-        by_uid: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        total = spans[-1][1] if spans else 0
+        order: dict[int, int] = {}
+        held: list[LoraAdapter] = []
+        owner: list[int] = []
         for adapter, (a, b) in zip(adapters, spans):
+            k = -1
             if adapter is not None:
-                by_uid.setdefault(adapter.uid, (adapter, []))[1].extend(range(a, b))
-        if not by_uid:
+                if adapter.uid not in order:
+                    order[adapter.uid] = len(held)
+                    held.append(adapter)
+                k = order[adapter.uid]
+            owner.extend([k] * (b - a))
+        if not held:
             return None
-        groups: list[tuple[LoraAdapter, torch.Tensor | None]] = []
-        for adapter, rows in by_uid.values():
-            whole = len(rows) == total
-            groups.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        return LoraBatch(groups)
+        return LoraBatch(stacks.get(tuple(held)), torch.tensor(owner, dtype=torch.long, device=device))
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, target: str) -> torch.Tensor:
-        """y [T, out] += each group's (x @ A^T) @ B^T on its rows, for the adapters that adapt `target` of
-        `layer`; returns y (changed in place)."""
-        for adapter, rows in self.groups:
-            ab = adapter.mats.get((layer, target))
-            if ab is None:
-                continue
-            a, b = ab
-            if rows is None:
-                y.addmm_(x @ a.t(), b.t())
+        """y [T, out] += each row's adapter's (x @ A^T) @ B^T for `target` of `layer`; returns y (in place)."""
+        stacked = self.stack.get(layer, target)
+        if stacked is None:
+            return y
+        a, b, col_owner = stacked
+        mask = self._masks.get(id(col_owner))
+        if mask is None:
+            mask = (self.row_owner[:, None] == col_owner[None, :]).to(x.dtype)  # [T, R]
+            self._masks[id(col_owner)] = mask
+        return y.addmm_((x @ a.t()).mul_(mask), b.t())
+
+
+class _Stack:
+    """The step's adapters' matrices side by side, per (layer, projection), built on first use."""
+
+    def __init__(self, adapters: tuple[LoraAdapter, ...]) -> None:
+        self.adapters = adapters
+        self._mats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        self._owners: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per column layout (masks reuse it)
+
+    def get(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        key = (layer, target)
+        if key not in self._mats:
+            parts = [(k, ad.mats[key]) for k, ad in enumerate(self.adapters) if key in ad.mats]
+            if not parts:
+                self._mats[key] = None
             else:
-                y.index_add_(0, rows, (x[rows] @ a.t()) @ b.t())
-        return y
+                layout = tuple(k for k, (a, _) in parts for _ in range(a.shape[0]))
+                owner = self._owners.get(layout)
+                if owner is None:
+                    owner = self._owners[layout] = torch.tensor(layout, dtype=torch.long, device=parts[0][1][0].device)
+                self._mats[key] = (torch.cat([a for _, (a, _) in parts]).contiguous(),
+                                   torch.cat([b for _, (_, b) in parts], dim=1).contiguous(), owner)
+        return self._mats[key]
+
+
+class LoraStacks:
+    """The stacks of the last few sets of adapters a step held (the model runner keeps one; engine thread)."""
+
+    def __init__(self, kept: int = 2) -> None:
+        self.kept = kept  # the batch's current set and one before it (a request joining or leaving flips them)
+        self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+
+    def get(self, adapters: tuple[LoraAdapter, ...]) -> _Stack:
+        key = tuple(a.uid for a in adapters)
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stacks[key] = _Stack(adapters)
+            while len(self._stacks) > self.kept:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(key)
+        return stack
 
 
 def adapter_error(exc: AdapterError) -> RequestError:

@@ -8,7 +8,7 @@ from typing import Protocol, Sequence, TypeVar
 import torch
 
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan
-from backend.lora import LoraBatch
+from backend.lora import LoraBatch, LoraStacks
 from backend.lora_weights import LoraAdapter
 from backend.model import LlamaModel
 
@@ -64,6 +64,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.device
+        self.lora_stacks = LoraStacks()  # adapters' matrices stacked per step's set (backend/lora.py)
 
     def run(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Logits [R, V] (float32) for the requested chunk-relative rows, chunk by chunk in order.
@@ -118,7 +119,7 @@ class ModelRunner:
         lora = None
         if any(a is not None for a in adapters):
             ends = list(accumulate(c.num_new_tokens for c in chunks))
-            lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.device)
+            lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.lora_stacks, self.device)
         return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), lora)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

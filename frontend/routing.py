@@ -106,7 +106,7 @@ class Router:
         for attempt in range(ATTEMPTS):
             # A LoRA adapter runs on its base model's backends: routed as the base model.
             route = await self.route(self.cfg.model_name if params.adapter else model or self.cfg.model_name,
-                                     input_ids, exclude=failed)
+                                     input_ids, exclude=failed, adapter=params.adapter)
             started = False
             stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address)
             try:
@@ -140,13 +140,14 @@ class Router:
         return await asyncio.shield(task)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
-                    direct: tuple[str, ...] | None = None) -> Route:
-        """direct: the backends to call without a master (default: the chat model's fallback list)."""
+                    direct: tuple[str, ...] | None = None, adapter: str = "") -> Route:
+        """direct: the backends to call without a master (default: the chat model's fallback list);
+        adapter: a LoRA adapter of `model`, which the master sends to a backend holding it."""
         model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             if not self._leader_known:
                 await self._follow_leader()
-            route = await self._ask_master(model, input_ids)
+            route = await self._ask_master(model, input_ids, adapter)
             if route is not None and route.address not in exclude:
                 return route
         return self._direct(exclude, self.cfg.fallback_addresses if direct is None else direct)
@@ -173,13 +174,16 @@ class Router:
             raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
         return Route(choices[next(self._round_robin) % len(choices)], False, 0)
 
-    async def _ask_master(self, model: str, input_ids: list[int]) -> Route | None:
+    async def _ask_master(self, model: str, input_ids: list[int], adapter: str = "") -> Route | None:
         """The master's pick; None when it cannot answer (then the caller goes direct). Raises the
         master's verdict when it says no backend should take this request."""
         assert self._master is not None
-        body = {"model": model, "block_cache_keys": block_cache_keys(input_ids, self.cfg.block_size),
-                "seq_len": len(input_ids), "debug": False,
-                "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        # An adapter's KV is keyed by its load on one backend: no prefix keys the master could match.
+        keys = [] if adapter else block_cache_keys(input_ids, self.cfg.block_size)
+        body: dict[str, Any] = {"model": model, "block_cache_keys": keys, "seq_len": len(input_ids), "debug": False,
+                                "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        if adapter:
+            body["adapter"] = adapter
         # The master holds a request while every backend is busy (MASTER_QUEUE_WAIT_MS) instead of a 429.
         wait = self.cfg.master_timeout_s + self.cfg.master_queue_wait_s
         timeout = httpx.Timeout(self.cfg.master_timeout_s, read=wait)

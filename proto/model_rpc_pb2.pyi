@@ -291,7 +291,7 @@ class WorkerStatusRequestPB(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusPB(_message.Message):
-    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version", "model_kind")
+    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version", "model_kind", "adapters")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class WorkerStatusPB(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -320,7 +321,8 @@ class WorkerStatusPB(_message.Message):
     alive: bool
     cache_version: int
     model_kind: str
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ..., model_kind: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ..., model_kind: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheStatusRequestPB(_message.Message):
     __slots__ = ("since_version",)
