@@ -155,8 +155,12 @@ _HF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias", "self_attn.o_proj.weight": "o",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",  # Qwen3
 }
-_HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+# `score`: a *ForSequenceClassification's head. A base model saved on its own (sentence-transformers saves
+# Qwen3-Embedding so) has the names without "model.".
+_HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head",
+                 "embed_tokens.weight": "embed", "norm.weight": "norm", "score.weight": "score"}
 _SAFETENSORS_DTYPES: dict[str, tuple[np.dtype[Any], torch.dtype]] = {
     "F32": (np.dtype(np.float32), torch.float32), "F16": (np.dtype(np.float16), torch.float16),
     "BF16": (np.dtype(np.uint16), torch.bfloat16),  # numpy has no bfloat16: read the bits, view in torch
@@ -252,8 +256,8 @@ def _safetensors_header(file: Path) -> dict[str, _SafeTensor]:
 def _hf_name(key: str) -> str | None:
     if key in _HF_TOP_NAMES:
         return _HF_TOP_NAMES[key]
-    if key.startswith("model.layers."):
-        _, _, idx, rest = key.split(".", 3)
+    if key.startswith(("model.layers.", "layers.")):
+        idx, rest = key.removeprefix("model.").split(".", 2)[1:]
         kind = _HF_LAYER_NAMES.get(rest)
         return None if kind is None else f"layers.{idx}.{kind}"
     return None

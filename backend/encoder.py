@@ -90,8 +90,8 @@ class EncoderModel:
             x = self._norm(x + h, p + "output.LayerNorm")
         return x
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, T, D] → logits [B, num_labels], from the first token."""
+    def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, T, D] → logits [B, num_labels], from the first token (ids, mask: unused)."""
         w = self.w
         first = hidden[:, 0]                                                # [B, D]
         if self.spec.model_type == "xlm-roberta":

@@ -21,6 +21,7 @@ from backend.engine import Engine
 from backend.engine_loop import EngineLoop
 from backend.debug_views import BackendFacts
 from backend.http_server import create_backend_http_app
+from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.lora import LoraRegistry
 from backend.model import LlamaModel
@@ -94,11 +95,12 @@ def lora_registry(cfg: BackendConfig, model: LlamaModel) -> LoraRegistry:
 
 
 def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
-    """An encoder (embed or classify) behind the same engine loop: no KV cache, no tokenizer (the frontend
-    tokenizes)."""
+    """A pooling model (an encoder, or a decoder pooling its last token) behind the same engine loop: no KV
+    cache, no tokenizer (the frontend tokenizes)."""
     spec = load_pooling_spec(cfg.checkpoint_path)
     before = resident_mb()
-    model = EncoderModel(spec, getattr(torch, cfg.dtype), torch.device(cfg.device))
+    model_class = DecoderPoolingModel if spec.is_decoder else EncoderModel
+    model = model_class(spec, getattr(torch, cfg.dtype), torch.device(cfg.device))
     log.info("pooling model %s (%s, %s pooling%s, heads %s): %.0f MB of weights, %s; resident %.0f -> %.0f MB",
              cfg.model_name, spec.kind, spec.pooling, ", normalised" if spec.normalize else "", ",".join(spec.heads),
              model.weight_bytes() / 2**20, cfg.dtype, before, resident_mb())

@@ -1,4 +1,5 @@
-"""The Llama-family network (GQA, RoPE, RMSNorm, SwiGLU): flat token batch in, logits out."""
+"""The Llama-family network (GQA, RoPE, RMSNorm, SwiGLU; Qwen3's q/k norms): flat token batch in, logits
+out (or the hidden states, for a pooling model: backend/decoder_pooling.py)."""
 from __future__ import annotations
 
 import logging
@@ -50,7 +51,7 @@ class LlamaModel:
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # 0: the whole context
         # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
-        self.fused = self.ops.fused_decoder(config, weights, self.lm_head)
+        self.fused = None if config.qk_norm else self.ops.fused_decoder(config, weights, self.lm_head)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
@@ -66,6 +67,13 @@ class LlamaModel:
         if self.fused is not None and lora is None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS:
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
+        x = self.hidden_states(input_ids, positions, cache, meta, lora)
+        x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
+        return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed)."""
         c, ops, w = self.config, self.ops, self.w
         cos = self.cos[positions]  # [T, d/2]; shared by every layer
         sin = self.sin[positions]
@@ -76,6 +84,8 @@ class LlamaModel:
             qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))                    # [T, (H+2Hkv)d]
             if lora is not None:
                 lora.add(qkv, h, i, "qkv")
+            if c.qk_norm:
+                qkv = self._qk_norm(qkv, p)
             q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
             attn = ops.attention(q, cache, i, meta, self.windows[i])                      # [T, H, d]
             attn = attn.reshape(attn.shape[0], -1)
@@ -90,8 +100,15 @@ class LlamaModel:
             x = ops.linear(m, w[p + "down"], residual=x)
             if lora is not None:
                 lora.add(x, m, i, "down")
-        x = ops.rms_norm(x[logits_rows], w["norm"], c.rms_norm_eps)  # only rows that sample
-        return ops.linear(x, self.lm_head).float()                     # [S, V]
+        return x
+
+    def _qk_norm(self, qkv: torch.Tensor, p: str) -> torch.Tensor:
+        """Qwen3: each head of q and k RMS-normed over its d values (before RoPE); v as it is."""
+        c, d = self.config, self.config.head_dim
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        q = self.ops.rms_norm(q.reshape(-1, d), self.w[p + "q_norm"], c.rms_norm_eps).view(q.shape)
+        k = self.ops.rms_norm(k.reshape(-1, d), self.w[p + "k_norm"], c.rms_norm_eps).view(k.shape)
+        return torch.cat([q, k, v], dim=-1)
 
 
 def rope_tables(config: ModelConfig, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.engine_types import Pooled, PoolTask
 
@@ -27,14 +28,14 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> torch.Tensor:
     raise ValueError(f"unknown pooling method {method!r}")
 
 
-def run_task(model: EncoderModel, task: PoolTask, ids: torch.Tensor, type_ids: torch.Tensor,
+def run_task(model: EncoderModel | DecoderPoolingModel, task: PoolTask, ids: torch.Tensor, type_ids: torch.Tensor,
              mask: torch.Tensor) -> list[Pooled]:
-    """One padded batch through the encoder and the task's head: ids, type_ids [B, T], mask [B, T]."""
+    """One padded batch through the model and the task's head: ids, type_ids [B, T], mask [B, T]."""
     spec = model.spec
     hidden = model.forward(ids, type_ids, mask)                    # [B, T, D]
     lengths = mask.sum(dim=1).tolist()
     if task is PoolTask.CLASSIFY:
-        logits = model.classify(hidden).float()                    # [B, labels]
+        logits = model.classify(hidden, ids, mask).float()                    # [B, labels]
         return [Pooled(row) for row in logits.tolist()]
     if task is PoolTask.SPARSE:
         weights = model.sparse(hidden).float()                     # [B, T]

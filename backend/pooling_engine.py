@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.engine_types import (CacheStatus, GenerationRequest, KVLayout, PoolingRequest,
                                   PoolingResult, Pooled, PoolTask, ScoreRequest)
@@ -44,7 +45,7 @@ class _Running:
 class PoolingEngine:
     """Only the engine loop thread calls add / abort / step; load reports from other threads take `lock`."""
 
-    def __init__(self, model: EncoderModel, model_name: str, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, model: EncoderModel | DecoderPoolingModel, model_name: str, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int = 16, role: Role = Role.PDFUSION) -> None:
         self.model = model
         self.spec: PoolingSpec = model.spec

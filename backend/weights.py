@@ -1,7 +1,8 @@
 """Checkpoint → tensors named the way backend/model.py wants them (GGUF or Hugging Face safetensors).
 
-Our tensor names: embed, norm, lm_head (absent when tied), and per layer i: layers.{i}.attn_norm, .qkv
-(+ .qkv_bias), .o, .ffn_norm, .gate_up, .down — all [out, in].
+Our tensor names: embed, norm, lm_head (absent when tied), score (a sequence classifier's head), and per
+layer i: layers.{i}.attn_norm, .qkv (+ .qkv_bias), .q_norm and .k_norm (Qwen3), .o, .ffn_norm, .gate_up,
+.down — all [out, in].
 
 Reading a file is backend/checkpoint.py's (GGUF or safetensors); this module plans and fills the tensors.
 
@@ -146,12 +147,16 @@ def _plan(source: Source, config: ModelConfig) -> dict[str, list[str]]:
     plan: dict[str, list[str]] = {"embed": ["embed"], "norm": ["norm"]}
     if "lm_head" in names and not config.tie_word_embeddings:
         plan["lm_head"] = ["lm_head"]
+    if "score" in names:
+        plan["score"] = ["score"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
         plan[p + "attn_norm"] = [p + "attn_norm"]
         plan[p + "qkv"] = [p + "q", p + "k", p + "v"]
         if config.attention_bias:
             plan[p + "qkv_bias"] = [p + "q_bias", p + "k_bias", p + "v_bias"]
+        if config.qk_norm:
+            plan[p + "q_norm"], plan[p + "k_norm"] = [p + "q_norm"], [p + "k_norm"]
         plan[p + "o"] = [p + "o"]
         plan[p + "ffn_norm"] = [p + "ffn_norm"]
         plan[p + "gate_up"] = [p + "gate", p + "up"]

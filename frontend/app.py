@@ -81,7 +81,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         names = await client.models()
         pooling = cfg.embedding_model_name if cfg.embedding is not None else ""
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvyard", "max_model_len": cfg.max_seq_len}
-                for name in names if name != pooling]
+                for name in names if name != pooling and (cfg.generates or not cfg.serves(name))]
         if cfg.embedding is not None:
             data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
                          "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,11 +25,9 @@ from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
 from frontend.respond import aux_info, respond
 from frontend.logprobs import logprob_entries, prompt_logprob_entries
-from frontend.tool_calls import ToolCallStream, message_parts
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
-
-log = logging.getLogger("kvyard.frontend")
+from renderers.response_stream import whole_message
 
 
 class ChatDialect:
@@ -79,11 +75,9 @@ class ChatDialect:
                                "prompt_logprobs")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         parser = self.renderer.tool_parser
-        # The backend's request id: unique per call (a chat_id may repeat), headed by the caller's trace_id.
-        request_id = f"{req.trace_id or 'chatcmpl'}-{uuid.uuid4().hex}"
+        request_id = req.backend_request_id("chatcmpl")
         rendered = self.render(req)
-        if not req.private_request:  # LOG_LEVEL=DEBUG (or /set_log_level): what the template made of it
-            log.debug("%s rendered prompt (%d tokens): %r", request_id, len(rendered.input_ids), rendered.prompt)
+        req.log_prompt(request_id, rendered.prompt, len(rendered.input_ids))
         return self.pipeline.prepare(
             request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -127,6 +121,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
     logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
     finish: dict[int, str] = {}
+    stop_reasons: dict[int, int | str | None] = {}
     tokens: dict[int, int] = {}
     last: dict[int, BackendOutput] = {}
     async for ev in events:
@@ -138,24 +133,23 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
             last[ev.index] = ev.backend
         if ev.finish_reason is not None:
             finish[ev.index] = ev.finish_reason
+            stop_reasons[ev.index] = ev.stop_reason
     choices = []
     for i in range(n):
         text, reason = "".join(texts[i]), finish.get(i, "stop")
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if prep.tool_parser is not None:
-            content, calls = message_parts(prep.tool_parser().parse(text))
-            message["content"] = content
-            if calls and req.legacy_functions:  # OpenAI's legacy answer: one function_call
-                message["function_call"] = calls[0]["function"]
-                reason = "function_call" if reason == "stop" else reason
-            elif calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
+        content, calls = whole_message(chat.renderer.render_response_stream(prep.tool_parser is not None), text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls and req.legacy_functions:  # OpenAI's legacy answer: one function_call
+            message["function_call"] = calls[0]["function"]
+            reason = "function_call" if reason == "stop" else reason
+        elif calls:
+            message["tool_calls"] = calls
+            reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
-                        "finish_reason": reason})
+                        "finish_reason": reason, "stop_reason": stop_reasons.get(i)})
     body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **_echoed(req)}
+            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **req.echoed()}
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
     if req.debug_info:
@@ -179,22 +173,19 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {**_echoed(req), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
+    first_extra = {**req.echoed(), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
-    streams = {i: ToolCallStream(prep.tool_parser()) for i in range(n)} if prep.tool_parser else {}
+    streams = {i: chat.renderer.render_response_stream(prep.tool_parser is not None) for i in range(n)}
     tokens: dict[int, int] = {}
     async for ev in events:
         tokens[ev.index] = ev.completion_tokens
-        calls = streams.get(ev.index)
-        if calls is not None:
-            deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
-        else:
-            deltas = [{"content": ev.text}] if ev.text else []
+        stream = streams[ev.index]
+        deltas = stream.feed(ev.text) + (stream.finish() if ev.finish_reason is not None else [])
         if not deltas and ev.finish_reason is None and not ev.logprobs:
             continue  # e.g. half a UTF-8 character or a possible stop string held back
         reason = ev.finish_reason
-        if reason == "stop" and calls is not None and calls.calls:
+        if reason == "stop" and stream.calls:
             reason = "function_call" if req.legacy_functions else "tool_calls"
         if req.legacy_functions:
             deltas = [_as_function_call(d) for d in deltas]
@@ -207,8 +198,9 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
             extra = {}
             if is_last and reason is not None and req.aux_info and ev.backend is not None:
                 extra["aux_info"] = aux_info([ev.backend])
-            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp,
-                          "finish_reason": reason if is_last else None}], **extra)
+            ends = is_last and reason is not None
+            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason if is_last else None,
+                          **({"stop_reason": ev.stop_reason} if ends else {})}], **extra)
     if include_usage:
         yield chunk([], usage(prep, sum(tokens.values())))
 
@@ -225,11 +217,6 @@ def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
         fn = first[0].get("function", {})
         out["function_call"] = {k: fn[k] for k in ("name", "arguments") if k in fn}
     return out
-
-
-def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
-    """RTP-LLM's extend_fields come back as they were sent (streaming: on the first chunk)."""
-    return {"extend_fields": req.extend_fields} if req.extend_fields is not None else {}
 
 
 def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:

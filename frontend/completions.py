@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,7 @@ def completion_routes(pipeline: Pipeline) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         request_id, model, jobs = await _prepare(pipeline, req,
                                                  lambda n: request.app.state.admission.hold(request.scope, n))
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+        base = {"id": req.chat_id or request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model or pipeline.cfg.model_name}
         events = pipeline.generate_many([j.prep for j in jobs if j.prep is not None])
         return await respond(request, req.stream, lambda: _sse(pipeline, req, jobs, base, events),
@@ -64,7 +63,7 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
                            "prompt_logprobs")
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = req.backend_request_id("cmpl")
     jobs = []
     constraint = await off_loop(constraint_for, req)
     await check(constraint, req)  # once, before anything is generated
@@ -80,6 +79,7 @@ async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[i
             prompt = prep.rendered   # truncate_prompt_tokens may have cut it
             if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
                 prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
+        req.log_prompt(f"{request_id}-{number}", prompt.prompt, len(prompt.input_ids))
         jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
     hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
     if req.echo and req.logprobs is not None:
@@ -101,6 +101,7 @@ class _Choice:
         self.pipeline = pipeline
         self.as_ids = as_ids   # return_tokens_as_token_ids
         self.text = ""
+        self.stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
             if with_logprobs else None
 
@@ -147,6 +148,7 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
         tokens[key] = ev.completion_tokens
         if ev.finish_reason is not None:
             finish[key] = ev.finish_reason
+            choices[key].stop_reason = ev.stop_reason
     if req.best_of and req.best_of > req.n:   # best_of: each prompt's req.n likeliest candidates, best first
         kept, kept_finish = {}, {}
         for j in jobs:
@@ -155,20 +157,24 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
                 kept_finish[(j.number, rank)] = finish.get((j.number, s), "length")
         choices, finish, n = kept, kept_finish, req.n
     body = [{"index": number * n + s, "text": c.text, "logprobs": c.logprobs,
-             "finish_reason": finish.get((number, s), "length")} for (number, s), c in choices.items()]
+             "finish_reason": finish.get((number, s), "length"), "stop_reason": c.stop_reason}
+            for (number, s), c in choices.items()]
     if req.prompt_logprobs is not None:   # vLLM's place for it: each choice, its prompt's
         for choice, ((number, _), _) in zip(body, choices.items()):
             choice["prompt_logprobs"] = prompt_logprob_entries(jobs[number].prompt_logprobs or [],
                                                                pipeline.tokenizer)
-    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values()))}
+    return {**base, "choices": body, "usage": _usage(jobs, sum(tokens.values())), **req.echoed()}
 
 
 async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
                events: AsyncIterator[tuple[int, ChoiceEvent]]) -> AsyncIterator[str]:
     n = _n(req, jobs)
+    first = req.echoed()   # extend_fields ride on the first chunk
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = {**base, "choices": choices}
+        nonlocal first
+        body = {**base, "choices": choices, **first}
+        first = {}
         if req.include_usage:
             body["usage"] = usage
         return json.dumps(body, ensure_ascii=False)
@@ -189,8 +195,8 @@ async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], bas
         if not ev.text and ev.finish_reason is None and not ev.logprobs:
             continue
         lp = choices[key].add(ev.text, ev.token_ids, list(ev.logprobs) or [None] * len(ev.token_ids))
-        yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp,
-                      "finish_reason": ev.finish_reason}])
+        yield chunk([{"index": key[0] * n + key[1], "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
+                      **({"stop_reason": ev.stop_reason} if ev.finish_reason is not None else {})}])
     if req.include_usage:
         yield chunk([], _usage(jobs, sum(tokens.values())))
 

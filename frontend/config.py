@@ -11,7 +11,8 @@ from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, default_model_name, resolve_model_path
-from kvyard.pooling_model import PoolingSpec, embedding_model_name, load_pooling_spec, resolve_embedding_path
+from kvyard.pooling_model import (ModelKind, PoolingSpec, embedding_model_name, load_pooling_spec, model_kind,
+                                  resolve_embedding_path)
 from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
 
@@ -57,6 +58,11 @@ class FrontendConfig:
         """`name` is this frontend's own model (its name or an alias)."""
         return name == self.model_name or name in self.model_aliases
 
+    @property
+    def generates(self) -> bool:
+        """False when CHECKPOINT_PATH itself is a pooling model: no chat model here, only the pooling routes."""
+        return self.embedding is None or self.embedding_model_name != self.model_name
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FrontendConfig:
         port = start_port(env)
@@ -65,7 +71,9 @@ class FrontendConfig:
         backend = env_str(env, "BACKEND_ADDRESS", f"127.0.0.1:{backend_grpc_port(port)}")
         service = _model_service_config(env)
         fallbacks = [a.strip() for a in env.get("BACKEND_ADDRESSES", "").split(",") if a.strip()]
-        names = env_names(env, "MODEL_NAME", default_model_name(tokenizer))
+        pools = model_kind(tokenizer) is not ModelKind.GENERATE  # CHECKPOINT_PATH is a pooling model
+        names = env_names(env, "MODEL_NAME", embedding_model_name(tokenizer) if pools else default_model_name(tokenizer))
+        pooling = _embedding(env, port, tokenizer if pools else None, names[0], backend)
         return cls(
             host=env_str(env, "HOST", "0.0.0.0"),
             port=port,
@@ -74,7 +82,8 @@ class FrontendConfig:
             model_aliases=names[1:],
             model_type=env.get("MODEL_TYPE") or None,
             backend_address=backend,
-            max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or _model_context(tokenizer),
+            max_seq_len=env_int(env, "MAX_SEQ_LEN", 0, minimum=0) or (pooling["embedding"].max_len if pools
+                                                                       else _model_context(tokenizer)),
             stop_words=tuple(_json_list(env, "STOP_WORDS_STR", str)),
             stop_word_ids=tuple(tuple(ids) for ids in _json_list(env, "STOP_WORDS_LIST", list)),
             request_timeout_s=float(env_int(env, "REQUEST_TIMEOUT_S", 600, minimum=0)),
@@ -96,15 +105,22 @@ class FrontendConfig:
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
             lora=bool(env.get("LORA_MODULES") or env.get("LORA_ROOT")),
-            **_embedding(env, port),
+            **pooling,
         )
 
 
-def _embedding(env: Mapping[str, str], port: int) -> dict[str, Any]:
-    """EMBEDDING_MODEL_PATH (a Hugging Face encoder directory, or `embedded`): its files are read here (the
-    frontend tokenizes for it); its backend is EMBEDDING_BACKEND_ADDRESS, else the one a PDFUSION launch
-    starts beside the chat backend."""
+def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: str, backend: str) -> dict[str, Any]:
+    """EMBEDDING_MODEL_PATH (a Hugging Face pooling model's directory, or `embedded`): its files are read here
+    (the frontend tokenizes for it); its backend is EMBEDDING_BACKEND_ADDRESS, else the one a PDFUSION launch
+    starts beside the chat backend. A pooling model as CHECKPOINT_PATH is served the same way, under
+    MODEL_NAME on the main backend, and the chat routes answer 400 (FrontendConfig.generates)."""
     value = env.get("EMBEDDING_MODEL_PATH", "")
+    if main is not None:  # CHECKPOINT_PATH pools
+        spec = load_pooling_spec(main)
+        if value:
+            raise ValueError(f"CHECKPOINT_PATH {main} is itself an {spec.kind} model; a frontend serves one pooling "
+                             "model, so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
+        return {"embedding": spec, "embedding_model_name": main_name, "embedding_backend_address": backend}
     if not value:
         return {}
     path = resolve_embedding_path(value)

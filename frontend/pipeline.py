@@ -48,6 +48,8 @@ class ChoiceEvent:
     completion_tokens: int = 0     # this choice's total so far
     token_ids: list[int] = field(default_factory=list)  # the ids behind this event (before stop strings)
     backend: BackendOutput | None = None  # the backend's output, for its aux facts (timings, reuse)
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop_token_ids id or stop string that
+                                          # ended the choice (None: eos, a stop sequence of ids, or not stopped)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class Pipeline:
         model = self.check_model(req.model)
         adapter = adapter_of(self.cfg, model, req.extra_configs and req.extra_configs.adapter_name)
         params = replace(self._params(req, dialect, max_new, logprobs, top_logprobs, constraint), adapter=adapter)
-        return PreparedRequest(request_id, rendered, params, [*req.stop_list(), *self.cfg.stop_words],
+        stops = [*req.stop_list(), *self.cfg.stop_words, *rendered.format_stops]
+        return PreparedRequest(request_id, rendered, params, stops,
                                model, tool_parser, req.include_stop, req.skip_special_tokens,
                                req.prompt_logprobs)
 
@@ -220,10 +223,13 @@ class Pipeline:
                         text += choice.stops.feed(choice.detok.flush())
                         text += choice.stops.flush()
                         finish = "stop" if choice.stops.stopped else out.finish_reason
+                    stop_reason = None
                     if finish is not None:
                         choice.done = True
                         unfinished -= 1
-                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens, out.token_ids, out)
+                        stop_reason = _stop_reason(choice.stops, out.token_ids, prep.params.stop_token_ids, finish)
+                    yield ChoiceEvent(out.index, text, finish, out.logprobs, choice.tokens, out.token_ids, out,
+                                      stop_reason)
                 if unfinished == 0:
                     break  # a stop string ended every choice: closing the stream aborts the backend side
         finally:
@@ -267,6 +273,14 @@ class Pipeline:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _stop_reason(stops: StopStringMatcher, ids: list[int], stop_ids: tuple[int, ...], finish: str
+                 ) -> int | str | None:
+    """vLLM's stop_reason: the stop string matched, else the request's stop token the choice ended on."""
+    if stops.matched is not None:
+        return stops.matched
+    return ids[-1] if finish == "stop" and ids and ids[-1] in stop_ids else None
+
+
 @dataclass
 class _Choice:
     detok: IncrementalDetokenizer
@@ -284,6 +298,7 @@ class StopStringMatcher:
         self.include = include   # release the stop string itself too (include_stop_str_in_output)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None   # the stop string that stopped it
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -297,6 +312,7 @@ class StopStringMatcher:
         if found:
             end, start = min(found)
             self.stopped = True
+            self.matched = buf[start:end]
             self._held = ""
             return buf[:end if self.include else start]
         keep = self._partial_suffix(buf)

@@ -43,6 +43,8 @@ class PoolingPipeline:
     def resolve(self, requested: str | None, route: str, kinds: tuple[ModelKind, ...], head: str = "") -> PoolingModel:
         """The model a pooling route was asked for; a 400 naming the kind when it cannot answer this route."""
         own = self.model
+        if own is not None and not self.cfg.generates and self.cfg.serves(requested or ""):
+            requested = own.name  # an alias of CHECKPOINT_PATH's pooling model
         if requested and requested != ROUTER_PLACEHOLDER_MODEL and (own is None or requested != own.name):
             if self.cfg.serves(requested):
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {requested!r} is a {ModelKind.GENERATE} "

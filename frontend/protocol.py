@@ -2,16 +2,14 @@
 `POST /`, and the RTP-LLM extensions they share (`extra_configs` / `generate_config`)."""
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from frontend.generate_config import INT32_MAX, GenerateConfig, Int32, Int64, RepetitionPenalty, valid_text
+from frontend.rtp_fields import RtpRequestFields
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, TEMPERATURE_MAX
-
-_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # ids that go into log lines and response ids as they are
 
 
 class _Lenient(BaseModel):
@@ -226,7 +224,7 @@ class ToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]  # function: a legacy call's result
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -263,7 +261,7 @@ class NamedToolChoice(_Lenient):
     function: dict[str, str]   # {"name": ...}
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, RtpRequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
@@ -286,26 +284,7 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[Literal["text"]] | None = None  # text only
     debug_info: bool = False   # the rendered prompt, ids and generate config in the response
     aux_info: bool = False     # the backend's timings and cache facts in the response
-    private_request: bool = False  # its prompt never goes to the logs (not even at LOG_LEVEL=DEBUG)
-    trace_id: str | None = None    # the caller's trace: heads the backend request id, so its log lines carry it
-    chat_id: str | None = None     # the response's `id` (the backend request id stays unique)
-    extend_fields: dict[str, Any] | None = None  # passed back as they came, in the response
-    master_info: dict[str, Any] | None = None    # RTP-LLM's pre-made routing: refused (the frontend asks the master)
-
-    @field_validator("trace_id", "chat_id")
-    @classmethod
-    def _plain_id(cls, v: str | None) -> str | None:
-        if v is not None and not _PLAIN_ID.fullmatch(v):
-            raise ValueError("must be 1-128 characters of letters, digits and . _ : -")
-        return v
-
-    @field_validator("master_info")
-    @classmethod
-    def _no_master_info(cls, v: dict[str, Any] | None) -> None:
-        if v is not None:
-            raise ValueError("is not supported: kvyard's frontend asks its master (MASTER_ADDRESS) for every "
-                             "request and takes no routing from the client")
-        return None
+    # private_request, trace_id, chat_id, extend_fields, master_info: frontend/rtp_fields.py
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -357,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, RtpRequestFields):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     max_tokens: Int32 | None = 16
     echo: bool = False
@@ -378,7 +357,7 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
-class RawRequest(GuidedDecoding):
+class RawRequest(GuidedDecoding, RtpRequestFields):
     """RTP-LLM's `POST /`: a prompt (or a batch of prompts) and a generate_config (constraints beside it)."""
     model_config = ConfigDict(extra="forbid")
 

@@ -8,7 +8,6 @@ then `data:[done]`, as RTP-LLM does; an error after the first event is a `data:{
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,9 +35,10 @@ class _State:
         self.ids: dict[Key, list[int]] = {k: [] for k in keys}
         self.finished: dict[Key, bool] = dict.fromkeys(keys, False)
         self.last: dict[Key, BackendOutput | None] = dict.fromkeys(keys)
+        self.echo = req.echoed()   # extend_fields: in the answer, or the stream's first event
 
     def body(self, texts: dict[Key, str] | None = None) -> dict[str, Any]:
-        """The whole answer; `texts` replaces the text so far (a stream's increments)."""
+        """The whole answer (the next stream event); `texts` replaces the text so far (a stream's increments)."""
         texts = self.text if texts is None else texts
         cfg = self.req.generate_config
         items = []
@@ -55,7 +55,10 @@ class _State:
             if cfg.return_input_ids:
                 item["input_ids"] = [prep.rendered.input_ids]
             items.append(item)
-        return {"response_batch": items} if isinstance(self.req.prompt, list) else items[0]
+        out = {"response_batch": items} if isinstance(self.req.prompt, list) else items[0]
+        out.update({"id": self.req.chat_id} if self.req.chat_id else {}, **self.echo)
+        self.echo = {}
+        return out
 
 
 def raw_routes(pipeline: Pipeline) -> APIRouter:
@@ -77,12 +80,16 @@ def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
     model = pipeline.check_model(req.model)  # None: this frontend's own (no name, or SGLang's placeholder)
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg, model=model)   # every field from generate_config
-    request_id = f"raw-{uuid.uuid4().hex}"
+    request_id = req.backend_request_id("raw")
     constraint = constraint_for(req)
     budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
-    return [pipeline.prepare(f"{request_id}-{i}", pipeline.tokens(prompt), sampling, budget, constraint=constraint,
-                             dialect=Dialect.RTP)
-            for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt)]
+    preps = []
+    for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt):
+        rendered = pipeline.tokens(prompt)
+        req.log_prompt(f"{request_id}-{i}", rendered.prompt, len(rendered.input_ids))
+        preps.append(pipeline.prepare(f"{request_id}-{i}", rendered, sampling, budget, constraint=constraint,
+                                      dialect=Dialect.RTP))
+    return preps
 
 
 async def _collect(state: _State, updates: AsyncIterator[tuple[Key, str]]) -> dict[str, Any]:

@@ -31,9 +31,9 @@ from frontend.pipeline import ChoiceEvent, PreparedRequest
 from frontend.generate_config import INT32_MAX
 from frontend.protocol import ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
 from frontend.respond import RESPONSES_SSE, respond
-from frontend.tool_calls import ToolCallStream, message_parts, new_call_id
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import TEMPERATURE_MAX
+from renderers.response_stream import ResponseStream, new_call_id, whole_message
 
 STORE_MAX = 1000        # responses kept for previous_response_id (the oldest goes first)
 STORE_TTL_S = 3600.0    # and for at most this long
@@ -263,8 +263,9 @@ def response_routes(chat: ChatDialect) -> APIRouter:
             if req.store:
                 store.put(body, [*messages, *_output_messages(body)])
 
-        return await respond(request, req.stream, lambda: _stream(answer, events, keep),
-                             lambda: _whole(answer, events, keep), RESPONSES_SSE)
+        stream = chat.renderer.render_response_stream(prep.tool_parser is not None)
+        return await respond(request, req.stream, lambda: _stream(answer, stream, events, keep),
+                             lambda: _whole(answer, stream, events, keep), RESPONSES_SSE)
 
     @router.get("/v1/responses/{response_id}")
     @router.get("/responses/{response_id}")
@@ -285,17 +286,15 @@ def _output_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-async def _whole(answer: _Answer, events: AsyncIterator[ChoiceEvent], keep: Any) -> dict[str, Any]:
+async def _whole(answer: _Answer, stream: ResponseStream, events: AsyncIterator[ChoiceEvent], keep: Any
+                 ) -> dict[str, Any]:
     texts, finish, tokens = [], None, 0
     async for ev in events:
         texts.append(ev.text)
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
-    text = "".join(texts)
-    calls: list[dict[str, Any]] = []
-    if answer.prep.tool_parser is not None:
-        content, calls = message_parts(answer.prep.tool_parser().parse(text))
-        text = content or ""
+    content, calls = whole_message(stream, "".join(texts))
+    text = content or ""
     for call in calls:
         answer.call(call["id"], call["function"]["name"])["arguments"] = call["function"]["arguments"]
     if text or not calls:
@@ -305,7 +304,8 @@ async def _whole(answer: _Answer, events: AsyncIterator[ChoiceEvent], keep: Any)
     return body
 
 
-async def _stream(answer: _Answer, events: AsyncIterator[ChoiceEvent], keep: Any) -> AsyncIterator[str]:
+async def _stream(answer: _Answer, stream: ResponseStream, events: AsyncIterator[ChoiceEvent], keep: Any
+                  ) -> AsyncIterator[str]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -316,7 +316,6 @@ async def _stream(answer: _Answer, events: AsyncIterator[ChoiceEvent], keep: Any
 
     yield event("response.created", response=answer.body)
     yield event("response.in_progress", response=answer.body)
-    calls = ToolCallStream(answer.prep.tool_parser()) if answer.prep.tool_parser else None
     message: dict[str, Any] | None = None
     open_calls: dict[int, dict[str, Any]] = {}
     finish, tokens = None, 0
@@ -327,10 +326,7 @@ async def _stream(answer: _Answer, events: AsyncIterator[ChoiceEvent], keep: Any
     async for ev in events:
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
-        if calls is not None:
-            deltas = calls.feed(ev.text) + (calls.finish() if ev.finish_reason is not None else [])
-        else:
-            deltas = [{"content": ev.text}] if ev.text else []
+        deltas = stream.feed(ev.text) + (stream.finish() if ev.finish_reason is not None else [])
         for delta in deltas:
             if "content" in delta and delta["content"]:
                 if message is None:

@@ -55,8 +55,10 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
     Without a master only our own names exist and any other is a 404; with one, the master answers for
     every name."""
     if not name or name == ROUTER_PLACEHOLDER_MODEL:
-        return None
-    if cfg.embedding is not None and name == cfg.embedding_model_name:
+        if cfg.generates:
+            return None
+        name = cfg.model_name  # the only model here pools: the 400 below
+    if cfg.embedding is not None and (name == cfg.embedding_model_name or (not cfg.generates and cfg.serves(name))):
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")

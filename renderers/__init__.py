@@ -8,6 +8,7 @@ import renderers.json_tools  # noqa: F401  (registers "json"/"llama3_json")
 import renderers.llama3  # noqa: F401  (registers "llama3")
 import renderers.mistral  # noqa: F401  (registers "mistral", renderer and tool parser)
 import renderers.qwen2  # noqa: F401  (registers "qwen2.5")
+import renderers.qwen_agent  # noqa: F401  (registers "qwen_agent", renderer and tool parser)
 
 __all__ = ["ChatRenderer", "ParsedToolCall", "RenderedPrompt", "RenderRequest", "ToolEvent", "ToolParser",
            "get_renderer", "get_tool_parser", "register_renderer", "register_tool_parser"]

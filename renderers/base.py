@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.tokenizer import TextTokenizer
+from renderers.response_stream import PlainText, ResponseStream, ToolCallStream
 from renderers.tool_parsers import ToolParser, get_tool_parser
 
 
@@ -30,6 +31,7 @@ class RenderedPrompt:
     renderer: str               # which renderer produced it (for /chat/render)
     template_source: str        # "model", "user_template", "template_key:<name>" or "fallback"
     tools_in_prompt: bool = False  # tool definitions were written into the system prompt by us
+    format_stops: tuple[str, ...] = ()  # markers of the renderer's format that end the answer (stop strings)
 
 
 class ChatRenderer(ABC):
@@ -43,3 +45,8 @@ class ChatRenderer(ABC):
     @abstractmethod
     def render(self, request: RenderRequest) -> RenderedPrompt:
         """Raises RequestError(INVALID_ARGUMENT) for a template the request cannot use."""
+
+    def render_response_stream(self, tools_offered: bool) -> ResponseStream:
+        """One choice's output post-processing (RTP-LLM's hook of this name; renderers/response_stream.py),
+        streamed or whole: the tool parser's calls when the request offers tools, else the text as it is."""
+        return ToolCallStream(self.tool_parser()) if tools_offered else PlainText()

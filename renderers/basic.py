@@ -180,6 +180,8 @@ class BasicRenderer(ChatRenderer):
     name = "basic"
     fallback_template = FALLBACK_TEMPLATE  # when the model ships no template: the family's turn format
     stop_tokens: tuple[str, ...] = ()  # the family's end-of-turn tokens (stop strings where the vocabulary has them)
+    template_handles_tools = True      # a template that mentions `tools` gets them (False: always as text)
+    format_stops: tuple[str, ...] = ()  # text of the tool-call format that ends the answer (RenderedPrompt's)
 
     def render(self, request: RenderRequest) -> RenderedPrompt:
         template, source, template_text = self._template(request)
@@ -188,15 +190,16 @@ class BasicRenderer(ChatRenderer):
         in_prompt = False
         args: dict[str, Any] = {
             "add_generation_prompt": request.add_generation_prompt,
-            "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "",
+            "bos_token": "", "eos_token": "",   # templates concatenate them, so never undefined
+            **tok.special_tokens_map,           # bos, eos, unk, pad, ... and additional_special_tokens
             "json": _TEMPLATE_JSON,
         }
-        if _MENTIONS_TOOLS.search(template_text):
+        if self.template_handles_tools and _MENTIONS_TOOLS.search(template_text):
             messages = [_arguments_as_objects(m) for m in messages]
             if request.tools:
                 args["tools"] = request.tools
-        elif request.tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        elif request.tools or any(m.get("tool_calls") or m.get("function_call") or m.get("role") in ("tool", "function")
+                                  for m in messages):
             messages = self._tools_as_text(messages, request.tools, request.tool_choice)
             in_prompt = bool(request.tools)
         args["messages"] = messages
@@ -218,7 +221,7 @@ class BasicRenderer(ChatRenderer):
         stop_words = self.stop_words()
         return RenderedPrompt(prompt=prompt, input_ids=tok.encode(prompt, parse_special=True),
                               stop_words=stop_words, renderer=self.name, template_source=source,
-                              tools_in_prompt=in_prompt)
+                              tools_in_prompt=in_prompt, format_stops=self.format_stops)
 
     def stop_words(self) -> list[str]:
         """Strings that end the answer (the backend stops on the ids too): the family's end-of-turn tokens

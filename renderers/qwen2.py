@@ -29,14 +29,14 @@ class Qwen25Renderer(BasicRenderer):
     def _tools_as_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        tool_choice: Any) -> list[dict[str, Any]]:
         out = super()._tools_as_text(messages, None, tool_choice)  # calls and results the Hermes way
-        if tools:
-            system = out[0].get("content") if out and out[0].get("role") == "system" else DEFAULT_SYSTEM
-            prompt = f"{system}\n\n{tools_prompt(tools, tool_choice)}"
-            if out and out[0].get("role") == "system":
-                out[0] = {**out[0], "content": prompt}
-            else:
-                out.insert(0, {"role": "system", "content": prompt})
-        return out
+        return with_system_text(out, tools_prompt(tools, tool_choice)) if tools else out
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` at the end of the system turn (Qwen's default one when there is none)."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": f"{DEFAULT_SYSTEM}\n\n{text}"}, *messages]
 
 
 def tools_prompt(tools: list[dict[str, Any]], tool_choice: Any) -> str:

@@ -1,5 +1,6 @@
 """Fixtures shared by the frontend tests that run an in-process frontend against the mock backend.
-Each module defines its own `mock` fixture (the scripted backend); these build on it."""
+A module may define its own `mock` fixture (the scripted backend; the default answers "Hello there, friend!");
+these build on it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,7 +11,13 @@ import pytest
 
 from kvyard.tokenizer import TextTokenizer
 from tests.frontend.role_stack import stack  # noqa: F401  (a FRONTEND process, shared by test_frontend_role*.py)
-from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
+from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend, script
+
+
+@pytest.fixture(scope="module")
+def mock(tokenizer: TextTokenizer) -> Iterator[MockBackendThread]:
+    with MockBackendThread(script(tokenizer, "Hello there, friend!")) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="module")

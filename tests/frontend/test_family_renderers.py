@@ -12,11 +12,11 @@ import pytest
 
 from kvyard.tokenizer import TextTokenizer
 from renderers import RenderRequest, get_renderer
-from renderers.llama3 import Llama3Renderer
+from renderers.llama3 import LLAMA3_TEMPLATE, Llama3Renderer
 from renderers.mistral import MistralRenderer, MistralToolParser
 from renderers.qwen2 import Qwen25Renderer
-from tests.support.tiny_models import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, QWEN2_SPECIALS, TokenizerSpec,
-                                       byte_level_tokenizer, save_hf_tokenizer, sentencepiece_tokenizer)
+from tests.support.tiny_tokenizers import (LLAMA3_SPECIALS, QWEN2_SPECIALS, TokenizerSpec, byte_level_tokenizer,
+                                           save_hf_tokenizer, sentencepiece_tokenizer)
 
 MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                     "[/TOOL_RESULTS]")

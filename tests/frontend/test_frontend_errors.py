@@ -1,6 +1,6 @@
 """Every row of the error table through real HTTP (and the official client): 400 not 422, 401 with an API
-key (health open), 404, 413, 429 with Retry-After, 503 draining or no backend, errors after a stream
-started; and a client that goes away cancels the backend call, streaming or not."""
+key (health open), 404, 413, 429 with Retry-After, 503 draining or no backend. Errors after a stream
+started and clients that go away: tests/frontend/test_stream_errors.py."""
 from __future__ import annotations
 
 import json
@@ -19,11 +19,9 @@ from frontend import admission
 from kvyard.tokenizer import TextTokenizer
 from master.mock_master import MockMasterConfig, create_mock_master_app
 from tests.support.app_thread import AppThread
-from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend
-from tests.support.openai_errors import ERROR_KEYS
+from tests.support.mock_stack import MockBackendThread, MockFrontend, mock_frontend, slow_script
 from tests.support.openai_errors import assert_error as assert_openai_error
 from tests.support.procs import free_port_block
-from tests.support.sse import sse_data
 
 HI = [{"role": "user", "content": "Hi"}]
 TEXT = "Hello there, friend!"
@@ -51,10 +49,6 @@ def settles(condition: Any, timeout_s: float = 3.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-def slow(tokenizer: TextTokenizer, n: int = 60, delay_s: float = 0.05) -> MockScript:
-    return MockScript(tuple((tokenizer.encode(" word") * n)[:n]), delay_s=delay_s)
 
 
 # ---- 400 ----------------------------------------------------------------------------------------
@@ -208,7 +202,7 @@ def test_body_too_large(tokenizer: TextTokenizer, mock: MockBackendThread) -> No
 # ---- 429 ----------------------------------------------------------------------------------------
 
 def test_concurrency_limit(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
-    with mock.scripted(slow(tokenizer, 40)), \
+    with mock.scripted(slow_script(tokenizer, 40)), \
             mock_frontend(tokenizer, mock.address, CONCURRENCY_LIMIT="1") as f, httpx.Client(base_url=f.url) as c:
         result: dict[str, Any] = {}
         started = threading.Event()
@@ -273,7 +267,7 @@ def test_every_sequence_counts(tokenizer: TextTokenizer, mock: MockBackendThread
         assert_error(c.post("/v1/chat/completions", json={"messages": HI, "n": 5}), 400)
         assert_error(c.post("/", json={"prompt": ["a"] * 5}), 400)
         assert c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}).status_code == 200
-        with mock.scripted(slow(tokenizer, 40)):
+        with mock.scripted(slow_script(tokenizer, 40)):
             started = threading.Event()
 
             def hold_three() -> None:
@@ -329,82 +323,3 @@ def test_no_backend(tokenizer: TextTokenizer) -> None:
                            ("/", {"prompt": "x"})]:
             assert_error(c.post(path, json=body), 503, "unavailable")
         assert_error(c.get("/health"), 503)
-
-
-# ---- errors after the stream started -------------------------------------------------------------
-
-def streams_ending_in_error(http: httpx.Client, code: str) -> list[list[dict]]:
-    """Streams chat, completions and POST / into the scripted failure: each must end with an error chunk
-    carrying `code` and then its end marker. Returns the chat and completions chunks before the error."""
-    before = []
-    for path, body in [("/v1/chat/completions", {"messages": HI, "stream": True}),
-                       ("/v1/completions", {"prompt": "x", "stream": True})]:
-        resp = http.post(path, json=body)
-        assert resp.status_code == 200
-        data = sse_data(resp.text)
-        assert data[-1] == "[DONE]"
-        error = json.loads(data[-2])
-        assert set(error) == {"error"} and set(error["error"]) == ERROR_KEYS
-        assert error["error"]["code"] == code
-        before.append([json.loads(d) for d in data[:-2]])
-    raw = sse_data(http.post("/", json={"prompt": "x", "stream": True}).text)
-    assert raw[-1] == "[done]" and json.loads(raw[-2])["error"]["code"] == code
-    return before
-
-
-@pytest.mark.parametrize(("kind", "code"), [("INTERNAL", "internal"), ("UNAVAILABLE", "unavailable"),
-                                            ("TIMEOUT", "timeout")])
-def test_error_after_the_stream_started(http: httpx.Client, front: MockFrontend, mock: MockBackendThread,
-                                        tokenizer: TextTokenizer, kind: str, code: str) -> None:
-    with mock.scripted(MockScript(tuple(tokenizer.encode(TEXT)), error=kind, error_after=3)):
-        for chunks in streams_ending_in_error(http, code):
-            texts = [c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or ""
-                     for c in chunks]
-            assert "".join(texts) == "Hello there,"   # the three tokens before the failure
-            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
-        with pytest.raises(openai.APIError):
-            client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
-            list(client.chat.completions.create(model="mock-model", messages=HI, stream=True))
-
-
-def test_a_failure_that_is_not_a_request_error_still_ends_the_stream(http: httpx.Client, mock: MockBackendThread,
-                                                                     tokenizer: TextTokenizer) -> None:
-    """A backend that answers a token id outside the vocabulary makes the detokenizer raise ValueError, not a
-    RequestError: every stream used to drop its connection with no error chunk and no end marker."""
-    with mock.scripted(MockScript((*tokenizer.encode(TEXT)[:3], 10**6, 2))):
-        streams_ending_in_error(http, "internal")
-        events = http.post("/generate", content=b"x", headers={"accept": "text/event-stream"}).text
-        assert "event: error\n" in events and events.endswith("event: end\n\n"), events
-
-
-# ---- the client goes away -----------------------------------------------------------------------
-
-def wait_cancelled(mock: MockBackendThread, before: int) -> None:
-    deadline = time.monotonic() + 5
-    while (mock.servicer.cancelled == before or mock.servicer.running) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert mock.servicer.cancelled == before + 1, "backend call not cancelled"
-    assert mock.servicer.running == 0
-
-
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", {"messages": HI}),
-                                            ("/v1/completions", {"prompt": "x", "max_tokens": 100}),
-                                            ("/", {"prompt": "x"})])
-def test_disconnect_cancels_a_non_streaming_request(front: MockFrontend, mock: MockBackendThread,
-                                                    tokenizer: TextTokenizer, path: str, body: dict[str, Any]) -> None:
-    with mock.scripted(slow(tokenizer)):
-        before = mock.servicer.cancelled
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{front.url}{path}", json=body, timeout=0.5)
-        wait_cancelled(mock, before)
-
-
-def test_disconnect_cancels_a_stream(front: MockFrontend, mock: MockBackendThread, tokenizer: TextTokenizer) -> None:
-    with mock.scripted(slow(tokenizer)):
-        before = mock.servicer.cancelled
-        with httpx.stream("POST", f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 100,
-                                                                       "stream": True}) as resp:
-            for i, _ in enumerate(resp.iter_lines()):
-                if i == 3:
-                    break
-        wait_cancelled(mock, before)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tool_calls import ToolCallStream
 from renderers import ParsedToolCall, ToolEvent
 from renderers.partial_json import JsonReader
+from renderers.response_stream import ToolCallStream
 from renderers.hermes_tools import HermesToolParser
 from renderers.json_tools import JsonToolParser
 from renderers.tool_parsers import ToolParser

@@ -333,3 +333,10 @@ def test_ordinary_formatting_still_works(renderer: ChatRenderer) -> None:
     source = "{{ '{:>5}'.format('x') }}|{{ '%3s' % 'y' }}|{{ 'ab'|center(6) }}|{{ '%s-%2d'|format('a', 3) }}"
     assert renderer.render(RenderRequest(messages=CONVERSATIONS[0], user_template=source)).prompt == \
         "    x|  y|  ab  |a- 3"
+
+
+def test_templates_get_the_whole_special_tokens_map(renderer: ChatRenderer) -> None:
+    """As transformers' apply_chat_template and RTP-LLM's renderers: every special token by its name."""
+    source = "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}|{{ additional_special_tokens[0] }}"
+    out = renderer.render(RenderRequest(messages=[{"role": "user", "content": "U"}], user_template=source))
+    assert out.prompt == "<|im_start|>|<|im_end|>|<|endoftext|>|<|im_end|>|<repo_name>"

@@ -99,6 +99,16 @@ def test_min_tokens_and_stop_token_ids(client: openai.OpenAI, tokenizer: TextTok
     resp = complete(client, extra_body={"stop_token_ids": [second]})
     assert list(sent(mock).stop_token_ids) == [second]
     assert resp.usage.completion_tokens == 2 and resp.choices[0].finish_reason == "stop"
+    # vLLM's stop_reason: the stop token id (or stop string) that ended the choice; None for eos or length
+    assert resp.choices[0].model_extra["stop_reason"] == second
+    assert chat(client, extra_body={"stop_token_ids": [second]}).choices[0].model_extra["stop_reason"] == second
+    chunks = list(chat(client, stream=True, extra_body={"stop_token_ids": [second]}))
+    assert [c.choices[0].model_extra.get("stop_reason") for c in chunks if c.choices[0].finish_reason] == [second]
+    streamed = [c.choices[0] for c in complete(client, stream=True, extra_body={"stop_token_ids": [second]})]
+    assert streamed[-1].finish_reason == "stop" and streamed[-1].model_extra["stop_reason"] == second
+    assert complete(client, stop=["there"]).choices[0].model_extra["stop_reason"] == "there"
+    assert chat(client).choices[0].model_extra["stop_reason"] is None   # eos
+    assert complete(client, max_tokens=1).choices[0].model_extra["stop_reason"] is None   # length
 
 
 def test_include_stop_str_in_output(client: openai.OpenAI) -> None:

@@ -1,5 +1,6 @@
-"""RTP-LLM's request fields on chat: chat_id (the response id), trace_id (heads the backend request id, so the
-backend's task list and log lines carry it), extend_fields (passed back), master_info (refused)."""
+"""RTP-LLM's request fields on chat, completions and `POST /`: chat_id (the response id), trace_id (heads the
+backend request id, so the backend's task list and log lines carry it), extend_fields (passed back),
+private_request (the prompt stays out of the DEBUG log), master_info (refused)."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,40 @@ def test_trace_id_reaches_the_backend_and_the_log_lines(http: httpx.Client, mock
     assert any("trace-7f3a-" in r.getMessage() for r in caplog.records)
     finished = http.get("/worker_status").json()["finished_task_list"]
     assert finished[-1]["request_id"].startswith("trace-7f3a-")
+
+
+# The other dialects: (path, body, how a streamed event ends)
+DIALECTS = [("/v1/completions", {"prompt": "Hello", "max_tokens": 4}, "[DONE]"),
+            ("/", {"prompt": "Hello", "generate_config": {"max_new_tokens": 4}}, "[done]"),
+            ("/", {"prompt": ["Hello", "Hey"], "generate_config": {"max_new_tokens": 4}}, "[done]")]
+
+
+@pytest.mark.parametrize("path,body,done", DIALECTS)
+def test_completions_and_raw_take_the_same_fields(http: httpx.Client, mock: MockBackendThread,
+                                                  caplog: pytest.LogCaptureFixture, path: str,
+                                                  body: dict[str, object], done: str) -> None:
+    extend = {"biz": "search", "n": [1, 2]}
+    fields = {"chat_id": "conv-9", "trace_id": "trace-c0de", "extend_fields": extend}
+    with caplog.at_level(logging.DEBUG, logger="kvyard.frontend"):
+        answer = http.post(path, json={**body, **fields})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == "conv-9" and answer.json()["extend_fields"] == extend
+    assert mock.servicer.requests[-1].request_id.startswith("trace-c0de-")
+    assert any("trace-c0de-" in r.getMessage() and "Hello" in r.getMessage() for r in caplog.records)
+    events = [json.loads(e) for e in sse_data(http.post(path, json={**body, **fields, "stream": True}).text)
+              if e != done]
+    assert len(events) > 1 and {e["id"] for e in events} == {"conv-9"}
+    assert events[0]["extend_fields"] == extend and all("extend_fields" not in e for e in events[1:])
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvyard.frontend"):
+        secret = {**body, "prompt": "my secret 7731", "private_request": True}
+        assert http.post(path, json=secret).status_code == 200
+    assert "7731" not in caplog.text
+    plain = http.post(path, json=body).json()   # without chat_id: the shape is as before
+    assert "extend_fields" not in plain and (path != "/" or "id" not in plain)
+    for field, value in (("trace_id", "a b"), ("master_info", {"server_ip": "10.0.0.1"})):
+        bad = http.post(path, json={**body, field: value})
+        assert bad.status_code == 400 and field in bad.text, bad.text
 
 
 @pytest.mark.parametrize("field,value", [("trace_id", "a b"), ("trace_id", "x" * 129), ("chat_id", "id\nforged"),

@@ -1,4 +1,4 @@
-"""Tool-call parsers (renderers/tool_parsers.py) and their OpenAI shaping (frontend/tool_calls.py): the same
+"""Tool-call parsers (renderers/tool_parsers.py) and their OpenAI shaping (renderers/response_stream.py): the same
 answer however the text is split, malformed calls degrade to text, the registry."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tool_calls import ToolCallStream, message_parts
 from renderers import ParsedToolCall, ToolEvent, get_tool_parser, register_tool_parser
 from renderers.hermes_tools import HermesToolParser
 from renderers.json_tools import JsonToolParser
+from renderers.response_stream import PlainText, ToolCallStream, whole_message
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
 WEATHER_CALL = ParsedToolCall("get_weather", '{"city": "Paris", "unit": "°C"}')
@@ -128,12 +128,17 @@ def test_tools_prompt_lists_every_tool() -> None:
     assert "'now'" in named
 
 
-def test_message_parts() -> None:
-    content, calls = message_parts([ToolEvent(text="  \n"), ToolEvent(call=WEATHER_CALL)])
+def test_whole_message() -> None:
+    content, calls = whole_message(ToolCallStream(HermesToolParser()), f"  \n<tool_call>{WEATHER}</tool_call>")
     assert content is None
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "get_weather", "arguments": WEATHER_CALL.arguments}
-    assert message_parts([ToolEvent(text="plain")]) == ("plain", [])
+    content, calls = whole_message(ToolCallStream(HermesToolParser()), f" Sure. <tool_call>{WEATHER}</tool_call>"
+                                                                      f"\n<tool_call>{WEATHER}</tool_call>")
+    assert content == "Sure." and [c["function"] for c in calls] == [calls[0]["function"]] * 2
+    assert calls[0]["id"] != calls[1]["id"]
+    assert whole_message(ToolCallStream(HermesToolParser()), "plain") == ("plain", [])
+    assert whole_message(PlainText(), " plain <tool_call>") == (" plain <tool_call>", [])
 
 
 def test_stream_deltas_carry_index_id_name_then_argument_fragments() -> None:

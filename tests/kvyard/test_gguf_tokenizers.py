@@ -11,7 +11,7 @@ import pytest
 
 from kvyard.model_path import ModelFileError
 from kvyard.tokenizer import TextTokenizer
-from tests.support.tiny_models import (LLAMA3_SPECIALS, QWEN2_SPECIALS, TokenizerSpec, add_gguf_tokenizer,
+from tests.support.tiny_tokenizers import (LLAMA3_SPECIALS, QWEN2_SPECIALS, TokenizerSpec, add_gguf_tokenizer,
                                        byte_level_tokenizer, sample_texts, sentencepiece_tokenizer)
 
 STRINGS = sample_texts(300, seed=7) + ["", " ", "  leading", "x  ", "\n", "1234567", "a\u0301", "ＡＢＣ"]

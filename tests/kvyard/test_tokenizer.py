@@ -309,3 +309,27 @@ def test_bounded_view_refuses_huge_text_before_tokenizing(tokenizer: TextTokeniz
     with pytest.raises(RequestError) as exc:
         view.encode("\ud800")
     assert exc.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_special_tokens_map_from_gguf_and_hf_dir(tok: TextTokenizer, hf_tok: TextTokenizer, tmp_path: Path) -> None:
+    """Hugging Face's names for the special tokens, which chat templates get as variables: from the GGUF's
+    metadata (its other control tokens as additional_special_tokens), from special_tokens_map.json and
+    tokenizer_config.json (the config wins; tokens as strings or serialized AddedTokens)."""
+    gguf_map = tok.special_tokens_map
+    assert {k: gguf_map[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")} == {
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    assert "<repo_name>" in gguf_map["additional_special_tokens"]
+    assert "<|im_end|>" not in gguf_map["additional_special_tokens"]  # already named
+    assert hf_tok.special_tokens_map == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                         "additional_special_tokens": []}
+    tok.save(tmp_path / "tokenizer.json")
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({
+        "pad_token": "<|endoftext|>", "unk_token": {"content": "<|endoftext|>"}, "mask_token": "<file_sep>",
+        "additional_special_tokens": ["<|im_start|>", {"content": "<|im_end|>", "special": True}]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}))
+    assert TextTokenizer.from_path(tmp_path).special_tokens_map == {
+        "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "mask_token": "<file_sep>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    (tmp_path / "special_tokens_map.json").write_text("[1, 2]")
+    with pytest.raises(ModelFileError, match="not a JSON object"):
+        TextTokenizer.from_path(tmp_path)

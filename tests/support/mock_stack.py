@@ -29,6 +29,11 @@ def script(tok: TextTokenizer, text: str, per_char: bool = False, eos: bool = Tr
     return MockScript(tuple([*ids, EOS] if eos else ids), **kw)
 
 
+def slow_script(tok: TextTokenizer, n: int = 60, delay_s: float = 0.05) -> MockScript:
+    """n tokens of " word", each after delay_s: a request still running when the test acts on it."""
+    return MockScript(tuple((tok.encode(" word") * n)[:n]), delay_s=delay_s)
+
+
 class MockBackendThread:
     """backend.mock_backend's server on its own thread and event loop, over a script or a scripted engine
     (tests/support/stub_backend.py's StubEngine), on `port` or a free one. On a free one it also serves the

@@ -1,0 +1,99 @@
+"""Decoders as pooling models (backend/decoder_pooling.py) against sentence-transformers and transformers on
+the same weights: a tiny random Qwen3-Embedding-style embedder (last-token pooling, normalised, a query
+prompt) and Qwen3 / Llama *ForSequenceClassification scorers, float32 within 2e-3."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.decoder_pooling import DecoderPoolingModel
+from backend.engine_types import PoolingRequest, PoolItem, PoolTask
+from backend.pooling import run_task
+from backend.pooling_engine import PoolingEngine
+from kvyard.pooling_model import ModelKind, load_pooling_spec
+from tests.backend.test_encoder import SENTENCES, _batch, _tokenizer, _values
+from tests.support.tiny_decoder_poolers import QUERY_PROMPT, tiny_decoder_pooler
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ATOL = 2e-3
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_decoder_pooler(tmp_path_factory.mktemp("qwen3-embedding"))
+
+
+def test_qwen3_embedder_matches_sentence_transformers(qwen3_embedder: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+    spec = load_pooling_spec(qwen3_embedder)
+    assert (spec.kind, spec.pooling, spec.normalize, spec.max_len, spec.is_decoder) == \
+        (ModelKind.EMBED, "last", True, 128, True)
+    assert spec.prompts["query"] == QUERY_PROMPT
+    model = DecoderPoolingModel(spec, torch.float32, CPU)
+    st = SentenceTransformer(str(qwen3_embedder), device="cpu")
+    tok = _tokenizer(qwen3_embedder)
+    for texts, prompt in ((SENTENCES, ""), (SENTENCES[:3], QUERY_PROMPT), (SENTENCES[4:5], "")):
+        ours = _values(run_task(model, PoolTask.EMBED, *_batch(tok, [prompt + t for t in texts])))
+        theirs = torch.from_numpy(st.encode(texts, prompt=prompt, batch_size=4))
+        assert ours.shape == theirs.shape == (len(texts), 128)
+        assert torch.allclose(ours, theirs, atol=ATOL), (ours - theirs).abs().max()
+        assert F.cosine_similarity(ours, theirs).min() >= 0.9999
+
+
+def test_a_batch_pools_each_input_as_alone(qwen3_embedder: Path) -> None:
+    """Inputs of different lengths share one step (one-token inputs are decode rows): each answer is the
+    one it gets alone, and the scratch cache grows as a longer step needs."""
+    model = DecoderPoolingModel(load_pooling_spec(qwen3_embedder), torch.float32, CPU)
+    engine = PoolingEngine(model, "emb", max_num_seqs=8, max_num_batched_tokens=4096)
+    items = [PoolItem([5]), PoolItem(list(range(10, 50))), PoolItem([7, 8, 9]), PoolItem(list(range(3, 120)))]
+    engine.add(PoolingRequest("r", items, PoolTask.EMBED))
+    together = engine.step()[0].outputs
+    for item, pooled in zip(items, together):
+        engine.add(PoolingRequest("one", [item], PoolTask.EMBED))
+        alone = engine.step()[0].outputs[0]
+        assert torch.allclose(torch.tensor(pooled.values), torch.tensor(alone.values), atol=1e-5)
+
+
+@pytest.mark.parametrize("family, num_labels", [("qwen3", 3), ("llama", 1)])
+def test_sequence_classifier_logits_match_transformers(tmp_path: Path, family: str, num_labels: int) -> None:
+    import transformers
+    path = tiny_decoder_pooler(tmp_path / family, family=family, num_labels=num_labels)
+    spec = load_pooling_spec(path)
+    assert (spec.kind, spec.pooling, len(spec.labels)) == (ModelKind.CLASSIFY, "last", num_labels)
+    tok = _tokenizer(path)
+    ids, types, mask = _batch(tok, SENTENCES[:4], ["a second text"] * 4)
+    ours = _values(run_task(DecoderPoolingModel(spec, torch.float32, CPU), PoolTask.CLASSIFY, ids, types, mask))
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    pad = ref.config.pad_token_id
+    with torch.no_grad():  # padded with the pad token, as transformers expects
+        logits = ref(input_ids=ids.masked_fill(~mask, pad), attention_mask=mask.long()).logits
+    assert ours.shape == logits.shape == (4, num_labels)
+    assert torch.allclose(ours, logits, atol=ATOL), (ours - logits).abs().max()
+
+
+def test_qwen3_causal_lm_logits_match_transformers(tmp_path: Path) -> None:
+    """Qwen3's q/k norms serve chat too: every position's logits of one prefill."""
+    import transformers
+    from backend.model import LlamaModel
+    from backend.weights import load_weights
+    from kvyard.model_config import load_model_config
+    from tests.backend.conftest import full_logits
+    from tests.support.tiny_decoder_poolers import decoder_config
+    from tests.support.tiny_models import randomize
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(decoder_config("qwen3", 300, 0, tie_word_embeddings=False))
+    randomize(ref)
+    ref.eval().save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    assert (config.architecture, config.qk_norm, config.attention_bias) == ("qwen3", True, False)
+    model = LlamaModel(config, load_weights(tmp_path, config, torch.float32, CPU))
+    ids = [(7 * i + 3) % 300 for i in range(40)]
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    ours = full_logits(model, config, ids)
+    assert torch.allclose(ours, theirs, atol=ATOL), (ours - theirs).abs().max()
