@@ -42,19 +42,12 @@ def handover_request_from_pb(h: pb.KVTransferHeaderPB, eos_token_ids: frozenset[
 
 
 def params_from_pb(cfg: pb.GenerateConfigPB) -> SamplingParams:
-    """GenerateConfigPB → SamplingParams (frontend/backend_client.py writes it): a zero value means the field's
-    off state, as the proto documents (top_p, typical_p and repetition_penalty 0 → 1)."""
-    return SamplingParams(
-        max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens, n=max(1, cfg.num_return_sequences),
-        temperature=cfg.temperature, top_p=cfg.top_p or 1.0, top_k=cfg.top_k, min_p=cfg.min_p,
-        typical_p=cfg.typical_p or 1.0, seed=cfg.seed if cfg.HasField("seed") else None,
-        repetition_penalty=cfg.repetition_penalty or 1.0, presence_penalty=cfg.presence_penalty,
-        frequency_penalty=cfg.frequency_penalty, logit_bias=dict(cfg.logit_bias),
-        allowed_token_ids=tuple(cfg.allowed_token_ids), bad_words_ids=tuple(tuple(w.ids) for w in cfg.bad_words_ids),
-        stop_token_ids=tuple(cfg.stop_token_ids), stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
-        ignore_eos=cfg.ignore_eos, timeout_ms=cfg.timeout_ms,
-        logprobs=cfg.return_logprobs or cfg.top_logprobs > 0, top_logprobs=cfg.top_logprobs,
-        constraint=constraint_from_pb(cfg), adapter=cfg.adapter_name)
+    """GenerateConfigPB → SamplingParams (frontend/backend_client.py writes it): the plain fields by
+    SamplingParams.from_wire (a zero value means the field's off state, as the proto documents)."""
+    return SamplingParams.from_wire(cfg, seed=cfg.seed if cfg.HasField("seed") else None,
+                                    bad_words_ids=tuple(tuple(w.ids) for w in cfg.bad_words_ids),
+                                    stop_sequences=tuple(tuple(s.ids) for s in cfg.stop_words_list if s.ids),
+                                    constraint=constraint_from_pb(cfg))
 
 
 def _request(request_id: str, prompt: list[int], cfg: pb.GenerateConfigPB, eos_token_ids: frozenset[int],

@@ -28,6 +28,12 @@ from kvyard.pooling_model import ModelKind, PoolingSpec
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus
 
+# A step of at most this many padded tokens runs on one torch thread: its matmuls are too small to be worth
+# splitting, and on a busy machine an OpenMP team's barriers cost far more than the work. Measured on the
+# shared 2-core machine (load ~9), all-MiniLM-L6-v2, one 6-token sentence in process: p50 590-610 ms on 2
+# threads, 43-47 ms switching to 1 for the step (the switch costs ~8 us). Larger batches keep every thread.
+ONE_THREAD_TOKENS = 64
+
 # What each kind of model can be asked (the frontend refuses the rest first, naming the route).
 _TASKS = {ModelKind.EMBED: (PoolTask.EMBED, PoolTask.SPARSE, PoolTask.COLBERT), ModelKind.CLASSIFY: (PoolTask.CLASSIFY,)}
 
@@ -174,7 +180,15 @@ class PoolingEngine:
             if it.pair_start and segments:
                 type_ids[b, it.pair_start:n] = 1
         device = self.model.device
-        return run_task(self.model, task, ids.to(device), type_ids.to(device), mask.to(device))
+        threads = torch.get_num_threads()
+        small = device.type == "cpu" and threads > 1 and ids.numel() <= ONE_THREAD_TOKENS
+        if small:
+            torch.set_num_threads(1)
+        try:
+            return run_task(self.model, task, ids.to(device), type_ids.to(device), mask.to(device))
+        finally:
+            if small:
+                torch.set_num_threads(threads)
 
     # ---- load reports (any thread) ----------------------------------------------------------
 

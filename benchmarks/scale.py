@@ -26,30 +26,17 @@ import json
 import signal
 import statistics
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer_servers import kvyard_server, llama_server, tree_rss_mb  # noqa: E402
-from peers import LONG_TEXT, client_for, kvyard_settings_line, measure_agg, measure_single  # noqa: E402
+from peer_servers import kvyard_server, tree_rss_mb  # noqa: E402
+from peers import (client_for, kvyard_settings_line, measure_agg, measure_single, measure_ttft,  # noqa: E402
+                   start_servers)
 from scale_model import scale_gguf  # noqa: E402
 
 OUT_TOKENS, N_SINGLE, CONCURRENCY, N_TTFT = 64, 3, 32, 3
-
-
-def measure_ttft(client, model: str, n: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """p50 seconds to the first (only) token of a ~930-token prompt no server has seen."""
-    ttft, prompt_tokens = [], 0
-    for i in range(n):
-        prompt = f"Document {i} of {time.time_ns()}.\n{LONG_TEXT}\n{LONG_TEXT[:1200]}\nSummarise document {i}."
-        t0 = time.perf_counter()
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=1, temperature=0)
-        ttft.append(time.perf_counter() - t0)
-        prompt_tokens = r.usage.prompt_tokens
-    return statistics.median(ttft), prompt_tokens
 
 
 def report(samples: dict[str, dict[str, list[float]]]) -> None:
@@ -87,15 +74,8 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {}
     extra: dict[str, str] = {"model": f"{gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)"}
     with ExitStack() as stack:
-        servers: dict[str, tuple] = {}
-        if "llama" in only:
-            url, pid = stack.enter_context(llama_server(gguf))
-            ttft_url, _ = stack.enter_context(llama_server(gguf, slots=1, context=4096))
-            servers["llama"] = (client_for(url), client_for(ttft_url), pid)
-        if "kvyard" in only:
-            url, pid = stack.enter_context(kvyard_server(kvyard_env))
-            kv_client = client_for(url)
-            servers["kvyard"] = (kv_client, kv_client, pid)
+        servers = start_servers(stack, gguf, kvyard_env, only)
+        if "kvyard" in servers:
             extra["kvyard settings"] = kvyard_settings_line()
         if args.before is not None:
             url, pid = stack.enter_context(kvyard_server(kvyard_env, root=args.before.resolve(),
@@ -110,8 +90,8 @@ def main() -> None:
                 got = samples.setdefault(name, {})
                 got.setdefault("single", []).append(measure_single(client, model, N_SINGLE, 1 + 10 * r, OUT_TOKENS))
                 got.setdefault("agg", []).append(measure_agg(client, model, CONCURRENCY, 100 + 100 * r, OUT_TOKENS))
-                ttft, prompt_tokens = measure_ttft(ttft_client, ttft_model, N_TTFT)
-                got.setdefault("ttft", []).append(ttft)
+                ttft_ms, prompt_tokens = measure_ttft(ttft_client, ttft_model, N_TTFT)
+                got.setdefault("ttft", []).append(ttft_ms / 1000)   # seconds in this report
                 extra[f"TTFT prompt ({name})"] = f"{prompt_tokens} tokens"
                 print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
         for name, (_, _, pid) in servers.items():

@@ -22,10 +22,6 @@ from kvyard.http_errors import request_error_response
 # Always answered, key or not: probes and scrapers carry no key.
 OPEN_PATHS = frozenset({"/health", "/status", "/health_check", "/GraphService/cm2_status",
                         "/SearchService/cm2_status", "/metrics"})
-# Requests that hold a backend: counted against the limit, refused while draining. Plus POST / and the
-# LMTP WebSocket at / (see _is_generation).
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                              "/generate", "/lmtp"})
 BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this
 _HELD = "kvyard.held_slots"  # scope key: slots a request holds beyond its first (Admission.hold)
 
@@ -82,16 +78,6 @@ class Admission:
         return hmac.compare_digest(key.encode(), self.api_key.encode())
 
 
-def _is_generation(scope: dict[str, Any]) -> bool:
-    path = scope["path"]
-    return path in GENERATION_PATHS or (path == "/" and (scope["type"] == "websocket" or scope["method"] == "POST"))
-
-
-def _counted(scope: dict[str, Any]) -> bool:
-    """Generation requests over HTTP; a WebSocket's streams count one by one (Admission.take_stream)."""
-    return scope["type"] == "http" and _is_generation(scope)
-
-
 def _is_open(scope: dict[str, Any]) -> bool:
     return scope["path"] in OPEN_PATHS or (scope["path"] == "/" and scope.get("method") == "GET")
 
@@ -100,9 +86,15 @@ class AdmissionMiddleware:
     """ASGI middleware over Admission. It passes the scope on unchanged (HttpMetricsMiddleware reads the
     matched route from it), so add it before the metrics middleware."""
 
-    def __init__(self, app: Any, admission: Admission) -> None:
+    def __init__(self, app: Any, admission: Admission, generation: frozenset[str]) -> None:
         self.app = app
         self.admission = admission
+        self.generation = generation   # the paths that generate (frontend/dialect.py's Routes.generation)
+
+    def _is_generation(self, scope: dict[str, Any]) -> bool:
+        """A request that holds a backend: counted against the limit, refused while draining. A generation
+        path's POST (GET / is the health check) or WebSocket (LMTP at /lmtp and /)."""
+        return scope["path"] in self.generation and (scope["type"] == "websocket" or scope.get("method") == "POST")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -110,7 +102,7 @@ class AdmissionMiddleware:
             return
         adm = self.admission
         refusal: RequestError | None = None
-        generation = _is_generation(scope)
+        generation = self._is_generation(scope)
         if not _is_open(scope) and not adm.authorized(scope):
             refusal = RequestError(ErrorCode.UNAUTHENTICATED, "Incorrect or missing API key: send it as "
                                    "'Authorization: Bearer <key>'")
@@ -118,7 +110,7 @@ class AdmissionMiddleware:
             refusal = RequestError(ErrorCode.UNAVAILABLE, "this server is draining (shutting down); retry")
         elif scope["type"] == "http":
             receive, refusal = await self._bounded_body(scope, receive)
-        counted = _counted(scope)
+        counted = generation and scope["type"] == "http"  # a WebSocket's streams count one by one (take_stream)
         if refusal is None and counted and adm.in_flight >= adm.limit:  # counted once the body is here
             refusal = RequestError(ErrorCode.OVERLOADED, f"{adm.in_flight} sequences are in flight, the limit "
                                    f"of this server (CONCURRENCY_LIMIT); retry later")

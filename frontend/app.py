@@ -1,7 +1,8 @@
-"""The frontend's HTTP app: the door (admission), then one route set per dialect, each a thin adapter over
-frontend/pipeline.py (chat.py, completions.py for /v1/completions, raw_generate.py for `POST /`,
-generate_stream.py for /generate; lmtp.py's token ids go straight to the router), what a router asks a
-worker (worker_info.py: SGLang's /server_info, /model_info), and models, tokenize, health here."""
+"""The frontend's HTTP app: the door (admission), then every dialect's routes, registered in one place
+(frontend/dialect.py's Routes: chat.py, responses.py, completions.py for /v1/completions, raw_generate.py
+for `POST /`, generate_stream.py for /generate, each a thin adapter over frontend/pipeline.py; lmtp.py's
+WebSocket; embeddings.py's pooling routes), what a router asks a worker (worker_info.py: SGLang's
+/server_info, /model_info), and models, tokenize, health here."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -16,22 +17,23 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionMiddleware
-from frontend.chat import ChatDialect, chat_routes
-from frontend.responses import response_routes
-from frontend.completions import completion_routes
-from frontend.embeddings import embedding_routes
+from frontend.chat import ChatDialect
+from frontend.completions import CompletionsDialect
 from frontend.config import FrontendConfig
 from frontend.debug_routes import debug_routes
+from frontend.dialect import Routes
+from frontend.embeddings import embedding_routes
+from frontend.generate_stream import GenerateDialect
+from frontend.lmtp import LMTP_PATHS, LmtpService, lmtp_routes
 from frontend.lora_routes import adapter_models, lora_routes
-from frontend.generate_stream import generate_stream_routes
-from frontend.lmtp import LmtpService, lmtp_routes
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
 from frontend.pipeline import Pipeline
 from frontend.pooling import PoolingPipeline
 from frontend.protocol import ChatCompletionRequest
-from frontend.raw_generate import raw_routes
+from frontend.raw_generate import RawDialect
+from frontend.responses import ResponsesDialect
 from frontend.worker_info import worker_info_routes
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import error_body, install_error_handlers
@@ -48,6 +50,12 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     pipeline = Pipeline(cfg, tokenizer, client)
     chat = ChatDialect(pipeline, get_renderer(cfg.model_type, tokenizer, cfg.tool_call_parser))
     admission = admission or Admission(cfg)
+    routes = Routes()
+    routes.include(lmtp_routes(LmtpService(cfg, tokenizer, client, admission, pipeline)), LMTP_PATHS)
+    for dialect in (GenerateDialect(pipeline), CompletionsDialect(pipeline), RawDialect(pipeline), chat,
+                    ResponsesDialect(chat)):
+        routes.add(dialect)
+    routes.include(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -57,23 +65,18 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app = FastAPI(title="kvyard frontend", lifespan=lifespan)
     app.state.admission = admission
     install_error_handlers(app)
-    app.add_middleware(AdmissionMiddleware, admission=admission)  # innermost: 401/413/429/503 before routes
+    # innermost: 401/413/429/503 before routes
+    app.add_middleware(AdmissionMiddleware, admission=admission, generation=frozenset(routes.generation))
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)  # inside JsonBodyByDefault: sees the route
     app.add_middleware(JsonBodyByDefault, allowed_origins=cfg.cors_allow_origins)
     if cfg.cors_allow_origins:  # outermost: answers the browsers' preflights for the allowed origins
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["*"],
                            allow_headers=["*"])
     add_metrics_route(app, metrics.registry)
-    app.include_router(lmtp_routes(LmtpService(cfg, tokenizer, client, admission)))
-    app.include_router(generate_stream_routes(pipeline))
-    app.include_router(completion_routes(pipeline))
-    app.include_router(raw_routes(pipeline))
-    app.include_router(chat_routes(chat))
-    app.include_router(response_routes(chat))
+    app.include_router(routes.router)
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
     app.include_router(debug_routes(cfg))  # RTP-LLM's /cache_status, /worker_status, /set_log_level
     app.include_router(lora_routes(cfg))  # LoRA adapters: vLLM's load/unload, RTP-LLM's /update
-    app.include_router(embedding_routes(PoolingPipeline(cfg, client)))  # the pooling model's routes
 
     @app.get("/v1/models")
     @app.get("/models")

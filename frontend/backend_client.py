@@ -27,14 +27,9 @@ _CONSTRAINT_KIND = {ConstraintKind.JSON_SCHEMA: pb.CONSTRAINT_KIND_JSON_SCHEMA, 
 
 
 def params_to_pb(p: SamplingParams) -> pb.GenerateConfigPB:
-    """SamplingParams → GenerateConfigPB (backend/pb_convert.py reads it back): every field, none defaulted here."""
-    cfg = pb.GenerateConfigPB(
-        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, num_return_sequences=p.n,
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, typical_p=p.typical_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias), allowed_token_ids=p.allowed_token_ids,
-        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, timeout_ms=p.timeout_ms,
-        return_logprobs=p.logprobs, top_logprobs=p.top_logprobs, adapter_name=p.adapter)
+    """SamplingParams → GenerateConfigPB (backend/pb_convert.py reads it back): every field, none defaulted here;
+    the plain ones by SamplingParams.to_wire's names."""
+    cfg = pb.GenerateConfigPB(**p.to_wire())
     if p.seed is not None:
         cfg.seed = p.seed
     for ids in p.stop_sequences:

@@ -12,29 +12,40 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
-from starlette.responses import Response
 
-from frontend.backend_client import BackendOutput, TokenLogprob
+from frontend.backend_client import BackendOutput
+from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import chat_constraint, check
 from frontend.off_loop import off_loop
-from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
+from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest
-from frontend.respond import aux_info, respond
+from frontend.respond import aux_info
 from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from kvyard.errors import ErrorCode, RequestError
 from renderers import ChatRenderer, RenderedPrompt, RenderRequest
 from renderers.response_stream import whole_message
 
+@dataclass
+class ChatState:
+    """What a chat answer needs besides its events."""
+    req: ChatCompletionRequest
+    prep: PreparedRequest
+    model: str                                   # echoed back
+    prompt_logprobs: list[Any] | None = None     # the prompt's own, when asked (ChatDialect.started)
 
-class ChatDialect:
+
+class ChatDialect(GenerationDialect[ChatState]):
     """A chat request → the pipeline's prepare call: its messages rendered by the model's chat template."""
+    paths = ("/v1/chat/completions", "/chat/completions")
+    request = ChatCompletionRequest
 
     def __init__(self, pipeline: Pipeline, renderer: ChatRenderer) -> None:
-        self.pipeline = pipeline
+        super().__init__(pipeline)
         self.renderer = renderer
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
@@ -83,39 +94,35 @@ class ChatDialect:
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
 
+    async def parse(self, req: ChatCompletionRequest, request: Request) -> Job[ChatState]:
+        prep = await off_loop(self.prepare, req)
+        return Job([prep], ChatState(req, prep, prep.model or self.pipeline.cfg.model_name), req.stream,
+                   prep.params.constraint, req)
 
-def chat_routes(chat: ChatDialect) -> APIRouter:
-    router = APIRouter()
-    default_model = chat.pipeline.cfg.model_name
-
-    @router.post("/v1/chat/completions")
-    @router.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        prep = await off_loop(chat.prepare, req)
-        await check(prep.params.constraint, req)
-        request.app.state.admission.hold(request.scope, prep.params.n)
-        model = prep.model or default_model
-        prompt_lps = None
+    async def started(self, job: Job[ChatState]) -> None:
+        prep = job.state.prep
         if prep.prompt_logprobs is not None:
-            prompt_lps = prompt_logprob_entries(await chat.pipeline.prompt_logprobs(
+            job.state.prompt_logprobs = prompt_logprob_entries(await self.pipeline.prompt_logprobs(
                 f"{prep.request_id}-prompt", prep.rendered.input_ids, prep.model, prep.prompt_logprobs),
-                chat.pipeline.tokenizer)
-        events = chat.pipeline.generate(prep)
-        return await respond(request, req.stream, lambda: _chunks(chat, req, prep, model, events),
-                             lambda: _body(chat, req, prep, model, events, prompt_lps))
+                self.pipeline.tokenizer)
 
-    @router.post("/v1/chat/render")
-    @router.post("/chat/render")
-    async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-        prep = await off_loop(chat.prepare, req)
-        await check(prep.params.constraint, req)
-        return render_info(chat, prep)
+    async def whole(self, job: Job[ChatState], events: Events) -> dict[str, Any]:
+        return await _body(self, job.state, events)
 
-    return router
+    def events(self, job: Job[ChatState], events: Events) -> AsyncIterator[str]:
+        return _chunks(self, job.state, events)
+
+    def more_routes(self, router: APIRouter) -> None:
+        @router.post("/v1/chat/render")
+        @router.post("/chat/render")
+        async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
+            prep = await off_loop(self.prepare, req)
+            await check(prep.params.constraint, req)
+            return render_info(self, prep)
 
 
-async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
-                events: AsyncIterator[ChoiceEvent], prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+async def _body(chat: ChatDialect, state: ChatState, events: Events) -> dict[str, Any]:
+    req, prep = state.req, state.prep
     n = prep.params.n
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -124,7 +131,7 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
     stop_reasons: dict[int, int | str | None] = {}
     tokens: dict[int, int] = {}
     last: dict[int, BackendOutput] = {}
-    async for ev in events:
+    async for _, ev in events:
         texts[ev.index].append(ev.text)
         ids[ev.index].extend(ev.token_ids)
         tokens[ev.index] = ev.completion_tokens
@@ -149,9 +156,9 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
                         "logprobs": {"content": logprobs[i]} if prep.params.logprobs else None,
                         "finish_reason": reason, "stop_reason": stop_reasons.get(i)})
     body = {"id": req.chat_id or prep.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **req.echoed()}
-    if prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs   # vLLM's place for it
+            "model": state.model, "choices": choices, "usage": usage(prep, sum(tokens.values())), **req.echoed()}
+    if state.prompt_logprobs is not None:
+        body["prompt_logprobs"] = state.prompt_logprobs   # vLLM's place for it
     if req.debug_info:
         body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
@@ -160,10 +167,10 @@ async def _body(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedReq
     return body
 
 
-async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedRequest, model: str,
-                  events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+async def _chunks(chat: ChatDialect, state: ChatState, events: Events) -> AsyncIterator[str]:
+    req, prep = state.req, state.prep
     base = {"id": req.chat_id or prep.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model}
+            "model": state.model}
     include_usage = req.include_usage
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None, **extra: Any) -> str:
@@ -178,7 +185,7 @@ async def _chunks(chat: ChatDialect, req: ChatCompletionRequest, prep: PreparedR
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: chat.renderer.render_response_stream(prep.tool_parser is not None) for i in range(n)}
     tokens: dict[int, int] = {}
-    async for ev in events:
+    async for _, ev in events:
         tokens[ev.index] = ev.completion_tokens
         stream = streams[ev.index]
         deltas = stream.feed(ev.text) + (stream.finish() if ev.finish_reason is not None else [])

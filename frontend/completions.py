@@ -10,19 +10,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from frontend.backend_client import TokenLogprob
-from frontend.guided import check, constraint_for
+from frontend.dialect import Events, GenerationDialect, Job
+from frontend.guided import constraint_for
 from frontend.logprobs import prompt_logprob_entries, token_name
 from frontend.off_loop import off_loop
-from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
+from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import CompletionRequest
-from frontend.respond import respond
 from kvyard.errors import ErrorCode, RequestError
 
 @dataclass
@@ -36,61 +36,68 @@ class _Job:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the same for prompt_logprobs (vLLM's shape)
 
 
-def completion_routes(pipeline: Pipeline) -> APIRouter:
-    router = APIRouter()
+@dataclass
+class _Request:
+    """A completions request being answered: its prompts and the body fields every chunk repeats."""
+    req: CompletionRequest
+    jobs: list[_Job]
+    base: dict[str, Any]   # id, object, created, model
+    model: str | None      # to route, score and echo (Pipeline.check_model: None for this frontend's own)
+    request_id: str        # the backend's (each prompt's is this with its number)
 
-    @router.post("/v1/completions")
-    @router.post("/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        request_id, model, jobs = await _prepare(pipeline, req,
-                                                 lambda n: request.app.state.admission.hold(request.scope, n))
+
+class CompletionsDialect(GenerationDialect[_Request]):
+    paths = ("/v1/completions", "/completions")
+    request = CompletionRequest
+
+    async def parse(self, req: CompletionRequest, request: Request) -> Job[_Request]:
+        """Every prompt tokenized and prepared (an echo with max_tokens 0 generates nothing: one slot)."""
+        pipeline = self.pipeline
+        model = pipeline.check_model(req.model)
+        if req.stream and req.prompt_logprobs is not None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
+                               "prompt_logprobs")
+        p = req.prompt
+        prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        request_id = req.backend_request_id("cmpl")
+        constraint = await off_loop(constraint_for, req)
+        rendered = await off_loop(lambda: [pipeline.tokens(prompt) for prompt in prompts])
+        jobs = []
+        for number, prompt in enumerate(rendered):
+            prep = None
+            if req.max_tokens == 0 and req.echo:
+                pipeline.budget(len(prompt.input_ids), Budget(None))   # the prompt alone must fit
+            else:
+                prep = pipeline.prepare(f"{request_id}-{number}", prompt, req, Budget(req.max_tokens_asked()),
+                                        logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                        constraint=constraint)
+                prompt = prep.rendered   # truncate_prompt_tokens may have cut it
+                if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
+                    prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
+            req.log_prompt(f"{request_id}-{number}", prompt.prompt, len(prompt.input_ids))
+            jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
         base = {"id": req.chat_id or request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model or pipeline.cfg.model_name}
-        events = pipeline.generate_many([j.prep for j in jobs if j.prep is not None])
-        return await respond(request, req.stream, lambda: _sse(pipeline, req, jobs, base, events),
-                             lambda: _complete(pipeline, req, jobs, base, events))
+        return Job([j.prep for j in jobs if j.prep is not None], _Request(req, jobs, base, model, request_id), req.stream,
+                   constraint, req, sum(job.prep.params.n if job.prep else 1 for job in jobs))
 
-    return router
+    async def started(self, job: Job[_Request]) -> None:
+        """The echoed prompts' logprobs, and prompt_logprobs (the backend's ScoreCall)."""
+        req, model, request_id = job.state.req, job.state.model, job.state.request_id
+        if req.echo and req.logprobs is not None:
+            for one in job.state.jobs:
+                one.echo_logprobs = await self.pipeline.prompt_logprobs(f"{request_id}-{one.number}-echo", one.ids,
+                                                                        model, req.logprobs or 0)
+        if req.prompt_logprobs is not None:
+            for one in job.state.jobs:
+                one.prompt_logprobs = await self.pipeline.prompt_logprobs(f"{request_id}-{one.number}-prompt",
+                                                                          one.ids, model, req.prompt_logprobs)
 
+    async def whole(self, job: Job[_Request], events: Events) -> dict[str, Any]:
+        return await _complete(self.pipeline, job.state.req, job.state.jobs, job.state.base, events)
 
-async def _prepare(pipeline: Pipeline, req: CompletionRequest, hold: Callable[[int], None]
-                   ) -> tuple[str, str | None, list[_Job]]:
-    """Tokenizes every prompt, holds one admission slot per sequence (hold), then scores echoed prompts.
-    → (request id, the model to route and echo (Pipeline.check_model), the jobs)."""
-    model = pipeline.check_model(req.model)  # to route, score and echo (None: this frontend's own)
-    if req.stream and req.prompt_logprobs is not None:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
-                           "prompt_logprobs")
-    p = req.prompt
-    prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    request_id = req.backend_request_id("cmpl")
-    jobs = []
-    constraint = await off_loop(constraint_for, req)
-    await check(constraint, req)  # once, before anything is generated
-    rendered = await off_loop(lambda: [pipeline.tokens(prompt) for prompt in prompts])
-    for number, prompt in enumerate(rendered):
-        prep = None
-        if req.max_tokens == 0 and req.echo:
-            pipeline.budget(len(prompt.input_ids), Budget(None))   # the prompt alone must fit
-        else:
-            prep = pipeline.prepare(f"{request_id}-{number}", prompt, req, Budget(req.max_tokens_asked()),
-                                    logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-                                    constraint=constraint)
-            prompt = prep.rendered   # truncate_prompt_tokens may have cut it
-            if req.best_of and req.best_of > req.n:   # rank best_of candidates by their logprobs (_complete)
-                prep.params = dataclasses.replace(prep.params, n=req.best_of, logprobs=True)
-        req.log_prompt(f"{request_id}-{number}", prompt.prompt, len(prompt.input_ids))
-        jobs.append(_Job(number, prompt.prompt, prompt.input_ids, prep))
-    hold(sum(job.prep.params.n if job.prep else 1 for job in jobs))
-    if req.echo and req.logprobs is not None:
-        for job in jobs:
-            job.echo_logprobs = await pipeline.prompt_logprobs(f"{request_id}-{job.number}-echo", job.ids, model,
-                                                               req.logprobs or 0)
-    if req.prompt_logprobs is not None:
-        for job in jobs:
-            job.prompt_logprobs = await pipeline.prompt_logprobs(f"{request_id}-{job.number}-prompt", job.ids,
-                                                                 model, req.prompt_logprobs)
-    return request_id, model, jobs
+    def events(self, job: Job[_Request], events: Events) -> AsyncIterator[str]:
+        return _sse(self.pipeline, job.state.req, job.state.jobs, job.state.base, events)
 
 
 class _Choice:
@@ -130,7 +137,7 @@ def _echo(job: _Job, choice: _Choice) -> dict[str, Any] | None:
 
 
 async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
-                    events: AsyncIterator[tuple[int, ChoiceEvent]]) -> dict[str, Any]:
+                    events: Events) -> dict[str, Any]:
     n = _n(req, jobs)
     choices = {(j.number, s): _Choice(pipeline, req.logprobs is not None, req.return_tokens_as_token_ids)
                for j in jobs for s in range(n)}
@@ -167,7 +174,7 @@ async def _complete(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job]
 
 
 async def _sse(pipeline: Pipeline, req: CompletionRequest, jobs: list[_Job], base: dict[str, Any],
-               events: AsyncIterator[tuple[int, ChoiceEvent]]) -> AsyncIterator[str]:
+               events: Events) -> AsyncIterator[str]:
     n = _n(req, jobs)
     first = req.echoed()   # extend_fields ride on the first chunk
 

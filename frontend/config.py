@@ -42,6 +42,7 @@ class FrontendConfig:
     max_body_bytes: int = 8 << 20     # MAX_BODY_BYTES: larger request bodies are a 413
     concurrency_limit: int = 1024     # CONCURRENCY_LIMIT: generation requests in flight; more are a 429
     drain_grace_s: float = 30.0       # DRAIN_GRACE_S: after SIGTERM, how long requests in flight may run
+    lmtp_wait_s: float = 30.0         # LMTP_WAIT_S: how long an LMTP stream waits for its model to be reachable
     tool_call_parser: str | None = None  # TOOL_CALL_PARSER: overrides the renderer's tool-call format
     cors_allow_origins: tuple[str, ...] = ()  # CORS_ALLOW_ORIGINS: web origins that may call the API ("*": any)
     cluster_token: str = ""          # CLUSTER_TOKEN(_FILE): carried on every call to the master and backends
@@ -100,6 +101,7 @@ class FrontendConfig:
             max_body_bytes=env_int(env, "MAX_BODY_BYTES", 8 << 20, minimum=1024),
             concurrency_limit=env_int(env, "CONCURRENCY_LIMIT", 1024, minimum=1),
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
+            lmtp_wait_s=float(env_int(env, "LMTP_WAIT_S", 30, minimum=0)),
             tool_call_parser=_tool_parser(env.get("TOOL_CALL_PARSER") or None),
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),

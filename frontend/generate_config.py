@@ -1,5 +1,6 @@
-"""RTP-LLM's GenerateConfig (`extra_configs` of chat and completions, `generate_config` of `POST /`) and the
-bounded number types every request body shares (frontend/protocol.py, responses.py, lmtp_frames.py)."""
+"""RTP-LLM's GenerateConfig (`extra_configs` of chat and completions, `generate_config` of `POST /`), the
+query options of `POST /generate` (GenerateQuery), and the bounded number types every request body shares
+(frontend/protocol.py, responses.py, lmtp_frames.py)."""
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -97,3 +98,18 @@ class GenerateConfig(BaseModel):
                 "min_new_tokens": self.min_new_tokens, "ignore_eos": self.ignore_eos, "timeout_ms": self.timeout_ms,
                 "n": self.num_return_sequences or None,
                 "stop_sequences": self.stop_words_list and tuple(tuple(ids) for ids in self.stop_words_list)}
+
+
+class GenerateQuery(BaseModel):
+    """`POST /generate`'s options, as query parameters (frontend/generate_stream.py); temperature has no
+    upper bound here, as before."""
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    model: str | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The options SamplingRequest takes under the same names (all but max_tokens and model)."""
+        return self.model_dump(exclude={"max_tokens", "model"})

@@ -4,7 +4,8 @@ One connection carries many streams at once. Each GENERATE / SCORE runs as its o
 items on the connection's one outbox; one writer task sends whatever is queued as a single `TOKEN [...]`
 frame, so items of different streams interleave while each stream keeps its order. A stream ends with
 exactly one item whose finish_reason is set, or with one `{"stream_id", "error"}` item; a failing
-stream never ends the connection. Closing the socket cancels every stream (and so its backend call).
+stream never ends the connection. A stream whose model no backend can serve yet waits for it (LMTP_WAIT_S),
+saying so in a `MSG {"stream_id", "message"}` item (frontend/lmtp_wait.py). Closing the socket cancels every stream (and so its backend call).
 """
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from frontend.admission import Admission
 from frontend.config import FrontendConfig
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
                                   parse_frame, score_items, token_item, unknown_model)
+from frontend.lmtp_wait import ModelWait
 from frontend.metered_router import MeteredRouter
+from frontend.pipeline import Budget, Pipeline
 from frontend.routing import model_to_route
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import ERROR_TABLE
+from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.frontend")
@@ -37,15 +41,17 @@ AUTO_MODEL = "auto"  # a client that names no model in particular
 
 
 class LmtpService:
-    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, and
-    the frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT)."""
+    """What every LMTP connection shares: config, tokenizer facts for MODEL_INFO, the backend router, the
+    frontend's admission (each GENERATE/SCORE stream takes a slot of CONCURRENCY_LIMIT) and its pipeline's
+    context-length budget (the token ids themselves go straight to the router: no text to detokenize)."""
 
     def __init__(self, cfg: FrontendConfig, tokenizer: TextTokenizer, client: MeteredRouter,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, pipeline: Pipeline | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.client = client
         self.admission = admission or Admission(cfg)
+        self.pipeline = pipeline or Pipeline(cfg, tokenizer, client)
 
     def model(self, name: str | None) -> str | None:
         """The model to route to (None: ours; also for "auto"). Without a master only our own name exists;
@@ -156,8 +162,11 @@ class LmtpSession:
     async def _generate(self, frame: GenerateFrame) -> None:
         svc = self.service
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
-        gen = svc.client.generate(request_id, frame.prompt, frame.params(svc.cfg.request_timeout_s),
-                                  svc.model(frame.model))
+        requested = frame.max_tokens or DIALECT_DEFAULTS[Dialect.LMTP]["max_new_tokens"]
+        svc.pipeline.budget(len(frame.prompt), Budget(requested))   # the context-length check every dialect has
+        model, params = svc.model(frame.model), frame.params(svc.cfg.request_timeout_s)
+        gen = self._wait(frame.stream_id, model).stream(lambda: svc.client.generate(request_id, frame.prompt, params,
+                                                                                    model))
         try:
             async for outs in gen:
                 for out in outs:
@@ -177,13 +186,19 @@ class LmtpSession:
 
     async def _score(self, frame: ScoreFrame) -> None:
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
-        out = await self.service.client.score(request_id, frame.prompt, frame.scored,
-                                              self.service.model(frame.model))
+        model = self.service.model(frame.model)
+        out = await self._wait(frame.stream_id, model).call(
+            lambda: self.service.client.score(request_id, frame.prompt, frame.scored, model))
         if len(out.logprobs) != len(frame.scored):
             raise RequestError(ErrorCode.INTERNAL, f"the backend scored {len(out.logprobs)} of "
                                f"{len(frame.scored)} tokens")
         for item in score_items(frame.stream_id, out.logprobs):
             self.outbox.put_nowait(("TOKEN", item))
+
+    def _wait(self, stream_id: Any, model: str | None) -> ModelWait:
+        """A stream's wait for its model (frontend/lmtp_wait.py), announced in a MSG item."""
+        return ModelWait(self.service.cfg.lmtp_wait_s, model or self.service.cfg.model_name,
+                         lambda message: self.outbox.put_nowait(("MSG", {"stream_id": stream_id, "message": message})))
 
     async def _model_info(self, frame: ModelInfoFrame) -> None:
         try:
@@ -212,13 +227,16 @@ class LmtpSession:
         self.metrics.count(f"LMTP {command if command in COMMANDS else 'other'}", status)
 
 
+# "/" too: LMQL's client connects to the endpoint's root (lmql.model(..., endpoint="host:port")).
+LMTP_PATHS = ("/lmtp", "/")
+
+
 def lmtp_routes(service: LmtpService) -> APIRouter:
     router = APIRouter()
 
     async def lmtp(ws: WebSocket) -> None:
         await LmtpSession(ws, service).run()
 
-    # "/" too: LMQL's client connects to the endpoint's root (lmql.model(..., endpoint="host:port")).
-    for path in ("/lmtp", "/"):
+    for path in LMTP_PATHS:
         router.add_api_websocket_route(path, lmtp)
     return router

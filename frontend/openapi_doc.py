@@ -1,6 +1,7 @@
 """The frontend's OpenAPI document says what the server does: a bad request is a 400 with the OpenAI error
 object (never FastAPI's 422 validation shape), every refusal in the error table is listed, and the
-generation routes that stream answer `text/event-stream` when asked to."""
+generation routes that stream answer `text/event-stream` when asked to (SSE_RESPONSE: frontend/dialect.py
+adds it to every dialect's route)."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,10 +12,11 @@ from fastapi.openapi.utils import get_openapi
 from kvyard.http_errors import ERROR_TABLE
 
 
-# Routes whose 200 is an SSE stream when the request asks for one ("stream": true, or always for /generate).
-STREAMING = {("/v1/chat/completions", "post"), ("/chat/completions", "post"), ("/v1/completions", "post"),
-             ("/completions", "post"), ("/", "post"), ("/generate", "post"), ("/v1/responses", "post"),
-             ("/responses", "post")}
+# A generation route's 200 is an SSE stream when the request asks for one ("stream": true, or an Accept
+# header for /generate); the route's openapi_extra, merged into its operation.
+SSE_RESPONSE = {"responses": {"200": {"content": {"text/event-stream": {
+    "schema": {"type": "string", "description": "Server-sent events, ending with `data: [DONE]` (chat and "
+               "completions)"}}}}}}
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -47,17 +49,12 @@ def install_openapi(app: FastAPI) -> None:
             schemas.pop("ValidationError", None)
             schemas["ErrorResponse"] = ERROR_SCHEMA
             errors = _error_responses()
-            for path, methods in doc.get("paths", {}).items():
+            for methods in doc.get("paths", {}).values():
                 for method, op in methods.items():
                     responses = op.setdefault("responses", {})
                     responses.pop("422", None)
                     if method in ("post", "put", "patch"):
                         responses.update({k: v for k, v in errors.items() if k not in responses})
-                    if (path, method) in STREAMING:
-                        ok = responses.setdefault("200", {"description": "Successful Response"})
-                        ok.setdefault("content", {})["text/event-stream"] = {
-                            "schema": {"type": "string", "description": "Server-sent events, ending with "
-                                       "`data: [DONE]` (chat and completions)"}}
             app.openapi_schema = doc
         return app.openapi_schema
 

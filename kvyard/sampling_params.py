@@ -1,6 +1,7 @@
 """How one request's tokens are drawn and when they stop: the one SamplingParams type. A dialect builds it
 once (frontend/pipeline.py, from DIALECT_DEFAULTS below and the request's fields), it crosses gRPC as
-GenerateConfigPB (frontend/backend_client.py → backend/pb_convert.py, the only converters) and the engine's
+GenerateConfigPB (to_wire / from_wire here name every field; frontend/backend_client.py and
+backend/pb_convert.py, the only files that touch the message, copy them by these names) and the engine's
 sequences and sampler read it."""
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ class SamplingParams:
         """The dialect's defaults, overridden by every given value that is not None."""
         return cls(**{**DIALECT_DEFAULTS[dialect], **{k: v for k, v in given.items() if v is not None}})
 
+    def to_wire(self) -> dict[str, Any]:
+        """The fields GenerateConfigPB carries as plain values, under its names (the seed, word lists and
+        constraint are messages of their own: frontend/backend_client.py writes those)."""
+        return {_WIRE_NAMES.get(name, name): _plain(getattr(self, name)) for name in _WIRE_FIELDS}
+
+    @classmethod
+    def from_wire(cls, wire: Any, **rest: Any) -> SamplingParams:
+        """From a GenerateConfigPB's plain fields (read by name: this module imports no protobuf) plus `rest`
+        (seed, word lists, constraint). A zero means the field's off state, as the proto documents: top_p,
+        typical_p and repetition_penalty 0 → 1, n 0 → 1; top_logprobs > 0 asks for logprobs too."""
+        values = {name: _plain(getattr(wire, _WIRE_NAMES.get(name, name))) for name in _WIRE_FIELDS}
+        for name in ("top_p", "typical_p", "repetition_penalty"):
+            values[name] = values[name] or 1.0
+        values["n"] = max(1, values["n"])
+        values["logprobs"] = values["logprobs"] or values["top_logprobs"] > 0
+        return cls(**values, **rest)
+
     def describe(self) -> dict[str, Any]:
         """As debug_info and /chat/render show it (JSON-ready)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -98,6 +116,21 @@ class SamplingParams:
                 raise ValueError(f"{name} token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
         if any(not w for w in self.bad_words_ids):
             raise ValueError("bad_words must not contain an empty word")
+
+
+# What crosses gRPC as GenerateConfigPB's plain fields (the rest: seed, stop_sequences, bad_words_ids and
+# constraint are messages of their own), and the two fields the proto names otherwise.
+_WIRE_FIELDS = ("max_new_tokens", "min_new_tokens", "n", "temperature", "top_p", "top_k", "min_p", "typical_p",
+                "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids",
+                "stop_token_ids", "ignore_eos", "timeout_ms", "logprobs", "top_logprobs", "adapter")
+_WIRE_NAMES = {"n": "num_return_sequences", "logprobs": "return_logprobs", "adapter": "adapter_name"}
+
+
+def _plain(value: Any) -> Any:
+    """A map as a dict, a repeated field as a tuple (protobuf's containers are neither), else the value."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        return value
+    return dict(value) if hasattr(value, "keys") else tuple(value)
 
 
 class Dialect(Enum):

@@ -97,3 +97,27 @@ def test_qwen3_causal_lm_logits_match_transformers(tmp_path: Path) -> None:
         theirs = ref(torch.tensor([ids])).logits[0]
     ours = full_logits(model, config, ids)
     assert torch.allclose(ours, theirs, atol=ATOL), (ours - theirs).abs().max()
+
+
+def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of at most ONE_THREAD_TOKENS padded tokens runs on one torch thread, larger ones on all; the
+    engine thread's count is restored after each."""
+    import backend.pooling_engine as pooling_engine
+    threads: list[int] = []
+
+    def recording(*args: object) -> list:
+        threads.append(torch.get_num_threads())
+        return run_task(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pooling_engine, "run_task", recording)
+    engine = PoolingEngine(DecoderPoolingModel(load_pooling_spec(qwen3_embedder), torch.float32, CPU), "emb", 8, 4096)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (5, pooling_engine.ONE_THREAD_TOKENS + 1):
+            engine.add(PoolingRequest(f"r{n}", [PoolItem(list(range(3, 3 + n)))], PoolTask.EMBED))
+            assert len(engine.step()[0].outputs) == 1
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [1, 2]

@@ -217,8 +217,12 @@ def test_concurrency_limit(tokenizer: TextTokenizer, mock: MockBackendThread) ->
         assert started.wait(10)
         err = assert_error(c.post("/v1/chat/completions", json={"messages": HI}), 429, "overloaded")
         assert "CONCURRENCY_LIMIT" in err["message"]
-        assert_error(c.post("/v1/completions", json={"prompt": "x"}), 429)
+        for path, body in [("/v1/completions", {"prompt": "x"}), ("/v1/responses", {"input": "x"}),
+                           ("/", {"prompt": "x"})]:   # every dialect frontend/dialect.py registers
+            assert_error(c.post(path, json=body), 429)
+        assert_error(c.post("/generate", content=b"x"), 429)
         assert c.post("/v1/chat/render", json={"messages": HI}).status_code == 200   # not a generation
+        assert c.get("/").status_code == 200   # GET / is the health check, POST / a generation
         with pytest.raises(openai.RateLimitError):
             openai.OpenAI(base_url=f"{f.url}/v1", api_key="x", max_retries=0).chat.completions.create(
                 model="mock-model", messages=HI)

@@ -26,7 +26,8 @@ from tests.conftest import Cluster
 from tests.support.procs import CLUSTER_TOKEN
 from tests.support.stub_backend import StubFrontend, stub_frontend
 
-LONG = 500  # max_tokens at or above this makes the stub stream LONG_STEPS steps (for cancellation)
+LONG = 200  # max_tokens at or above this makes the stub stream LONG_STEPS steps (for cancellation; the
+            # context is 256 tokens, so a prompt of one token leaves room for it)
 LONG_STEPS = 400
 
 
@@ -128,9 +129,10 @@ def test_errors_stay_with_their_stream(stub: StubFrontend, script_ids: list[int]
             await send(ws, "GENERATE", {"prompt": [1], "stream_id": 10, "seed": 2**70})  # past int64: was INTERNAL
             await send(ws, "SCORE", {"prompt": [2**40], "scored": [1], "stream_id": 11})  # past int32
             await send(ws, "GENERATE", {"prompt": [1], "stream_id": 12, "repetition_penalty": 1e-40})
+            await send(ws, "GENERATE", {"prompt": [1] * 250, "stream_id": 13, "max_tokens": 10})  # past 256
             await send(ws, "GENERATE", "{not json")
             await send(ws, "DANCE", {"stream_id": 8})
-            items, _, msgs = await collect(ws, {1, 2, 3, 4, 5, 6, 7, 10, 11, 12})
+            items, _, msgs = await collect(ws, {1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13})
             await send(ws, "GENERATE", {"prompt": [3], "stream_id": 9})  # the connection goes on
             after, _, _ = await collect(ws, {9})
             return items, msgs, after
@@ -138,7 +140,7 @@ def test_errors_stay_with_their_stream(stub: StubFrontend, script_ids: list[int]
     assert [i["token"] for i in items[1]] == script_ids[:4] and items[1][-1]["finish_reason"] == "length"
     for sid, needle in [(2, "model_not_found"), (3, "vocabulary"), (4, "vocabulary"), (5, "max_tokens"),
                         (6, "logit_bias"), (7, "prompt"), (10, "invalid_argument"), (11, "invalid_argument"),
-                        (12, "repetition_penalty")]:
+                        (12, "repetition_penalty"), (13, "context_length_exceeded: This model's maximum context")]:
         assert len(items[sid]) == 1 and set(items[sid][0]) == {"stream_id", "error"}, items[sid]
         assert needle in items[sid][0]["error"]
     assert {m["stream_id"] for m in msgs} == {None, 8} and all("error" in m for m in msgs)

@@ -217,6 +217,10 @@ def test_past_timeout_before_the_first_byte_is_504() -> None:
 
 # ---- the queue ---------------------------------------------------------------------------------------
 
+def chat_url(client: httpx.Client) -> str:
+    return f"{str(client.base_url).rstrip('/')}/v1/chat/completions"
+
+
 def post_in_thread(url: str, body: dict[str, Any], results: list[Any], **kw: Any) -> threading.Thread:
     def run() -> None:
         try:
@@ -232,20 +236,18 @@ def test_all_busy_queues_instead_of_429_then_429_past_wait_for() -> None:
     with fake_upstreams(["m"]) as (up,):
         up.reply = Reply(chunks=(b"{", b"}"), pause_s=0.5)
         with gateway([up], MAX_CONNECT_PER_UPSTREAM="1", WAIT_FOR="1500") as client:
-            url = f"{str(client.base_url).rstrip('/')}/v1/chat/completions"
             results: list[Any] = []
-            threads = [post_in_thread(url, {"model": "m"}, results) for _ in range(2)]
+            threads = [post_in_thread(chat_url(client), {"model": "m"}, results) for _ in range(2)]
             for t in threads:
                 t.join()
             assert [r.status_code for r in results] == [200, 200]  # the second waited ~0.5 s, no 429
             assert view(client)[up.url]["peak_in_flight"] == 1
             # Three at once: the third would wait ~1 s for the second's slot... past a 700 ms WAIT_FOR.
         with gateway([up], MAX_CONNECT_PER_UPSTREAM="1", WAIT_FOR="700") as client:
-            url = f"{str(client.base_url).rstrip('/')}/v1/chat/completions"
             results = []
             threads = []
             for _ in range(3):
-                threads.append(post_in_thread(url, {"model": "m"}, results))
+                threads.append(post_in_thread(chat_url(client), {"model": "m"}, results))
                 time.sleep(0.05)
             for t in threads:
                 t.join()
@@ -259,12 +261,11 @@ def test_a_client_that_leaves_the_queue_never_reaches_an_upstream() -> None:
     with fake_upstreams(["m"]) as (up,):
         up.reply = Reply(chunks=(b"{", b"}"), pause_s=1.0)
         with gateway([up], MAX_CONNECT_PER_UPSTREAM="1", WAIT_FOR="10000") as client:
-            url = f"{str(client.base_url).rstrip('/')}/v1/chat/completions"
             results: list[Any] = []
-            busy = post_in_thread(url, {"model": "m", "n": 1}, results)
+            busy = post_in_thread(chat_url(client), {"model": "m", "n": 1}, results)
             wait_until(lambda: len(up.received) == 1)
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url, json={"model": "m", "n": 2}, timeout=0.3)  # gives up while queued
+                httpx.post(chat_url(client), json={"model": "m", "n": 2}, timeout=0.3)  # gives up while queued
             wait_until(lambda: client.get("/upstreams").json()["queued"] == 0, 2.0)
             busy.join()
             time.sleep(0.2)
