@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-lora clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora clean
 
 setup: $(STAMP)
 
@@ -55,35 +55,29 @@ image:
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. proto/rtp_llm_rpc.proto  # messages only: backend/rtp_rpc.py serves it
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
 
-# kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2 (docs/embeddings.md).
-bench-embeddings: setup
-	$(PY) benchmarks/embeddings.py
-
-# LoRA: 32 streams over 4 adapters + base vs the base alone, and one adapter's load time (docs/performance.md).
-bench-lora: setup
-	$(PY) benchmarks/lora.py
-
-# kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF.
-bench-peers: setup
-	$(PY) benchmarks/peers.py
-
-# kvyard vs llama-server on a 1.7B-shaped Q4_K_M GGUF (random weights, built once into ~/.cache/kvyard by
-# llama.cpp's own llama-quantize): one stream, 32 streams, cold TTFT of a ~930-token prompt.
-bench-scale: setup
-	$(PY) benchmarks/scale.py
+# Each bench-NAME runs benchmarks/NAME.py (their figures: docs/performance.md, docs/embeddings.md):
+#   embeddings  kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2
+#   vision      TTFT of an image and a question on a LLaVA-shaped model, kvyard vs transformers in process
+#   peers       kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF
+#   scale       kvyard vs llama-server on a 1.7B-shaped Q4_K_M GGUF (random weights, built once into
+#               ~/.cache/kvyard by llama.cpp's own llama-quantize): one stream, 32 streams, cold TTFT of a
+#               ~930-token prompt
+#   lora        32 streams over 4 LoRA adapters + the base vs the base alone; one adapter's load time
+#   gateway     the gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs
+#               least-connection routing
+BENCHES = embeddings vision lora peers scale gateway
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(PY) benchmarks/$*.py
 
 # kvyard's master vs SGLang's router (cache_aware, round_robin; installed once into its own venv under
 # ~/.cache/kvyard, never into .venv) over the same two backends, with and without KV pressure.
 bench-routing: setup
 	$(PY) benchmarks/master_routing.py
-
-# The gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs least-connection routing.
-bench-gateway: setup
-	$(PY) benchmarks/gateway.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -73,7 +73,8 @@ class BlockPool:
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            keys.append(hash_block(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key))
+            keys.append(hash_block(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs],
+                                   seq.extra_key + seq.block_salts.get(i, b"")))
         return keys
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:

@@ -65,7 +65,7 @@ class BackendConfig:
         else:
             load_pooling_spec(checkpoint)  # an encoder: its pooling files must be ones we can honour
             if env_choice(env, "ROLE_TYPE", "pdfusion", ("pdfusion", "prefill", "decode")) != "pdfusion":
-                raise ValueError(f"{checkpoint} is an {kind} model: it runs as ROLE_TYPE=PDFUSION only")
+                raise ValueError(f"{checkpoint} is {kind.a}: it runs as ROLE_TYPE=PDFUSION only")
         weight_format = _weight_format(env, device, dtype, checkpoint)
         role = parse_role(env.get("ROLE_TYPE"))
         if not role.is_backend:

@@ -19,9 +19,12 @@ from backend.sequence import Sequence
 from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
+from backend.vision_inputs import attach_images, check_images
+from backend.vision_tower import VisionTower
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
+from kvyard.vision_config import VisionConfig
 from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
@@ -32,9 +35,15 @@ class Engine:
     `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int, role: Role = Role.PDFUSION, loras: LoraRegistry | None = None) -> None:
+                 max_model_len: int, role: Role = Role.PDFUSION, vision: VisionConfig | None = None,
+                 tower: VisionTower | None = None, loras: LoraRegistry | None = None) -> None:
+        """vision: a vision-language model's image side (None: text only); tower: where images are embedded
+        here (None on a DECODE backend: it takes the prefilled KV); loras: the LoRA adapters it serves (None:
+        none can be loaded)."""
         self.runner = runner
-        self.loras = loras  # the LoRA adapters it serves; None: none can be loaded
+        self.vision = vision
+        self.tower = tower
+        self.loras = loras
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -61,6 +70,11 @@ class Engine:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
                                "pooling (embeddings, reranking, classification)", "model")
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
+        if isinstance(req, GenerationRequest):
+            check_images(req.prompt_ids, req.images, self.vision)
+            if req.images and self.role is not Role.PDFUSION:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "images are served by PDFUSION backends only "
+                                   "(a prefill/decode split does not carry them yet)", "images")
         if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
             if self.loras is None:
                 raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
@@ -74,6 +88,7 @@ class Engine:
                 self.scheduler.add(seq)
             return
         seqs = request_sequences(req, self.runner.device)
+        attach_images(seqs, req.images, self.vision, self.tower, self.scheduler.config.block_size)
         with self.lock:
             self.siblings.add(self.scheduler, seqs)
 

@@ -207,7 +207,13 @@ class EngineLoop:
                 if cmd.imported is not None:
                     self.engine.join_import(*cmd.imported)
                 else:
-                    self.engine.add(cmd.request)
+                    try:  # a vision request runs its image tower here: its failure is the request's alone
+                        self.engine.add(cmd.request)
+                    except Exception as exc:
+                        log.exception("adding request %s failed", cmd.request.request_id)
+                        self._sinks.pop(cmd.request.request_id, None)
+                        self._send(cmd, exc if isinstance(exc, RequestError)
+                                   else RequestError(ErrorCode.INTERNAL, "adding the request failed; see backend log"))
             else:
                 running = self._sinks.get(cmd.request_id)
                 if running is None or running is cmd.add:

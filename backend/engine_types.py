@@ -14,8 +14,17 @@ from kvyard.aux_info import AuxInfo
 from kvyard.constraint import Constraint
 
 if TYPE_CHECKING:
+    import torch
+
     from backend.constraints import GrammarState
     from backend.lora_weights import LoraAdapter
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, in prompt order: the k-th image fills the k-th run of placeholder tokens."""
+    digest: bytes                    # SHA-256 of the image file's bytes: the embedding cache's and block keys' key
+    pixels: torch.Tensor | None      # [3, S, S] preprocessed (the gRPC edge decodes); None where no tower runs
 
 
 @dataclass
@@ -31,6 +40,7 @@ class GenerationRequest:
     constraint: Constraint | None = None  # the grammar the output must follow, as asked
     grammar: GrammarState | None = None   # `constraint` compiled (by the gRPC edge, off the engine thread),
                                           # at the place the output starts; each sequence takes a copy
+    images: list[ImageInput] = field(default_factory=list)  # a vision model's images, in prompt order
     adapter: LoraAdapter | None = None    # sampling.adapter resolved by Engine.validate (held to the end)
 
 

@@ -8,6 +8,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvyard.cluster_auth import server_interceptors
 from kvyard.grpc_keepalive import SERVER_OPTIONS
+from backend.rtp_rpc import RtpRpcServicer
 from proto import model_rpc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvyard.backend")
@@ -25,6 +26,7 @@ async def start_grpc_server(servicer: pb_grpc.ModelRpcServiceServicer, host: str
         *SERVER_OPTIONS,
     ])
     pb_grpc.add_ModelRpcServiceServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers([RtpRpcServicer(servicer).handler()])  # RTP-LLM's GenerateStreamCall
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server.add_insecure_port(f"{host}:{port}") == 0:

@@ -60,24 +60,31 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, logits_rows: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, logits_rows: torch.Tensor,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
-        lora: the rows that use LoRA adapters (backend/lora.py); a step with any runs op by op, since the
-        fused C++ decode step takes no adapters."""
-        if self.fused is not None and lora is None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS:
+        embeds: rows [M] whose input embedding is given instead of looked up, and those embeddings [M, D]
+        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); a step with
+        any runs op by op, since the fused C++ decode step takes no adapters."""
+        if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS
+                and embeds is None and lora is None):
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
-        x = self.hidden_states(input_ids, positions, cache, meta, lora)
+        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
-        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed)."""
+                      meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      lora: LoraBatch | None = None) -> torch.Tensor:
+        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds
+        and lora as forward's."""
         c, ops, w = self.config, self.ops, self.w
         cos = self.cos[positions]  # [T, d/2]; shared by every layer
         sin = self.sin[positions]
         x = ops.embed(w["embed"], input_ids).to(self.dtype)  # [T, D]
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(self.dtype)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)

@@ -11,6 +11,7 @@ from backend.attention import AttentionMetadata, KVCache, PrefillSpan
 from backend.lora import LoraBatch, LoraStacks
 from backend.lora_weights import LoraAdapter
 from backend.model import LlamaModel
+from backend.vision_inputs import chunk_embeds
 
 Feature = TypeVar("Feature")
 
@@ -56,6 +57,7 @@ class StepTensors:
     positions: torch.Tensor   # [T]
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [R] flat rows whose logits are computed, in chunk order
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [M] given embeddings [M, D] (images)
     lora: LoraBatch | None = None  # rows grouped by LoRA adapter; None: no row uses one
 
 
@@ -72,7 +74,7 @@ class ModelRunner:
         if logit_rows is None:
             logit_rows = [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
         t = self.prepare(chunks, logit_rows)
-        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.lora)
+        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.embeds, t.lora)
 
     def prepare(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]]) -> StepTensors:
         bs = self.cache.block_size
@@ -84,10 +86,15 @@ class ModelRunner:
         decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        image_rows: list[int] = []
+        image_values: list[torch.Tensor] = []
         adapters: list[LoraAdapter | None] = []
         for chunk, rows in zip(chunks, logit_rows):
             row0, start, n = len(ids), chunk.start, chunk.num_new_tokens
             adapters.append(chunk.seq.feature(LoraAdapter))
+            for offset, values in chunk_embeds(chunk.seq, start, n):
+                image_rows.extend(range(row0 + offset, row0 + offset + values.shape[0]))
+                image_values.append(values)
             table = chunk.seq.block_table
             ids.extend(chunk.seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -116,11 +123,12 @@ class ModelRunner:
             meta.decode_blocks = table.to(self.device)
             meta.decode_key_mask = mask[:, None, None, :].to(self.device)
             meta.decode_lens = lens.to(self.device)
+        embeds = (self._tensor(image_rows), torch.cat(image_values)) if image_values else None
         lora = None
         if any(a is not None for a in adapters):
             ends = list(accumulate(c.num_new_tokens for c in chunks))
             lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.lora_stacks, self.device)
-        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), lora)
+        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), embeds, lora)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -82,7 +82,7 @@ class PoolingEngine:
         kind = self.spec.kind
         if not isinstance(req, PoolingRequest):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,
-                               f"model {self.model_name!r} is an {kind} model: it cannot generate text", "model")
+                               f"model {self.model_name!r} is {kind.a}: it cannot generate text", "model")
         if req.task not in _TASKS[kind] or (kind is ModelKind.EMBED and req.task is not PoolTask.EMBED
                                             and not self.spec.has_head(req.task.value)):
             raise RequestError(ErrorCode.INVALID_ARGUMENT,

@@ -81,6 +81,7 @@ class Sequence:
         self.block_table: list[int] = []                # KV block ids, in position order; empty while WAITING
         self.block_keys: list[int] = []                 # chained prefix-cache keys of the full blocks of token_ids, filled lazily by the block pool
         self.extra_key: bytes = extra_key               # salt mixed into every block key (cache isolation); the frontend must use the same
+        self.block_salts: dict[int, bytes] = {}         # block index → bytes mixed into that block's key after extra_key (image digests)
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None  # set when status becomes FINISHED
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time  # when the engine got it

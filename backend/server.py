@@ -13,11 +13,13 @@ from backend.engine_loop import EngineLoop
 from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
 from backend.task_log import TaskInfo, TaskLog
+from backend.image_preprocess import prompt_images
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_request_from_pb, pooling_result_to_pb,
                                 request_from_pb, score_request_from_pb, score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
+from kvyard.vision_config import VisionConfig
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -34,6 +36,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         self.decode_channels = DecodeChannels()
         self.grammars = grammars              # compiles constraints off the engine thread; None: refuse them
         self.tasks = TaskLog()                # running and finished calls, for /worker_status
+        self.vision: VisionConfig | None = None  # a vision model's image side: decodes its requests' images
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         """Each call is a task of /worker_status while it runs, then one of its finished tasks."""
@@ -50,6 +53,8 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         request_id = request.request_id
         try:
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
+            if request.images:
+                req.images = await asyncio.to_thread(prompt_images, [im.data for im in request.images], self.vision)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
                 req.grammar = await compile_constraint(self.grammars, req.constraint)

@@ -166,7 +166,8 @@ def _plan(source: Source, config: ModelConfig) -> dict[str, list[str]]:
     if missing:
         raise ModelFileError(f"checkpoint lacks tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)"
                                                                            if len(missing) > 1 else ""))
-    unused = sorted(names - wanted - ({"lm_head"} if config.tie_word_embeddings else set()))
+    image_side = {n for n in names if n.startswith(("vision.", "projector."))} if config.vision else set()
+    unused = sorted(names - wanted - image_side - ({"lm_head"} if config.tie_word_embeddings else set()))
     if unused:
         raise ModelFileError(f"checkpoint tensors this model would not use: {', '.join(source.original(n) for n in unused[:5])}")
     return plan

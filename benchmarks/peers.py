@@ -1,6 +1,6 @@
 """kvyard against what a user would run instead, on the same GGUF, in one run (`make bench-peers`).
 
-    .venv/bin/python benchmarks/peers.py [--rounds 3] [--only kvyard,llama,hf] [--kvyard-env KEY=VALUE ...]
+    .venv/bin/python benchmarks/peers.py [--rounds 3] [--only kvyard,llama,hf,vllm] [--kvyard-env KEY=VALUE ...]
                                          [--quick] [--json out.json]
 
 Peers: llama.cpp's llama-server (built once from the llama-cpp-python sdist into ~/.cache/kvyard, see
@@ -159,20 +159,22 @@ def report(samples: dict[str, dict[str, list[float]]], hf: dict[str, float], con
             ("TTFT p50 ~1k-token prompt, ms", "ttft", 1.0, True, None)]
     n = max((len(v) for d in samples.values() for v in d.values()), default=0)
     print(f"\nmedians over {n} rounds")
-    print(f"{'workload':32} {'kvyard':>8} {'llama-server':>13} {'transformers':>13}   "
-          f"{'kvyard/llama (target; per-round range)':44} kvyard/transformers")
+    vl = samples.get("vllm", {})
+    print(f"{'workload':32} {'kvyard':>8} {'llama-server':>13} {'transformers':>13} {'vLLM':>8}   "
+          f"{'kvyard/llama (target; per-round range)':44} {'kvyard/transformers':26} kvyard/vLLM")
     for name, key, target, lower, hf_key in rows:
         hf_val = hf.get(hf_key) if hf_key else None
-        kv_val = med(kv, key)
+        kv_val, vl_val = med(kv, key), med(vl, key)
         vs_hf = f"{kv_val / hf_val:.2f}x {'met' if kv_val / hf_val >= 1.5 else 'MISSED'} (>=1.5)" \
             if kv_val is not None and hf_val else "—"
-        print(f"{name:32} {cell(kv_val):>8} {cell(med(ll, key)):>13} {cell(hf_val):>13}   "
-              f"{ratio(key, target, lower):44} {vs_hf}")
+        vs_vl = f"{kv_val / vl_val:.2f}x" if kv_val is not None and vl_val else "—"
+        print(f"{name:32} {cell(kv_val):>8} {cell(med(ll, key)):>13} {cell(hf_val):>13} {cell(vl_val):>8}   "
+              f"{ratio(key, target, lower):44} {vs_hf:26} {vs_vl}")
 
 
 def start_servers(stack: ExitStack, gguf: Path, kvyard_env: dict[str, str], only: set[str]) -> dict[str, tuple]:
     """The servers `only` names, stopped with the stack: llama-server (one with many slots, one with a single
-    slot for TTFT) and kvyard. → name: (client, TTFT client, pid)."""
+    slot for TTFT), kvyard and vLLM's CPU backend. → name: (client, TTFT client, pid)."""
     servers: dict[str, tuple] = {}
     if "llama" in only:
         url, pid = stack.enter_context(llama_server(gguf))
@@ -182,6 +184,11 @@ def start_servers(stack: ExitStack, gguf: Path, kvyard_env: dict[str, str], only
         url, pid = stack.enter_context(kvyard_server(kvyard_env))
         kv_client = client_for(url)
         servers["kvyard"] = (kv_client, kv_client, pid)
+    if "vllm" in only:  # benchmarks/vllm_peer.py: its own venv, the same weights as a Hugging Face directory
+        from vllm_peer import vllm_server
+        url, pid = stack.enter_context(vllm_server(gguf))
+        vllm_client = client_for(url)
+        servers["vllm"] = (vllm_client, vllm_client, pid)
     return servers
 
 

@@ -2,7 +2,7 @@
 Q4_K_M GGUF (benchmarks/scale_model.py: random weights, quantized by llama.cpp's own llama-quantize),
 served by both, same workloads, interleaved rounds.
 
-    .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama] [--kvyard-env KEY=VALUE ...]
+    .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama,vllm] [--kvyard-env KEY=VALUE ...]
                                          [--gguf PATH] [--before CHECKOUT] [--json out.json]
 
 --before runs a second kvyard from another checkout (e.g. `git worktree add --detach /tmp/before <commit>`
@@ -17,7 +17,8 @@ Workloads (chat completions through the HTTP API, the official openai client, as
            peers.py)
 All servers start first (an idle server takes no CPU); each round drives one server at a time through
 every workload, alternating which goes first; the table shows medians over rounds and the per-round
-ratios. vLLM's CPU backend is not a peer here (yet): its venv is several GB.
+ratios. `--only kvyard,llama,vllm` adds vLLM's CPU backend (benchmarks/vllm_peer.py: a venv of its own, the
+same weights as a Hugging Face directory, bfloat16 where the CPU has it natively, else float32).
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ OUT_TOKENS, N_SINGLE, CONCURRENCY, N_TTFT = 64, 3, 32, 3
 
 def report(samples: dict[str, dict[str, list[float]]]) -> None:
     rows = [("one stream tok/s", "single"), (f"{CONCURRENCY} streams tok/s", "agg"), ("cold TTFT s", "ttft")]
-    names = [n for n in ("kvyard", "before", "llama") if n in samples]
-    pairs = [(a, b) for a, b in (("kvyard", "llama"), ("before", "llama"), ("kvyard", "before"))
+    names = [n for n in ("kvyard", "before", "llama", "vllm") if n in samples]
+    pairs = [(a, b) for a, b in (("kvyard", "llama"), ("kvyard", "vllm"), ("before", "llama"), ("kvyard", "before"))
              if a in samples and b in samples]
     n = max((len(v) for d in samples.values() for v in d.values()), default=0)
     print(f"\nmedians over {n} rounds (ratios: >1 is the first faster for tok/s, <1 for TTFT; per round in brackets)")

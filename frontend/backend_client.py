@@ -143,13 +143,16 @@ class BackendClient:
         return True
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
-                       decode_address: str = "") -> AsyncIterator[list[BackendOutput]]:
+                       decode_address: str = "", images: list[bytes] | None = None
+                       ) -> AsyncIterator[list[BackendOutput]]:
         """Yields each backend step's outputs. Raises RequestError. Closing the iterator early
         cancels the gRPC call, which aborts the request in the backend and frees its KV.
-        decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend."""
+        decode_address: this is a PREFILL backend; it hands the KV over to that DECODE backend.
+        images: the files of a vision prompt's images, in prompt order."""
         with _fits_the_proto():
             msg = pb.GenerateInputPB(request_id=request_id, token_ids=input_ids,
-                                     generate_config=params_to_pb(params), decode_address=decode_address)
+                                     generate_config=params_to_pb(params), decode_address=decode_address,
+                                     images=[pb.ImagePB(data=d) for d in images or ()])
         call = self._stub.GenerateStreamCall(msg, metadata=self._metadata)
         try:
             async for out in call:

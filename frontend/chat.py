@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,10 @@ from pydantic import BaseModel
 from frontend.backend_client import BackendOutput
 from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import chat_constraint, check
+from frontend.images import LoadedImage
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, Pipeline, PreparedRequest
-from frontend.protocol import ChatCompletionRequest
+from frontend.protocol import ChatCompletionRequest, ImagePart
 from frontend.respond import aux_info
 from frontend.logprobs import logprob_entries, prompt_logprob_entries
 from kvyard.errors import ErrorCode, RequestError
@@ -48,8 +49,15 @@ class ChatDialect(GenerationDialect[ChatState]):
         super().__init__(pipeline)
         self.renderer = renderer
 
+    async def images(self, req: ChatCompletionRequest) -> list[LoadedImage]:
+        """The messages' image parts, fetched and checked (before prepare, which runs off the event loop)."""
+        return await self.pipeline.images([(f"messages[{i}].content[{j}]", part.image_url.url)
+                                           for i, m in enumerate(req.messages) if isinstance(m.content, list)
+                                           for j, part in enumerate(m.content) if isinstance(part, ImagePart)])
+
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        placeholder = self.pipeline.image_placeholder  # each image part: the model's image token
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text(placeholder)} for m in req.messages]
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         template = req.user_template
         if req.chat_template is not None:
@@ -79,7 +87,7 @@ class ChatDialect(GenerationDialect[ChatState]):
         tokens = self.pipeline.tokens(rendered.prompt[:start + len(last)])
         return dataclasses.replace(rendered, prompt=tokens.prompt, input_ids=tokens.input_ids)
 
-    def prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
+    def prepare(self, req: ChatCompletionRequest, images: Sequence[LoadedImage] = ()) -> PreparedRequest:
         self.pipeline.check_model(req.model)
         if req.stream and req.prompt_logprobs is not None:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_logprobs are not available with stream: true",
@@ -92,10 +100,11 @@ class ChatDialect(GenerationDialect[ChatState]):
         return self.pipeline.prepare(
             request_id, rendered, req, Budget(req.requested_max_tokens(), param, "messages"),
             logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-            constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None)
+            constraint=chat_constraint(req, parser), tool_parser=parser if req.tools_in_use() else None,
+            images=images)
 
     async def parse(self, req: ChatCompletionRequest, request: Request) -> Job[ChatState]:
-        prep = await off_loop(self.prepare, req)
+        prep = await off_loop(self.prepare, req, await self.images(req))
         return Job([prep], ChatState(req, prep, prep.model or self.pipeline.cfg.model_name), req.stream,
                    prep.params.constraint, req)
 
@@ -116,9 +125,9 @@ class ChatDialect(GenerationDialect[ChatState]):
         @router.post("/v1/chat/render")
         @router.post("/chat/render")
         async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
-            prep = await off_loop(self.prepare, req)
+            prep = await off_loop(self.prepare, req, await self.images(req))
             await check(prep.params.constraint, req)
-            return render_info(self, prep)
+            return render_info(self, prep, req)
 
 
 async def _body(chat: ChatDialect, state: ChatState, events: Events) -> dict[str, Any]:
@@ -160,7 +169,7 @@ async def _body(chat: ChatDialect, state: ChatState, events: Events) -> dict[str
     if state.prompt_logprobs is not None:
         body["prompt_logprobs"] = state.prompt_logprobs   # vLLM's place for it
     if req.debug_info:
-        body["debug_info"] = {**render_info(chat, prep), "output_ids": [ids[i] for i in range(n)],
+        body["debug_info"] = {**render_info(chat, prep, req), "output_ids": [ids[i] for i in range(n)],
                               "raw_output": ["".join(texts[i]) for i in range(n)]}
     if req.aux_info:
         body["aux_info"] = aux_info(list(last.values()))
@@ -180,7 +189,7 @@ async def _chunks(chat: ChatDialect, state: ChatState, events: Events) -> AsyncI
         return json.dumps(body, ensure_ascii=False)
 
     n = prep.params.n
-    first_extra = {**req.echoed(), **({"debug_info": render_info(chat, prep)} if req.debug_info else {})}
+    first_extra = {**req.echoed(), **({"debug_info": render_info(chat, prep, req)} if req.debug_info else {})}
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)], **first_extra)
     streams = {i: chat.renderer.render_response_stream(prep.tool_parser is not None) for i in range(n)}
@@ -226,13 +235,15 @@ def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render_info(chat: ChatDialect, prep: PreparedRequest) -> dict[str, Any]:
-    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it."""
+def render_info(chat: ChatDialect, prep: PreparedRequest, req: ChatCompletionRequest) -> dict[str, Any]:
+    """What /chat/render answers, and a response's debug_info: the prompt as the backend receives it (the
+    prompt text shows one image placeholder per image; input_ids the run each stands for)."""
     cfg, tok, p = chat.pipeline.cfg, chat.pipeline.tokenizer, prep.params
+    urls = [url for m in req.messages for url in m.image_urls()]
     return {
         "input_prompt": prep.rendered.prompt,
         "input_ids": prep.rendered.input_ids,
-        "input_urls": [],
+        "input_urls": [url if not url.startswith("data:") else url[:40] + "..." for url in urls],
         "tokenizer_info": f"{type(tok).__name__}({cfg.tokenizer_path.name}, vocab={tok.vocab_size})",
         "max_seq_len": cfg.max_seq_len,
         "eos_token_id": tok.eos_token_id,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frontend.images import ImageLimits
 from kvyard.cluster_auth import read_cluster_token
 from kvyard.env import env_choice, env_int, env_names, env_str
 from kvyard.model_config import load_model_config
@@ -15,6 +16,7 @@ from kvyard.pooling_model import (ModelKind, PoolingSpec, embedding_model_name, 
                                   resolve_embedding_path)
 from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
+from kvyard.vision_config import VisionConfig, load_vision_config
 
 
 
@@ -52,6 +54,8 @@ class FrontendConfig:
     embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
     embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
+    vision: VisionConfig | None = None   # the chat model's image side (a LLaVA directory); None: text only
+    images: ImageLimits = ImageLimits()  # IMAGE_*: where images may come from, how many, how large
     lora: bool = False               # LORA_MODULES or LORA_ROOT set: a `model` this frontend does not serve
                                      # names a LoRA adapter (the backend answers 404 if it holds none of that name)
 
@@ -106,6 +110,8 @@ class FrontendConfig:
             cors_allow_origins=tuple(o.strip() for o in env.get("CORS_ALLOW_ORIGINS", "").split(",") if o.strip()),
             cluster_token=read_cluster_token(env),
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
+            vision=load_vision_config(tokenizer) if tokenizer.is_dir() else None,
+            images=ImageLimits.from_env(env),
             lora=bool(env.get("LORA_MODULES") or env.get("LORA_ROOT")),
             **pooling,
         )
@@ -120,7 +126,7 @@ def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: 
     if main is not None:  # CHECKPOINT_PATH pools
         spec = load_pooling_spec(main)
         if value:
-            raise ValueError(f"CHECKPOINT_PATH {main} is itself an {spec.kind} model; a frontend serves one pooling "
+            raise ValueError(f"CHECKPOINT_PATH {main} is itself {spec.kind.a}; a frontend serves one pooling "
                              "model, so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
         return {"embedding": spec, "embedding_model_name": main_name, "embedding_backend_address": backend}
     if not value:

@@ -1,10 +1,11 @@
 """Router with request metrics: every backend generation (chat, LMTP, /generate) is timed and counted here."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from frontend.backend_client import PoolInput, PoolOutput, BackendOutput, ScoreOutput
 from frontend.config import FrontendConfig
+from frontend.images import LoadedImage
 from frontend.routing import Router
 from kvyard.errors import RequestError
 from kvyard.metrics import FrontendMetrics
@@ -20,10 +21,11 @@ class MeteredRouter(Router):
         self.metrics = metrics
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
-                       model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
+                       model: str | None = None, images: Sequence[LoadedImage] = ()
+                       ) -> AsyncIterator[list[BackendOutput]]:
         m = self.metrics
         timer = m.timer()
-        gen = super().generate(request_id, input_ids, params, model)
+        gen = super().generate(request_id, input_ids, params, model, images)
         gauge = m.waiting
         gauge.inc()
         first, failed = True, False

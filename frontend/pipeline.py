@@ -7,10 +7,11 @@ cut here too (StopStringMatcher), after detokenizing, so every dialect stops at 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.config import FrontendConfig
+from frontend.images import LoadedImage, load_images, with_images
 from frontend.protocol import SamplingRequest
 from frontend.lora_routes import adapter_of
 from frontend.routing import Router, model_to_route
@@ -36,6 +37,7 @@ class PreparedRequest:
     include_stop: bool = False       # a matched stop string stays in the text (include_stop_str_in_output)
     skip_special: bool = True        # special tokens are left out of the text (skip_special_tokens)
     prompt_logprobs: int | None = None  # the prompt's own logprobs, with this many alternatives (None: not asked)
+    images: tuple[LoadedImage, ...] = ()  # a vision model's images, in prompt order (frontend/images.py)
 
 
 @dataclass
@@ -75,6 +77,20 @@ class Pipeline:
         refused before the prompt is tokenized; prepare applies it again (idempotent)."""
         return model_to_route(self.cfg, requested)
 
+    async def images(self, sources: list[tuple[str, str]]) -> list[LoadedImage]:
+        """A request's images, (its part, its URL) in prompt order → their checked bytes; a 400 naming the
+        part for a text-only model or an image that cannot be had (frontend/images.py)."""
+        if sources and self.cfg.vision is None:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{sources[0][0]}: this model takes no images (a "
+                               "text-only model)", sources[0][0])
+        return await load_images(sources, self.cfg.images)
+
+    @property
+    def image_placeholder(self) -> str:
+        """The text a template writes for one image (the model's image token), "" for a text-only model."""
+        vision = self.cfg.vision
+        return "" if vision is None else self.tokenizer.id_to_piece(vision.image_token_id)
+
     def tokens(self, prompt: str | list[int]) -> RenderedPrompt:
         """A prompt given as text (special tokens parsed; BOS added when the model wants it and the text
         has none) or as token ids, as the backend will receive it."""
@@ -96,8 +112,11 @@ class Pipeline:
 
     def prepare(self, request_id: str, rendered: RenderedPrompt, req: SamplingRequest, budget: Budget, *,
                 logprobs: bool = False, top_logprobs: int = 0, constraint: Constraint | None = None,
-                tool_parser: type[ToolParser] | None = None, dialect: Dialect = Dialect.OPENAI) -> PreparedRequest:
-        """The prompt's tokens within budget, and the request's sampling fields as SamplingParams."""
+                tool_parser: type[ToolParser] | None = None, dialect: Dialect = Dialect.OPENAI,
+                images: Sequence[LoadedImage] = ()) -> PreparedRequest:
+        """The prompt's tokens within budget, and the request's sampling fields as SamplingParams. images:
+        one for each image placeholder token of the prompt, in order."""
+        rendered = with_images(rendered, images, self.cfg.vision, budget.prompt_param)
         if budget.requested is None and "max_new_tokens" in DIALECT_DEFAULTS[dialect]:
             budget = replace(budget, requested=DIALECT_DEFAULTS[dialect]["max_new_tokens"])
         rendered = self._truncated(rendered, req.truncate_prompt_tokens)
@@ -111,7 +130,7 @@ class Pipeline:
         stops = [*req.stop_list(), *self.cfg.stop_words, *rendered.format_stops]
         return PreparedRequest(request_id, rendered, params, stops,
                                model, tool_parser, req.include_stop, req.skip_special_tokens,
-                               req.prompt_logprobs)
+                               req.prompt_logprobs, tuple(images))
 
     def _truncated(self, rendered: RenderedPrompt, keep: int | None) -> RenderedPrompt:
         """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: all the context holds, leaving room
@@ -209,7 +228,7 @@ class Pipeline:
         choices = {i: _Choice(IncrementalDetokenizer(self.tokenizer, prep.skip_special, prompt_ids=context),
                               StopStringMatcher(prep.stop_strings, prep.include_stop)) for i in range(prep.params.n)}
         unfinished = len(choices)
-        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model)
+        gen = self.client.generate(prep.request_id, prep.rendered.input_ids, prep.params, prep.model, prep.images)
         try:
             async for outs in gen:
                 for out in outs:

@@ -58,8 +58,8 @@ class PoolingPipeline:
                                "model (EMBEDDING_MODEL_PATH)", "model")
         if own.spec.kind not in kinds or (head and not own.spec.has_head(head)):
             heads = f" (heads: {', '.join(own.spec.heads)})" if own.spec.kind is ModelKind.EMBED else ""
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {own.name!r} is an {own.spec.kind} "
-                               f"model{heads}: it cannot answer {route}", "model")
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {own.name!r} is {own.spec.kind.a}{heads}: it cannot "
+                               f"answer {route}", "model")
         return own
 
     def _other(self) -> str:

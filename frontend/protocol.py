@@ -212,6 +212,16 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageURL(_Lenient):
+    url: str = Field(min_length=1)   # data:image/...;base64,..., http(s)://... or a file under IMAGE_FILE_ROOT
+    detail: Literal["auto", "low", "high"] | None = None  # LLaVA sees every image at its one resolution
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str | dict[str, Any] = "{}"   # OpenAI sends JSON text; some clients send the object
@@ -225,7 +235,7 @@ class ToolCall(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]  # function: a legacy call's result
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -236,12 +246,17 @@ class ChatMessage(_Lenient):
     annotations: list[dict[str, Any]] | None = None
     audio: None = None                     # audio answers are not served
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as one text, each image part written as `image_placeholder`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else image_placeholder for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        return [] if not isinstance(self.content, list) else \
+            [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(_Lenient):
@@ -383,8 +398,6 @@ class RawRequest(GuidedDecoding, RtpRequestFields):
     def _checks(self) -> RawRequest:
         if self.generate_config.return_incremental:
             self.incremental = True
-        if self.urls:
-            raise ValueError("urls (multimodal input) are not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self

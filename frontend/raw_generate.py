@@ -16,10 +16,12 @@ from fastapi import Request
 from frontend.backend_client import BackendOutput
 from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import constraint_for
+from frontend.images import LoadedImage
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import RawRequest, SamplingRequest
 from frontend.respond import RTP_SSE, aux_info
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import Dialect
 
 Key = tuple[int, int]   # (prompt number, sequence number)
@@ -68,7 +70,10 @@ class RawDialect(GenerationDialect[_State]):
     framing = RTP_SSE
 
     async def parse(self, req: RawRequest, request: Request) -> Job[_State]:
-        state = _State(req, await off_loop(_prepare, self.pipeline, req))
+        if req.urls and not isinstance(req.prompt, str):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "urls go with one prompt, not a batch", "urls")
+        images = await self.pipeline.images([(f"urls[{i}]", url) for i, url in enumerate(req.urls or [])])
+        state = _State(req, await off_loop(_prepare, self.pipeline, req, images))
         return Job(state.preps, state, req.streaming, next((p.params.constraint for p in state.preps), None), req)
 
     async def whole(self, job: Job[_State], events: Events) -> dict[str, Any]:
@@ -78,19 +83,23 @@ class RawDialect(GenerationDialect[_State]):
         return _events(job.state, _updates(job.state, events))
 
 
-def _prepare(pipeline: Pipeline, req: RawRequest) -> list[PreparedRequest]:
+def _prepare(pipeline: Pipeline, req: RawRequest, images: list[LoadedImage]) -> list[PreparedRequest]:
     model = pipeline.check_model(req.model)  # None: this frontend's own (no name, or SGLang's placeholder)
     cfg = req.generate_config
     sampling = SamplingRequest(extra_configs=cfg, model=model)   # every field from generate_config
     request_id = req.backend_request_id("raw")
     constraint = constraint_for(req)
     budget = Budget(cfg.max_new_tokens, "generate_config.max_new_tokens")
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    placeholder = pipeline.image_placeholder
+    if images and placeholder not in prompts[0]:  # RTP-LLM's urls with a prompt that names no image: in front
+        prompts = [f"{placeholder}\n" * len(images) + prompts[0]]
     preps = []
-    for i, prompt in enumerate([req.prompt] if isinstance(req.prompt, str) else req.prompt):
+    for i, prompt in enumerate(prompts):
         rendered = pipeline.tokens(prompt)
         req.log_prompt(f"{request_id}-{i}", rendered.prompt, len(rendered.input_ids))
         preps.append(pipeline.prepare(f"{request_id}-{i}", rendered, sampling, budget, constraint=constraint,
-                                      dialect=Dialect.RTP))
+                                      dialect=Dialect.RTP, images=images))
     return preps
 
 

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +25,13 @@ from frontend.backend_client import BackendClient, BackendOutput, PoolInput, Poo
 from frontend.config import FrontendConfig
 from frontend.master_leader import answers, leader_of, leader_url
 from frontend.deadlines import BackendSilent, watched
-from kvyard.block_keys import block_cache_keys
+from frontend.images import LoadedImage
+from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
 from kvyard.sampling_params import SamplingParams
+from kvyard.vision_config import image_starts
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -59,7 +61,7 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
             return None
         name = cfg.model_name  # the only model here pools: the 400 below
     if cfg.embedding is not None and (name == cfg.embedding_model_name or (not cfg.generates and cfg.serves(name))):
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is an {cfg.embedding.kind} model: it "
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is {cfg.embedding.kind.a}: it "
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")
     if not cfg.serves(name) and not cfg.master_address and not cfg.lora:
@@ -101,16 +103,18 @@ class Router:
         return self._clients[address]
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams,
-                       model: str | None = None) -> AsyncIterator[list[BackendOutput]]:
+                       model: str | None = None, images: Sequence[LoadedImage] = ()
+                       ) -> AsyncIterator[list[BackendOutput]]:
         """BackendClient.generate on the chosen backend, watched by the first-token and inter-token
         deadlines; a backend unreachable or silent is retried elsewhere as long as nothing was streamed yet."""
         failed: set[str] = set()
         for attempt in range(ATTEMPTS):
             # A LoRA adapter runs on its base model's backends: routed as the base model.
             route = await self.route(self.cfg.model_name if params.adapter else model or self.cfg.model_name,
-                                     input_ids, exclude=failed, adapter=params.adapter)
+                                     input_ids, exclude=failed, images=images, adapter=params.adapter)
             started = False
-            stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address)
+            stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address,
+                                                         [im.data for im in images])
             try:
                 async for outs in watched(stream, route.address, self.cfg.first_token_timeout_s,
                                           self.cfg.inter_token_timeout_s,
@@ -142,14 +146,15 @@ class Router:
         return await asyncio.shield(task)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
-                    direct: tuple[str, ...] | None = None, adapter: str = "") -> Route:
+                    direct: tuple[str, ...] | None = None, images: Sequence[LoadedImage] = (),
+                    adapter: str = "") -> Route:
         """direct: the backends to call without a master (default: the chat model's fallback list);
         adapter: a LoRA adapter of `model`, which the master sends to a backend holding it."""
         model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             if not self._leader_known:
                 await self._follow_leader()
-            route = await self._ask_master(model, input_ids, adapter)
+            route = await self._ask_master(model, input_ids, images, adapter)
             if route is not None and route.address not in exclude:
                 return route
         return self._direct(exclude, self.cfg.fallback_addresses if direct is None else direct)
@@ -176,12 +181,18 @@ class Router:
             raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
         return Route(choices[next(self._round_robin) % len(choices)], False, 0)
 
-    async def _ask_master(self, model: str, input_ids: list[int], adapter: str = "") -> Route | None:
+    async def _ask_master(self, model: str, input_ids: list[int], images: Sequence[LoadedImage] = (),
+                          adapter: str = "") -> Route | None:
         """The master's pick; None when it cannot answer (then the caller goes direct). Raises the
         master's verdict when it says no backend should take this request."""
         assert self._master is not None
+        salts = None
+        if images and self.cfg.vision is not None:  # the backend's keys hold the images' digests too
+            per_image = self.cfg.vision.num_image_tokens
+            salts = image_block_salts(image_starts(input_ids, self.cfg.vision.image_token_id, per_image),
+                                      [im.digest for im in images], per_image, self.cfg.block_size)
         # An adapter's KV is keyed by its load on one backend: no prefix keys the master could match.
-        keys = [] if adapter else block_cache_keys(input_ids, self.cfg.block_size)
+        keys = [] if adapter else block_cache_keys(input_ids, self.cfg.block_size, salts=salts)
         body: dict[str, Any] = {"model": model, "block_cache_keys": keys, "seq_len": len(input_ids), "debug": False,
                                 "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
         if adapter:

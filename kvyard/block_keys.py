@@ -19,6 +19,11 @@ Byte layout hashed for one block (this is the wire contract; other-language clie
     digest = SHA-256(those bytes)
     key    = int.from_bytes(digest[0:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
+Images: a block holding any of an image's placeholder tokens appends, after extra_key, the image's
+32-byte SHA-256 digest (of the image file's bytes), for each such image in prompt order
+(`image_block_salts`). Chaining carries it into every later block, so the same placeholder tokens with a
+different image never share a key.
+
 The mask keeps keys non-negative and within int64, so they travel unchanged through protobuf
 int64 and JSON (as integers below 2**63). Python's hash() is never used: keys must agree across
 processes, machines and PYTHONHASHSEED values.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 # Parent value hashed for the first block. It has the top bit set, which a real key never has,
 # so "no parent" cannot collide with any parent key.
@@ -51,13 +56,26 @@ def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: bytes = 
     return int.from_bytes(digest[:8], "big") & KEY_MASK
 
 
-def block_cache_keys(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"") -> list[int]:
-    """Chained keys of every full block of `token_ids`; a trailing partial block gets no key."""
+def block_cache_keys(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"",
+                     salts: Mapping[int, bytes] | None = None) -> list[int]:
+    """Chained keys of every full block of `token_ids`; a trailing partial block gets no key. salts: block
+    index → bytes appended to extra_key for that block (image_block_salts)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     keys: list[int] = []
     parent: int | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra_key)
+        salt = salts.get(start // block_size, b"") if salts else b""
+        parent = hash_block(parent, token_ids[start:start + block_size], extra_key + salt)
         keys.append(parent)
     return keys
+
+
+def image_block_salts(starts: Sequence[int], digests: Sequence[bytes], per_image: int,
+                      block_size: int) -> dict[int, bytes]:
+    """Block index → the digests of the images whose placeholders [start, start + per_image) it holds."""
+    salts: dict[int, bytes] = {}
+    for start, digest in zip(starts, digests):
+        for block in range(start // block_size, (start + per_image - 1) // block_size + 1):
+            salts[block] = salts.get(block, b"") + digest
+    return salts

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvyard.gguf_meta import read_gguf_metadata, read_gguf_vector
 from kvyard.model_path import ModelFileError, is_gguf
+from kvyard.vision_config import VISION_MODEL_TYPES, VisionConfig, load_vision_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # qwen3 from a Hugging Face directory only
@@ -65,6 +66,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int = 0    # keys a query sees, itself included (Mistral); 0: all of them
     window_layers: tuple[bool, ...] | None = None  # per layer, whether the window applies; None: every layer
+    vision: VisionConfig | None = None  # a vision-language model's image side (LLaVA); None: text only
     qk_norm: bool = False      # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     def layer_window(self, layer: int) -> int:
@@ -166,6 +168,10 @@ def _from_hf_dir(path: Path) -> ModelConfig:
     if not config_file.is_file():
         raise ModelFileError(f"{path}: no config.json")
     cfg = json.loads(config_file.read_text())
+    vision = None
+    if cfg.get("model_type") in VISION_MODEL_TYPES:  # the language model is its text_config
+        vision = load_vision_config(path)
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **(cfg.get("text_config") or {})}
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{path}: model_type '{model_type}' is not supported "
@@ -201,6 +207,7 @@ def _from_hf_dir(path: Path) -> ModelConfig:
         rope_scaling=rope,
         sliding_window=window,
         window_layers=window_layers,
+        vision=vision,
         qk_norm=model_type == "qwen3",
     )
 

@@ -27,6 +27,11 @@ class ModelKind(StrEnum):
     EMBED = "embed"        # an encoder with pooling: /v1/embeddings (+ sparse/colbert when it has the heads)
     CLASSIFY = "classify"  # a cross-encoder (*ForSequenceClassification): reranker and classifier
 
+    @property
+    def a(self) -> str:
+        """With its article, for messages: "an embed model", "a classify model"."""
+        return f"{'an' if self.value[0] in 'aeiou' else 'a'} {self.value} model"
+
 
 # Encoder architectures (config.json "architectures"[0]) → kind. The model_type picks the family.
 ENCODER_ARCHITECTURES = {

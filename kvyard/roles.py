@@ -33,15 +33,17 @@ BACKEND_ROLES = frozenset({Role.PDFUSION, Role.PREFILL, Role.DECODE})
 
 
 # RTP-LLM's RoleType numbers, as its ROLE_TYPE takes them; 3 (VIT, a vision encoder) has no kvyard role.
+_NO_VIT = ("ROLE_TYPE VIT (RTP-LLM's 3, a separate vision-encoder process) is not a kvyard role: a PDFUSION or "
+           "PREFILL backend of a vision model runs its image tower itself (docs/vision.md)")
 RTP_ROLE_NUMBERS = {0: Role.PDFUSION, 1: Role.PREFILL, 2: Role.DECODE, 4: Role.FRONTEND}
 
 
 def parse_role(value: str | None) -> Role:
     """A ROLE_TYPE name, any case, or RTP-LLM's RoleType number; unset means PDFUSION."""
     name = (value or "PDFUSION").strip().upper()
+    if name == "VIT" or name == "3":
+        raise ValueError(_NO_VIT)
     if name.isdigit():
-        if int(name) == 3:
-            raise ValueError("ROLE_TYPE=3 is RTP-LLM's VIT (a vision encoder); kvyard serves no vision models")
         if int(name) not in RTP_ROLE_NUMBERS:
             raise ValueError(f"unknown ROLE_TYPE {value!r}; RTP-LLM's numbers are "
                              f"{', '.join(f'{n} ({r.name})' for n, r in RTP_ROLE_NUMBERS.items())}")

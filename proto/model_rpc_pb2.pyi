@@ -133,16 +133,24 @@ class ConstraintPB(_message.Message):
     def __init__(self, kind: _Optional[_Union[ConstraintKindPB, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateInputPB(_message.Message):
-    __slots__ = ("request_id", "token_ids", "generate_config", "decode_address")
+    __slots__ = ("request_id", "token_ids", "generate_config", "decode_address", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     generate_config: GenerateConfigPB
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePB]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., decode_address: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImagePB, _Mapping]]] = ...) -> None: ...
+
+class ImagePB(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class TopLogprobPB(_message.Message):
     __slots__ = ("token_id", "logprob")

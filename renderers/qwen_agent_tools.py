@@ -124,8 +124,9 @@ class QwenAgentToolParser(ToolParser):
     @classmethod
     def calls_grammar(cls, calls: list[dict[str, Any]], parallel: bool, answer: dict[str, Any] | None = None) -> str:
         # One alternative per function: its name written out, then JSON arguments that follow its schema.
-        alternatives = [f"call_{i}: {_literal(f'{FUNCTION}: ' + c['properties']['name']['const'] + f'{chr(10)}{ARGS}: ')}"
-                        f" {json_rule(c['properties']['arguments'])}" for i, c in enumerate(calls)]
+        heads = [_literal(f"{FUNCTION}: {c['properties']['name']['const']}\n{ARGS}: ") for c in calls]
+        alternatives = [f"call_{i}: {head} {json_rule(c['properties']['arguments'])}"
+                        for i, (head, c) in enumerate(zip(heads, calls))]
         rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(calls))), *alternatives,
                  'calls: call ("\\n" call)*' if parallel else "calls: call"]
         if answer is None:

@@ -133,7 +133,7 @@ def test_grpc_clients_carry_the_token() -> None:
                     for o in step]
             assert [t for o in outs for t in o.token_ids] == [5, 6, 2]
             await client.close()
-            poller = BackendPoller(address, 2.0, TOKEN)
+            poller = BackendPoller(address, 10.0, TOKEN)
             assert (await poller.worker_status()).alive
             await poller.close()
             decode = DecodeChannels(TOKEN).stub(address)  # the channel interceptor adds the metadata
@@ -151,7 +151,7 @@ def test_grpc_clients_carry_the_token() -> None:
                 async for _ in anonymous.generate("r2", [1, 2, 3], SamplingParams(max_new_tokens=3)):
                     pass
             await anonymous.close()
-            poller = BackendPoller(address, 2.0)
+            poller = BackendPoller(address, 10.0)
             with pytest.raises(StatusError, match="UNAUTHENTICATED") as err:
                 await poller.worker_status()
             assert err.value.definitive  # out of routing: it will never answer us

@@ -23,6 +23,7 @@ PROTO_EDGES = {
     "backend/server.py", "backend/pb_convert.py", "backend/grpc_server.py",
     "backend/pd_transfer.py",           # the KV hand-over stream is itself a gRPC protocol
     "backend/mock_backend.py",          # the real servicer's set-up, over a scripted engine
+    "backend/rtp_rpc.py",               # RTP-LLM's RpcService, translated to kvyard's
 }
 
 

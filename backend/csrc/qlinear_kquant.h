@@ -100,27 +100,11 @@ void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* q
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, nsb = nb / SUPER;
   const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
-  for (int64_t m = m0; m < m1;) {
-    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
-    const int32_t* xq = x.q + m * ldq;
-    const float* xs = x.s + m * nb;
-    const float* xsum = x.sum + m * nb;
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* codes = qs + g * nb * code_bytes;
-      const half_t* dg = d + g * nsb * d_halves;
-      const uint8_t* sg = sub + g * nb * 32;
-      float* out = y + m * ldy + g * G16;
-      switch (rows) {
-        case 12: group_rows16_k<KIND, 12>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 8: group_rows16_k<KIND, 8>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 4: group_rows16_k<KIND, 4>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 3: group_rows16_k<KIND, 3>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 2: group_rows16_k<KIND, 2>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        default: group_rows16_k<KIND, 1>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-      }
-    }
-    m += rows;
-  }
+  walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
+                                                  const float* xsum, float* out) {
+    group_rows16_k<KIND, decltype(rows)::value>(qs + g * nb * code_bytes, d + g * nsb * d_halves, sub + g * nb * 32,
+                                                nb, xq, xs, xsum, ldq, nb, out, ldy);
+  });
 }
 
 #pragma GCC pop_options

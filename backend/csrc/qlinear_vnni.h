@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -102,32 +103,41 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
 
 // Token rows [m0, m1) against groups [g0, g1): a chunk of rows against each group in turn, so the chunk's
 // int16 rows stay in L1 while the groups' codes (a few KB each) stay in L1 across chunks. The chunk size
-// changes the speed, never the bits.
-template <bool Q4>
-void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
-                  int64_t g0, int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
+// changes the speed, never the bits. kernel(R, g, xq, xs, xsum, out) runs one chunk of R rows (a
+// std::integral_constant: 12, 8, 4, 3, 2 or 1) against group g; both group_item16 kernels walk this way.
+template <class Kernel>
+inline void walk_row_chunks(const Int16Rows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1, float* y,
+                            int64_t ldy, Kernel&& kernel) {
+  const int64_t nb = x.nb, ldq = nb * 16;
   for (int64_t m = m0; m < m1;) {
     const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
     const int32_t* xq = x.q + m * ldq;
     const float* xs = x.s + m * nb;
     const float* xsum = x.sum + m * nb;
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* codes = qs + g * nb * code_bytes;
-      const half_t* dg = d + g * nb * 16;
-      const half_t* mg = Q4 ? mins + g * nb * 16 : nullptr;
       float* out = y + m * ldy + g * G16;
       switch (rows) {
-        case 12: group_rows16<Q4, 12>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 8: group_rows16<Q4, 8>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 4: group_rows16<Q4, 4>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 3: group_rows16<Q4, 3>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        case 2: group_rows16<Q4, 2>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
-        default: group_rows16<Q4, 1>(codes, dg, mg, nb, xq, xs, xsum, ldq, nb, out, ldy); break;
+        case 12: kernel(std::integral_constant<int, 12>{}, g, xq, xs, xsum, out); break;
+        case 8: kernel(std::integral_constant<int, 8>{}, g, xq, xs, xsum, out); break;
+        case 4: kernel(std::integral_constant<int, 4>{}, g, xq, xs, xsum, out); break;
+        case 3: kernel(std::integral_constant<int, 3>{}, g, xq, xs, xsum, out); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, g, xq, xs, xsum, out); break;
+        default: kernel(std::integral_constant<int, 1>{}, g, xq, xs, xsum, out); break;
       }
     }
     m += rows;
   }
+}
+
+template <bool Q4>
+void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
+                  int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
+  walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
+                                                  const float* xsum, float* out) {
+    group_rows16<Q4, decltype(rows)::value>(qs + g * nb * code_bytes, d + g * nb * 16,
+                                            Q4 ? mins + g * nb * 16 : nullptr, nb, xq, xs, xsum, ldq, nb, out, ldy);
+  });
 }
 
 #pragma GCC pop_options

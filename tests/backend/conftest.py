@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backend.attention import KVCache
-from backend.engine import Engine
+from backend.engine import Engine, GenerationRequest
 from backend.engine_loop import EngineLoop
 from backend.model import LlamaModel
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
@@ -232,3 +232,17 @@ def run_on_loop(loop: EngineLoop, scenario: Callable[[], Awaitable[T]]) -> T:
         return asyncio.run(scenario())  # type: ignore[arg-type]
     finally:
         loop.stop()
+
+
+def greedy_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], list[torch.Tensor], int]:
+    """A request through the Engine to its end: its tokens, the logits each was sampled from, and the
+    prompt tokens the prefix cache served."""
+    recorder = LogitsRecorder(engine)
+    engine.add(req)
+    tokens, reuse = [], 0
+    while engine.has_work:
+        for out in engine.step():
+            tokens.append(out.token_id)
+            reuse = out.aux.reuse_len
+    recorder.close()
+    return tokens, recorder.by_request[req.request_id], reuse

@@ -65,6 +65,7 @@ def test_sequence_classifier_logits_match_transformers(tmp_path: Path, family: s
     path = tiny_decoder_pooler(tmp_path / family, family=family, num_labels=num_labels)
     spec = load_pooling_spec(path)
     assert (spec.kind, spec.pooling, len(spec.labels)) == (ModelKind.CLASSIFY, "last", num_labels)
+    assert (spec.kind.a, ModelKind.EMBED.a) == ("a classify model", "an embed model")  # the messages' wording
     tok = _tokenizer(path)
     ids, types, mask = _batch(tok, SENTENCES[:4], ["a second text"] * 4)
     ours = _values(run_task(DecoderPoolingModel(spec, torch.float32, CPU), PoolTask.CLASSIFY, ids, types, mask))

@@ -23,7 +23,7 @@ from kvyard.sampling_params import SamplingParams
 from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
-from tests.backend.conftest import BLOCK_LAYOUTS, CPU, LogitsRecorder, build_engine, full_logits
+from tests.backend.conftest import BLOCK_LAYOUTS, CPU, build_engine, full_logits, greedy_run
 from tests.support.tiny_models import (EXACT_TYPES, Q4_K_TYPES, REQUANTIZED_TYPES, TinyModel, hf_greedy, save_hf_dir,
                                        tiny_model, write_gguf)
 
@@ -78,16 +78,8 @@ def prompt_ids(tiny: TinyModel) -> list[int]:
 
 def engine_run(engine: Engine, request_id: str, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor], int]:
     """Greedy through the Engine: tokens, the logits of each, and the prompt tokens the prefix cache served."""
-    recorder = LogitsRecorder(engine)
-    engine.add(GenerationRequest(request_id, list(ids), SamplingParams(),
-                                 StopConditions(max_new_tokens=steps, ignore_eos=True)))
-    tokens, reuse = [], 0
-    while engine.has_work:
-        for out in engine.step():
-            tokens.append(out.token_id)
-            reuse = out.aux.reuse_len
-    recorder.close()
-    return tokens, recorder.by_request[request_id], reuse
+    return greedy_run(engine, GenerationRequest(request_id, list(ids), SamplingParams(),
+                                               StopConditions(max_new_tokens=steps, ignore_eos=True)))
 
 
 def compare(model: LlamaModel, tiny: TinyModel, atol: float) -> float:

@@ -20,8 +20,11 @@ def test_openapi_says_400_and_sse(tokenizer: TextTokenizer) -> None:
         assert statuses <= set(responses), (path, sorted(responses))
         assert responses["400"]["content"]["application/json"]["schema"] == {
             "$ref": "#/components/schemas/ErrorResponse"}
-    for path in ("/v1/chat/completions", "/v1/completions", "/", "/generate"):
+    for path in ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/",
+                 "/generate", "/v1/responses", "/responses"):   # every dialect frontend/dialect.py registers
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"], path
+    query = {p["name"] for p in doc["paths"]["/generate"]["post"]["parameters"] if p["in"] == "query"}
+    assert query == {"max_tokens", "temperature", "top_p", "top_k", "seed", "model"}   # /generate's options
     assert "text/event-stream" not in doc["paths"]["/v1/chat/render"]["post"]["responses"]["200"].get("content", {})
     ids = [op["operationId"] for methods in doc["paths"].values() for op in methods.values()]
     assert len(ids) == len(set(ids)), "duplicate operation ids"

@@ -74,14 +74,14 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
     return TinyModel(family, model, spec, template)
 
 
-def randomize(model: Any) -> None:
+def randomize(model: Any, bias: float = 0.5, norms: tuple[str, ...] = ("norm.weight",)) -> None:
     """Random weights with visible norms and biases (the defaults are ones and zeros)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(norms):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
+                p.copy_(bias * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.08)
 

@@ -1,0 +1,117 @@
+"""Time to first token of one 448x448 image + a short question on a LLaVA-shaped model (random weights,
+realistic widths: a 12-layer ViT-S/14 tower, 1024 image tokens, a 135M-parameter Llama), kvyard over HTTP
+(the real PDFUSION cluster, the openai-style chat route, the image as a data: URI) against transformers'
+LlavaForConditionalGeneration.generate in process (its CLIP image processor included), both float32 on the
+same machine and thread count, in the same run. Then the same image again: kvyard's embedding cache and
+prefix cache against its first time.
+
+    .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from role_procs import REPO, ProcessGroup, wait_healthy  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+from kvyard.ports import free_port_block  # noqa: E402
+from tests.support.tiny_vision import png_bytes, save_llava_dir, tiny_llava  # noqa: E402
+
+SIDE = 448
+QUESTION = "What is in this picture?"
+TEXT = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 2048}
+VISION = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 6}
+
+
+def chat_body(image: bytes) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}],
+            "max_tokens": 1, "temperature": 0, "aux_info": True}
+
+
+def bench_kvyard(path: Path, images: list[bytes], threads: int) -> tuple[list[float], list[float], list[int]]:
+    group = ProcessGroup("kvyard-vision-", "benchmark-cluster-token-0123456789")
+    port = free_port_block(6)
+    try:
+        proc = group.kvyard("pdfusion", {"START_PORT": str(port), "CHECKPOINT_PATH": str(path), "DTYPE": "float32",
+                                         "TORCH_NUM_THREADS": str(threads), "KV_CACHE_MB": "256",
+                                         "MAX_NUM_BATCHED_TOKENS": "2048"})
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(f"{url}/health", proc, 300)
+        first, again, reuse = [], [], []
+        with httpx.Client(base_url=url, timeout=300) as client:
+            client.post("/v1/chat/completions", json=chat_body(png_bytes(SIDE, SIDE, seed=999))).raise_for_status()
+            for image in images:
+                for times in (first, again):
+                    t = time.perf_counter()
+                    r = client.post("/v1/chat/completions", json=chat_body(image))
+                    r.raise_for_status()
+                    times.append(time.perf_counter() - t)
+                reuse.append(r.json()["aux_info"]["reuse_len"])
+        return first, again, reuse
+    finally:
+        group.stop()
+
+
+def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[float]:
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    torch.set_num_threads(threads)
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor: Any = CLIPImageProcessorPil.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    n_image = (SIDE // 14) ** 2
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION + "<image>"}], tokenize=False,
+                                           add_generation_prompt=True).replace("<image>", "<image>" * n_image)
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = []
+    for image in [png_bytes(SIDE, SIDE, seed=999), *images]:
+        t = time.perf_counter()
+        pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=1, do_sample=False)
+        out.append(time.perf_counter() - t)
+    return out[1:]  # the first was the warm-up
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tiny = tiny_llava(image_size=SIDE, text=TEXT, vision=VISION)
+    path = save_llava_dir(tiny, Path(tempfile.mkdtemp(prefix="kvyard-llava-")) / "llava-bench")
+    del tiny
+    images = [png_bytes(SIDE, SIDE, seed=i) for i in range(args.trials)]
+    first, again, reuse = bench_kvyard(path, images, args.threads)
+    theirs = bench_transformers(path, images, args.threads)
+    med = statistics.median
+    print(f"\nTTFT, one {SIDE}x{SIDE} PNG + a short question ({(SIDE // 14) ** 2} image tokens), float32, "
+          f"{args.threads} torch threads, median of {args.trials}\n")
+    print("| | TTFT (ms) |\n|---|---|")
+    print(f"| kvyard, a new image (HTTP, end to end) | {med(first) * 1000:.0f} |")
+    print(f"| kvyard, the same image again (embedding + prefix cache; {med(reuse)} tokens reused) | {med(again) * 1000:.0f} |")
+    print(f"| transformers generate, max_new_tokens=1 (in process, processor included) | {med(theirs) * 1000:.0f} |")
+    print(f"| transformers / kvyard (new image) | {med(theirs) / med(first):.2f}x |")
+    print(f"| kvyard new image / same image again | {med(first) / med(again):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

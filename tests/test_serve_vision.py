@@ -1,0 +1,153 @@
+"""End to end, as a user runs it: CHECKPOINT_PATH at a tiny random LLaVA directory, the real cluster on free
+loopback ports, the official openai client sending an image part. The answer is transformers' greedy
+continuation on the same picture and prompt; the same image again is a prefix-cache hit; /v1/chat/render
+shows the placeholders; RTP-LLM's `POST /` takes `urls`; bad images are 400s naming the part."""
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.support.image_server import PNG, image_server
+from tests.support.procs import RoleProcess, free_port_block
+from tests.support.tiny_vision import IMAGE_TOKEN, TinyLlava, png_bytes, save_llava_dir, tiny_llava
+
+STEPS = 6
+QUESTION = "What is in the picture?"
+
+
+@dataclass
+class Server:
+    tiny: TinyLlava
+    path: Path
+    url: str
+    images_url: str                  # the loopback image server (on IMAGE_URL_ALLOW_HOSTS)
+    file_root: Path
+    client: openai.OpenAI
+    model: str
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("llava-serve")
+    tiny = tiny_llava()
+    path = save_llava_dir(tiny, root / "tiny-llava")
+    files = root / "files"
+    files.mkdir()
+    (files / "cat.png").write_bytes(png_bytes(64, 48, seed=3))
+    port = free_port_block()
+    with image_server() as images_url:
+        env = {"CHECKPOINT_PATH": str(path), "START_PORT": str(port), "KV_CACHE_MB": "16",
+               "IMAGE_URL_ALLOW_HOSTS": "127.0.0.1", "IMAGE_FILE_ROOT": str(files), "IMAGE_MAX_COUNT": "2",
+               "IMAGE_MAX_BYTES": "100000"}
+        proc = RoleProcess(env, root / "server.log")
+        try:
+            proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+            yield Server(tiny, path, f"http://127.0.0.1:{port}", images_url, files, client,
+                         client.models.list().data[0].id)
+        finally:
+            proc.stop()
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def messages(*urls: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts}]
+
+
+def chat(server: Server, *urls: str) -> dict[str, Any]:
+    resp = server.client.chat.completions.create(
+        model=server.model, messages=messages(*urls), temperature=0, max_tokens=STEPS,  # type: ignore[arg-type]
+        extra_body={"debug_info": True, "aux_info": True, "ignore_eos": True})
+    return resp.to_dict()
+
+
+def reference_tokens(server: Server, ids: list[int], image: bytes) -> list[int]:
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from backend.image_preprocess import decode_image
+    processor: Any = CLIPImageProcessorPil.from_pretrained(str(server.path))
+    pixel_values = processor(images=[decode_image(image)], return_tensors="pt")["pixel_values"]
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(STEPS):
+            logits = server.tiny.hf_model(input_ids=torch.tensor([ids + out]), pixel_values=pixel_values).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def test_openai_client_image_part_matches_transformers_then_hits_the_cache(server: Server) -> None:
+    image = png_bytes(80, 60, seed=1)
+    body = chat(server, data_uri(image))
+    debug = body["debug_info"]
+    token = server.tiny.image_token_id
+    assert debug["input_prompt"].count(IMAGE_TOKEN) == 1
+    ids = debug["input_ids"]
+    assert ids.count(token) == server.tiny.image_tokens
+    assert debug["output_ids"][0] == reference_tokens(server, ids, image)
+    assert body["aux_info"]["reuse_len"] == 0
+    again = chat(server, data_uri(image))
+    assert again["debug_info"]["output_ids"] == debug["output_ids"]
+    assert again["aux_info"]["reuse_len"] == (len(ids) - 1) // 16 * 16 > 0
+    other = chat(server, data_uri(png_bytes(80, 60, seed=2)))  # the same tokens, another picture
+    first_image_block = ids.index(token) // 16
+    assert other["aux_info"]["reuse_len"] == first_image_block * 16
+
+
+def test_url_and_local_file_sources(server: Server) -> None:
+    by_url = chat(server, f"{server.images_url}/ok.png")
+    by_data = chat(server, data_uri(PNG))
+    assert by_url["debug_info"]["output_ids"] == by_data["debug_info"]["output_ids"]
+    assert by_url["debug_info"]["input_urls"] == [f"{server.images_url}/ok.png"]
+    local = chat(server, str(server.file_root / "cat.png"))
+    assert len(local["debug_info"]["output_ids"][0]) == STEPS
+
+
+def test_render_shows_the_placeholders(server: Server) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/render", json={"messages": messages(data_uri(PNG), data_uri(PNG))}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["input_prompt"].count(IMAGE_TOKEN) == 2
+    assert body["input_ids"].count(server.tiny.image_token_id) == 2 * server.tiny.image_tokens
+    assert [u.startswith("data:image/png;base64,") for u in body["input_urls"]] == [True, True]
+
+
+def test_rtp_llm_urls(server: Server) -> None:
+    r = httpx.post(f"{server.url}/", json={"prompt": QUESTION, "urls": [data_uri(PNG)],
+                                          "generate_config": {"max_new_tokens": 3, "return_input_ids": True}},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["input_ids"][0].count(server.tiny.image_token_id) == server.tiny.image_tokens
+    r = httpx.post(f"{server.url}/", json={"prompt": [QUESTION, QUESTION], "urls": [data_uri(PNG)]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "urls"
+
+
+@pytest.mark.parametrize("url,param,needle", [
+    (data_uri(b"garbage"), "messages[0].content[1]", "not a readable image"),
+    ("http://10.1.2.3/x.png", "messages[0].content[1]", "internal address"),
+    ("/etc/passwd", "messages[0].content[1]", "no such image file under IMAGE_FILE_ROOT"),
+])
+def test_bad_images_are_400s_naming_the_part(server: Server, url: str, param: str, needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(server, url)
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+
+
+def test_too_many_and_too_large(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="3 images; at most 2"):
+        chat(server, data_uri(PNG), data_uri(PNG), data_uri(PNG))
+    with pytest.raises(openai.BadRequestError, match="larger than 100000"):
+        chat(server, f"{server.images_url}/big.png")
