@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora clean
 
 setup: $(STAMP)
 
@@ -67,9 +67,10 @@ bench: setup
 #   scale       kvyard vs llama-server on a 1.7B-shaped Q4_K_M GGUF (random weights, built once into
 #               ~/.cache/kvyard by llama.cpp's own llama-quantize): one stream, 32 streams, cold TTFT of a
 #               ~930-token prompt
+#   lora        32 streams over 4 LoRA adapters + the base vs the base alone; one adapter's load time
 #   gateway     the gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs
 #               least-connection routing
-BENCHES = embeddings vision peers scale gateway
+BENCHES = embeddings vision lora peers scale gateway
 $(addprefix bench-,$(BENCHES)): bench-%: setup
 	$(PY) benchmarks/$*.py
 

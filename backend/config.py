@@ -44,6 +44,10 @@ class BackendConfig:
     server_port: int = 0         # START_PORT, where a backend-only process (PREFILL, DECODE, PDFUSION with
                                  # FRONTEND_SERVER_COUNT=0) also serves its health/debug app; 0 = a frontend has it
     model_kind: ModelKind = ModelKind.GENERATE  # from the checkpoint: a decoder, or an encoder (embed / classify)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LORA_MODULES: (name, adapter directory) loaded at start-up
+    lora_root: str = ""          # LORA_ROOT: run-time loads (/v1/load_lora_adapter, /update) only from under it;
+                                 # "" = run-time loading off
+    max_loras: int = 0           # MAX_LORAS: adapters held at once, least recently used evicted; 0 = no bound
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
@@ -94,7 +98,23 @@ class BackendConfig:
             drain_grace_s=float(env_int(env, "DRAIN_GRACE_S", 30, minimum=0)),
             server_port=start if alone else 0,
             model_kind=kind,
+            lora_modules=lora_modules(env.get("LORA_MODULES", "")),
+            lora_root=env_str(env, "LORA_ROOT", ""),
+            max_loras=env_int(env, "MAX_LORAS", 0, minimum=0),
         )
+
+
+def lora_modules(raw: str) -> tuple[tuple[str, str], ...]:
+    """LORA_MODULES / --lora-modules: "name=path" entries separated by commas."""
+    out: list[tuple[str, str]] = []
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"LORA_MODULES entries are name=path, got {entry!r}")
+        out.append((name.strip(), path.strip()))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"LORA_MODULES names an adapter twice: {raw!r}")
+    return tuple(out)
 
 
 def _kv_cache_dtype(env: Mapping[str, str], dtype: str, weight_format: str) -> str:

@@ -8,6 +8,7 @@ import time
 import torch
 
 from backend.constraints import GrammarState, mask_words
+from backend.lora import LoraRegistry
 from backend.engine_types import (CacheStatus, GenerationRequest, ImportPlan, KVLayout, PoolingRequest, ScoreRequest,
                                   ScoreResult, TokenOutput)
 from backend.model_runner import ModelRunner
@@ -35,12 +36,14 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
                  max_model_len: int, role: Role = Role.PDFUSION, vision: VisionConfig | None = None,
-                 tower: VisionTower | None = None) -> None:
+                 tower: VisionTower | None = None, loras: LoraRegistry | None = None) -> None:
         """vision: a vision-language model's image side (None: text only); tower: where images are embedded
-        here (None on a DECODE backend: it takes the prefilled KV)."""
+        here (None on a DECODE backend: it takes the prefilled KV); loras: the LoRA adapters it serves (None:
+        none can be loaded)."""
         self.runner = runner
         self.vision = vision
         self.tower = tower
+        self.loras = loras
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -61,7 +64,8 @@ class Engine:
     # ---- requests in ------------------------------------------------------------------------
 
     def validate(self, req: GenerationRequest | ScoreRequest | PoolingRequest) -> None:
-        """Raises RequestError for input this engine can never serve. Pure: safe from any thread."""
+        """Raises RequestError for input this engine can never serve. Safe from any thread: it also resolves
+        the LoRA adapter a generation request names (req.adapter), which the request then holds."""
         if isinstance(req, PoolingRequest):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
                                "pooling (embeddings, reranking, classification)", "model")
@@ -71,6 +75,11 @@ class Engine:
             if req.images and self.role is not Role.PDFUSION:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "images are served by PDFUSION backends only "
                                    "(a prefill/decode split does not carry them yet)", "images")
+        if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
+            if self.loras is None:
+                raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
+                                   "loaded: this backend serves no adapters", "model")
+            req.adapter = self.loras.resolve(req.sampling.adapter)
 
     def add(self, req: GenerationRequest | ScoreRequest) -> None:
         if isinstance(req, ScoreRequest):
@@ -241,7 +250,8 @@ class Engine:
                 prefill_tokens_per_s=self.stats.prefill_tokens_per_s, free_blocks=st.free_blocks,
                 total_blocks=st.total_blocks, block_size=self.scheduler.config.block_size,
                 version=st.version, iterate_count=self.stats.iterations, alive=alive,
-                cache_version=self.scheduler.block_pool.cache_version)
+                cache_version=self.scheduler.block_pool.cache_version,
+                adapters=() if self.loras is None else tuple(self.loras.names()))
 
     def cache_status(self, since_version: int) -> CacheStatus:
         with self.lock:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from backend.constraints import GrammarState
+    from backend.lora_weights import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class GenerationRequest:
     grammar: GrammarState | None = None   # `constraint` compiled (by the gRPC edge, off the engine thread),
                                           # at the place the output starts; each sequence takes a copy
     images: list[ImageInput] = field(default_factory=list)  # a vision model's images, in prompt order
+    adapter: LoraAdapter | None = None    # sampling.adapter resolved by Engine.validate (held to the end)
 
 
 @dataclass(frozen=True)

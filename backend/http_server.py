@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from backend.debug_views import (CACHE_VERSION_KEYS, FINISHED_VERSION_KEYS, BackendFacts, cache_status_view,
                                  version_arg, worker_status_view)
 from backend.engine_loop import EngineLoop
+from backend.lora import LoraRegistry
+from backend.lora_routes import lora_routes
 from backend.task_log import TaskLog
 from kvyard.cluster_auth import install_cluster_auth
 from kvyard.http_errors import install_error_handlers
@@ -26,7 +28,9 @@ OPEN_PATHS = (*HEALTH_PATHS, "/health_check", "/", "/metrics", "/worker_status",
 
 
 def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: TaskLog | None = None,
-                            facts: BackendFacts | None = None) -> FastAPI:
+                            facts: BackendFacts | None = None, loras: LoraRegistry | None = None) -> FastAPI:
+    """loras: a generate model's adapters, managed through /v1/load_lora_adapter, /v1/unload_lora_adapter and
+    /update (under the cluster token); None (a pooling model) leaves those routes out."""
     tasks = tasks or TaskLog()
     facts = facts or BackendFacts()
     app = FastAPI(title="kvyard backend")
@@ -34,6 +38,8 @@ def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: Tas
     install_cluster_auth(app, token, OPEN_PATHS)
     app.add_middleware(JsonBodyByDefault)
     add_metrics_route(app, engine_loop.metrics.registry)
+    if loras is not None:
+        app.include_router(lora_routes(loras))
 
     async def worker_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
         since = version_arg(body, FINISHED_VERSION_KEYS)

@@ -23,6 +23,7 @@ from backend.debug_views import BackendFacts
 from backend.http_server import create_backend_http_app
 from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
+from backend.lora import LoraRegistry
 from backend.model import LlamaModel
 from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
@@ -82,10 +83,19 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     tower = (load_vision_tower(cfg.checkpoint_path, model_cfg, dtype, device)
              if model_cfg.vision is not None and cfg.role is not Role.DECODE else None)
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role,
-                    vision=model_cfg.vision, tower=tower)
+                    vision=model_cfg.vision, tower=tower, loras=lora_registry(cfg, model))
     eos = tokenizer.stop_token_ids
     return (EngineLoop(engine, model_name=cfg.model_name), eos, max_model_len,
             GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
+
+
+def lora_registry(cfg: BackendConfig, model: LlamaModel) -> LoraRegistry:
+    """The adapters LORA_MODULES names, loaded (an unreadable one stops the start, naming it)."""
+    registry = LoraRegistry(model.config, model.dtype, model.device, cfg.max_loras,
+                            Path(cfg.lora_root) if cfg.lora_root else None)
+    for name, path in cfg.lora_modules:
+        registry.load(name, path, start_up=True)
+    return registry
 
 
 def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
@@ -177,7 +187,8 @@ async def serve_backend(cfg: BackendConfig) -> None:
     servicer.vision = engine_loop.engine.vision if isinstance(engine_loop.engine, Engine) else None
     server, health_servicer = await start_grpc_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
     facts = BackendFacts(cfg.server_port or cfg.grpc_port - 1, cfg.grpc_port, cfg.http_port, cfg.max_num_seqs)
-    app = create_backend_http_app(engine_loop, cfg.cluster_token, servicer.tasks, facts)
+    app = create_backend_http_app(engine_loop, cfg.cluster_token, servicer.tasks, facts,
+                                  getattr(engine_loop.engine, "loras", None))
     https = [uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning", access_log=False))
              for port in (cfg.http_port, cfg.server_port) if port]
     for http in https:

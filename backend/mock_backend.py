@@ -151,6 +151,9 @@ class ScriptedEngine:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenOutput]]:
         self.generation_requests.append(req)
         self._check_ids(req.prompt_ids)
+        if req.sampling.adapter:
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not loaded: "
+                               "the mock backend holds no adapters", "model")
         script = self.script_for(req)
         seqs = [Sequence(req.request_id, req.prompt_ids, req.stop, index=i) for i in range(req.n)]
         self.running += req.n

@@ -8,6 +8,7 @@ import math
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
+from backend.lora import LoraBatch
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
 from backend.quant import QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
@@ -60,22 +61,24 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
         embeds: rows [M] whose input embedding is given instead of looked up, and those embeddings [M, D]
-        (an image's placeholder tokens)."""
+        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); a step with
+        any runs op by op, since the fused C++ decode step takes no adapters."""
         if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS
-                and embeds is None):
+                and embeds is None and lora is None):
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
-        x = self.hidden_states(input_ids, positions, cache, meta, embeds)
+        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      lora: LoraBatch | None = None) -> torch.Tensor:
         """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds
-        as forward's."""
+        and lora as forward's."""
         c, ops, w = self.config, self.ops, self.w
         cos = self.cos[positions]  # [T, d/2]; shared by every layer
         sin = self.sin[positions]
@@ -86,13 +89,24 @@ class LlamaModel:
             p = f"layers.{i}."
             h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))                    # [T, (H+2Hkv)d]
+            if lora is not None:
+                lora.add(qkv, h, i, "qkv")
             if c.qk_norm:
                 qkv = self._qk_norm(qkv, p)
             q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
             attn = ops.attention(q, cache, i, meta, self.windows[i])                      # [T, H, d]
-            x = ops.linear(attn.reshape(attn.shape[0], -1), w[p + "o"], residual=x)
+            attn = attn.reshape(attn.shape[0], -1)
+            x = ops.linear(attn, w[p + "o"], residual=x)
+            if lora is not None:
+                lora.add(x, attn, i, "o")
             h = ops.rms_norm(x, w[p + "ffn_norm"], c.rms_norm_eps)
-            x = ops.linear(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual=x)
+            gate_up = ops.linear(h, w[p + "gate_up"])
+            if lora is not None:
+                lora.add(gate_up, h, i, "gate_up")
+            m = ops.silu_mul(gate_up)
+            x = ops.linear(m, w[p + "down"], residual=x)
+            if lora is not None:
+                lora.add(x, m, i, "down")
         return x
 
     def _qk_norm(self, qkv: torch.Tensor, p: str) -> torch.Tensor:

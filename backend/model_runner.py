@@ -1,19 +1,26 @@
 """One engine step on the device: scheduled chunks → flat tensors → model forward → logits of the rows asked."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Protocol, Sequence, TypeVar
 
 import torch
 
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan
+from backend.lora import LoraBatch, LoraStacks
+from backend.lora_weights import LoraAdapter
 from backend.model import LlamaModel
 from backend.vision_inputs import chunk_embeds
+
+Feature = TypeVar("Feature")
 
 
 class ChunkSeq(Protocol):
     token_ids: list[int]    # prompt then output
     block_table: list[int]  # KV block ids in position order
+
+    def feature(self, kind: type[Feature]) -> Feature | None: ...  # e.g. its LoraAdapter
 
 
 class StepChunk(Protocol):
@@ -29,6 +36,10 @@ class DirectSeq:
     """A bare sequence for callers that drive the runner without a scheduler (benchmarks, tests)."""
     token_ids: list[int]
     block_table: list[int]
+    features: tuple[object, ...] = field(default=())  # e.g. a LoraAdapter
+
+    def feature(self, kind: type[Feature]) -> Feature | None:
+        return next((f for f in self.features if isinstance(f, kind)), None)
 
 
 @dataclass
@@ -47,6 +58,7 @@ class StepTensors:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [R] flat rows whose logits are computed, in chunk order
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [M] given embeddings [M, D] (images)
+    lora: LoraBatch | None = None  # rows grouped by LoRA adapter; None: no row uses one
 
 
 class ModelRunner:
@@ -54,6 +66,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.device
+        self.lora_stacks = LoraStacks()  # adapters' matrices stacked per step's set (backend/lora.py)
 
     def run(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Logits [R, V] (float32) for the requested chunk-relative rows, chunk by chunk in order.
@@ -61,7 +74,7 @@ class ModelRunner:
         if logit_rows is None:
             logit_rows = [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
         t = self.prepare(chunks, logit_rows)
-        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.embeds)
+        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.embeds, t.lora)
 
     def prepare(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]]) -> StepTensors:
         bs = self.cache.block_size
@@ -75,8 +88,10 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         image_rows: list[int] = []
         image_values: list[torch.Tensor] = []
+        adapters: list[LoraAdapter | None] = []
         for chunk, rows in zip(chunks, logit_rows):
             row0, start, n = len(ids), chunk.start, chunk.num_new_tokens
+            adapters.append(chunk.seq.feature(LoraAdapter))
             for offset, values in chunk_embeds(chunk.seq, start, n):
                 image_rows.extend(range(row0 + offset, row0 + offset + values.shape[0]))
                 image_values.append(values)
@@ -109,7 +124,11 @@ class ModelRunner:
             meta.decode_key_mask = mask[:, None, None, :].to(self.device)
             meta.decode_lens = lens.to(self.device)
         embeds = (self._tensor(image_rows), torch.cat(image_values)) if image_values else None
-        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), embeds)
+        lora = None
+        if any(a is not None for a in adapters):
+            ends = list(accumulate(c.num_new_tokens for c in chunks))
+            lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.lora_stacks, self.device)
+        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), embeds, lora)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -19,9 +19,12 @@ def request_sequences(req: GenerationRequest, device: torch.device) -> list[Sequ
         if sampling.seed is not None and index:
             # n > 1 with a seed: distinct but reproducible streams.
             sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+        features: list[object] = [] if req.grammar is None else [req.grammar.copy()]
+        if req.adapter is not None:
+            features.append(req.adapter)
         seq = Sequence(req.request_id, req.prompt_ids, req.stop, arrival_time=req.arrival_time, index=index,
-                       sampling=sampling, generator=make_generator(sampling, device),
-                       features=() if req.grammar is None else (req.grammar.copy(),))
+                       sampling=sampling, generator=make_generator(sampling, device), features=features,
+                       extra_key=b"" if req.adapter is None else req.adapter.cache_key)
         seq.hold_blocks = req.hold_blocks
         seqs.append(seq)
     return seqs

@@ -25,6 +25,7 @@ from frontend.dialect import Routes
 from frontend.embeddings import embedding_routes
 from frontend.generate_stream import GenerateDialect
 from frontend.lmtp import LMTP_PATHS, LmtpService, lmtp_routes
+from frontend.lora_routes import adapter_models, lora_routes
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
@@ -75,6 +76,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
     app.include_router(routes.router)
     app.include_router(worker_info_routes(cfg))  # SGLang's router asks these of every worker
     app.include_router(debug_routes(cfg))  # RTP-LLM's /cache_status, /worker_status, /set_log_level
+    app.include_router(lora_routes(cfg))  # LoRA adapters: vLLM's load/unload, RTP-LLM's /update
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -86,6 +88,8 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         if cfg.embedding is not None:
             data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
                          "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
+        if cfg.lora:
+            data += [m for m in await adapter_models(cfg) if m["id"] not in names]
         return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")

@@ -57,6 +57,8 @@ class FrontendConfig:
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
     vision: VisionConfig | None = None   # the chat model's image side (a LLaVA directory); None: text only
     images: ImageLimits = ImageLimits()  # IMAGE_*: where images may come from, how many, how large
+    lora: bool = False               # LORA_MODULES or LORA_ROOT set: a `model` this frontend does not serve
+                                     # names a LoRA adapter (the backend answers 404 if it holds none of that name)
 
     def serves(self, name: str) -> bool:
         """`name` is this frontend's own model (its name or an alias)."""
@@ -112,6 +114,7 @@ class FrontendConfig:
             trust_request_chat_template=env_choice(env, "TRUST_REQUEST_CHAT_TEMPLATE", "0", ("0", "1")) == "1",
             vision=load_vision_config(tokenizer) if tokenizer.is_dir() else None,
             images=ImageLimits.from_env(env),
+            lora=bool(env.get("LORA_MODULES") or env.get("LORA_ROOT")),
             **pooling,
         )
 

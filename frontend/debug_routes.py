@@ -1,8 +1,8 @@
 """RTP-LLM's debug routes on the frontend's port, proxied to the backend paired with this frontend (the one
 at BACKEND_ADDRESS, as in RTP-LLM where they work "only when locally paired with a Backend server"):
 /cache_status and /worker_status (and their /rtp_llm/ names) answer what the backend's HTTP port answers;
-/set_log_level changes this process's level, then the paired backend's. RTP-LLM's live-update routes
-(/update, /update_eplb_config) are refused with a 400 that says why."""
+/set_log_level changes this process's level, then the paired backend's. /update_eplb_config is refused
+with a 400 that says why (/update, LoRA adapters: frontend/lora_routes.py)."""
 from __future__ import annotations
 
 import logging
@@ -29,23 +29,28 @@ def paired_backend_url(cfg: FrontendConfig) -> str:
     return f"http://{host}:{backend_http_for_grpc(int(port))}"
 
 
+async def call_paired(cfg: FrontendConfig, path: str, body: dict[str, Any] | None, method: str = "POST",
+                      timeout_s: float = TIMEOUT_S) -> httpx.Response:
+    """One call to the paired backend's HTTP port with the cluster token; UNAVAILABLE if it does not answer."""
+    base = paired_backend_url(cfg)
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(cfg.cluster_token)) as client:
+            return await client.request(method, f"{base}{path}", json=body or {} if method == "POST" else None)
+    except httpx.HTTPError as exc:
+        raise RequestError(ErrorCode.UNAVAILABLE, f"the backend paired with this frontend ({base}) does not "
+                           f"answer {path}: {type(exc).__name__} {exc}".rstrip()) from None
+
+
 def debug_routes(cfg: FrontendConfig) -> APIRouter:
     router = APIRouter()
-    base = paired_backend_url(cfg)
-    headers = auth_headers(cfg.cluster_token)
 
     async def call_backend(path: str, body: dict[str, Any] | None) -> httpx.Response:
-        try:
-            async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=headers) as client:
-                return await client.post(f"{base}{path}", json=body or {})
-        except httpx.HTTPError as exc:
-            raise RequestError(ErrorCode.UNAVAILABLE, f"the backend paired with this frontend ({base}) does not "
-                               f"answer {path}: {type(exc).__name__} {exc}".rstrip()) from None
+        return await call_paired(cfg, path, body)
 
     def proxy(path: str) -> Any:
         async def proxied(body: dict[str, Any] | None = Body(default=None)) -> JSONResponse:
             resp = await call_backend(path, body)
-            return JSONResponse(_json(resp), resp.status_code)
+            return JSONResponse(backend_json(resp), resp.status_code)
         return proxied
 
     for path in PROXIED:
@@ -59,16 +64,10 @@ def debug_routes(cfg: FrontendConfig) -> APIRouter:
         answers: dict[str, Any] = {"frontend": "ok"}
         try:
             resp = await call_backend("/set_log_level", {"log_level": level})
-            answers["backend"] = "ok" if resp.status_code == 200 else _json(resp)
+            answers["backend"] = "ok" if resp.status_code == 200 else backend_json(resp)
         except RequestError as exc:
             answers["backend"] = exc.message  # a FRONTEND role may have no paired backend: its own level stands
         return JSONResponse({"status": "ok", "log_level": level, "processes": answers})
-
-    @router.post("/update")
-    async def update(body: dict[str, Any] | None = Body(default=None)) -> None:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, "POST /update (RTP-LLM's live model, LoRA and sampler "
-                           "updates) is not supported: kvyard loads one model at start-up and has no adapters; "
-                           "restart the backend with the new CHECKPOINT_PATH")
 
     @router.post("/update_eplb_config")
     async def update_eplb_config(body: dict[str, Any] | None = Body(default=None)) -> None:
@@ -78,7 +77,7 @@ def debug_routes(cfg: FrontendConfig) -> APIRouter:
     return router
 
 
-def _json(resp: httpx.Response) -> Any:
+def backend_json(resp: httpx.Response) -> Any:
     try:
         return resp.json()
     except ValueError:

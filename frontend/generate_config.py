@@ -38,7 +38,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "no_repeat_ngram_size": ((0,), "n-gram blocking is not implemented; repetition_penalty, presence_penalty and "
                                    "frequency_penalty are"),
     "bad_words_list": (([],), "give the words as text in the request's bad_words"),
-    "adapter_name": (("", []), "kvyard serves no LoRA adapters"),
 }
 
 
@@ -75,7 +74,7 @@ class GenerateConfig(BaseModel):
     top_p_min: float | None = None
     no_repeat_ngram_size: int | None = None
     bad_words_list: Any = None
-    adapter_name: Any = None
+    adapter_name: str | None = None  # a LoRA adapter (docs/lora.md); as the request's `model` naming it
 
     @field_validator(*_UNSUPPORTED, mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.config import FrontendConfig
 from frontend.images import LoadedImage, load_images, with_images
 from frontend.protocol import SamplingRequest
+from frontend.lora_routes import adapter_of
 from frontend.routing import Router, model_to_route
 from kvyard.constraint import Constraint
 from kvyard.detokenize import IncrementalDetokenizer
@@ -123,10 +124,12 @@ class Pipeline:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "the prompt is empty (the template rendered no tokens)",
                                "messages")
         max_new = self.budget(len(rendered.input_ids), budget)
-        params = self._params(req, dialect, max_new, logprobs, top_logprobs, constraint)
+        model = self.check_model(req.model)
+        adapter = adapter_of(self.cfg, model, req.extra_configs and req.extra_configs.adapter_name)
+        params = replace(self._params(req, dialect, max_new, logprobs, top_logprobs, constraint), adapter=adapter)
         stops = [*req.stop_list(), *self.cfg.stop_words, *rendered.format_stops]
         return PreparedRequest(request_id, rendered, params, stops,
-                               self.check_model(req.model), tool_parser, req.include_stop, req.skip_special_tokens,
+                               model, tool_parser, req.include_stop, req.skip_special_tokens,
                                req.prompt_logprobs, tuple(images))
 
     def _truncated(self, rendered: RenderedPrompt, keep: int | None) -> RenderedPrompt:
@@ -208,6 +211,9 @@ class Pipeline:
     async def prompt_logprobs(self, request_id: str, ids: list[int], model: str | None, top: int
                               ) -> list[TokenLogprob | None]:
         """Each prompt token's logprob after the ones before it (the backend's ScoreCall; the first has none)."""
+        if adapter_of(self.cfg, model, None):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt logprobs (prompt_logprobs, echo with logprobs) "
+                               "are computed by the base model only, not with a LoRA adapter", "model")
         if len(ids) == 1:
             return [None]
         score = await self.client.score(request_id, ids[:1], ids[1:], model, top)

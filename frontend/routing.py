@@ -65,7 +65,7 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {name!r} is {cfg.embedding.kind.a}: it "
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")
-    if not cfg.serves(name) and not cfg.master_address:
+    if not cfg.serves(name) and not cfg.master_address and not cfg.lora:
         raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
                            f"'{cfg.model_name}'", "model")
     return name
@@ -111,7 +111,9 @@ class Router:
         deadlines; a backend unreachable or silent is retried elsewhere as long as nothing was streamed yet."""
         failed: set[str] = set()
         for attempt in range(ATTEMPTS):
-            route = await self.route(model or self.cfg.model_name, input_ids, exclude=failed, images=images)
+            # A LoRA adapter runs on its base model's backends: routed as the base model.
+            route = await self.route(self.cfg.model_name if params.adapter else model or self.cfg.model_name,
+                                     input_ids, exclude=failed, images=images, adapter=params.adapter)
             started = False
             stream = self.client(route.address).generate(request_id, input_ids, params, route.decode_address,
                                                          [im.data for im in images])
@@ -146,13 +148,15 @@ class Router:
         return await asyncio.shield(task)
 
     async def route(self, model: str, input_ids: list[int], exclude: set[str] = frozenset(),
-                    direct: tuple[str, ...] | None = None, images: Sequence[LoadedImage] = ()) -> Route:
-        """direct: the backends to call without a master (default: the chat model's fallback list)."""
+                    direct: tuple[str, ...] | None = None, images: Sequence[LoadedImage] = (),
+                    adapter: str = "") -> Route:
+        """direct: the backends to call without a master (default: the chat model's fallback list);
+        adapter: a LoRA adapter of `model`, which the master sends to a backend holding it."""
         model = self.cfg.model_name if self.cfg.serves(model) else model  # the master knows no aliases
         if self._master is not None and time.monotonic() >= self._master_down_until:
             if not self._leader_known:
                 await self._follow_leader()
-            route = await self._ask_master(model, input_ids, images)
+            route = await self._ask_master(model, input_ids, images, adapter)
             if route is not None and route.address not in exclude:
                 return route
         return self._direct(exclude, self.cfg.fallback_addresses if direct is None else direct)
@@ -179,7 +183,8 @@ class Router:
             raise RequestError(ErrorCode.UNAVAILABLE, "no backend is reachable")
         return Route(choices[next(self._round_robin) % len(choices)], False, 0)
 
-    async def _ask_master(self, model: str, input_ids: list[int], images: Sequence[LoadedImage] = ()) -> Route | None:
+    async def _ask_master(self, model: str, input_ids: list[int], images: Sequence[LoadedImage] = (),
+                          adapter: str = "") -> Route | None:
         """The master's pick; None when it cannot answer (then the caller goes direct). Raises the
         master's verdict when it says no backend should take this request."""
         assert self._master is not None
@@ -188,9 +193,12 @@ class Router:
             per_image = self.cfg.vision.num_image_tokens
             salts = image_block_salts(image_starts(input_ids, self.cfg.vision.image_token_id, per_image),
                                       [im.digest for im in images], per_image, self.cfg.block_size)
-        body = {"model": model, "block_cache_keys": block_cache_keys(input_ids, self.cfg.block_size, salts=salts),
-                "seq_len": len(input_ids), "debug": False,
-                "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        # An adapter's KV is keyed by its load on one backend: no prefix keys the master could match.
+        keys = [] if adapter else block_cache_keys(input_ids, self.cfg.block_size, salts=salts)
+        body: dict[str, Any] = {"model": model, "block_cache_keys": keys, "seq_len": len(input_ids), "debug": False,
+                                "generate_timeout": int(self.cfg.request_timeout_s * 1000), "request_priority": 0}
+        if adapter:
+            body["adapter"] = adapter
         # The master holds a request while every backend is busy (MASTER_QUEUE_WAIT_MS) instead of a 429.
         wait = self.cfg.master_timeout_s + self.cfg.master_queue_wait_s
         timeout = httpx.Timeout(self.cfg.master_timeout_s, read=wait)

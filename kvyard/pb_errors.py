@@ -12,6 +12,7 @@ _CODE_TO_PB = {
     ErrorCode.TIMEOUT: pb.TIMEOUT,
     ErrorCode.CANCELLED: pb.CANCELLED,
     ErrorCode.UNAVAILABLE: pb.UNAVAILABLE,
+    ErrorCode.MODEL_NOT_FOUND: pb.MODEL_NOT_FOUND,
 }
 _PB_TO_CODE = {v: k for k, v in _CODE_TO_PB.items()}
 

@@ -48,6 +48,8 @@ class SamplingParams:
     logprobs: bool = False           # each sampled token's logprob
     top_logprobs: int = 0            # and this many alternatives (<= MAX_TOP_LOGPROBS)
     constraint: Constraint | None = None  # a grammar every sequence's output follows (frontend/guided.py)
+    # which weights
+    adapter: str = ""                # a LoRA adapter's name (backend/lora.py); "" → the base model
 
     @property
     def greedy(self) -> bool:
@@ -120,8 +122,8 @@ class SamplingParams:
 # constraint are messages of their own), and the two fields the proto names otherwise.
 _WIRE_FIELDS = ("max_new_tokens", "min_new_tokens", "n", "temperature", "top_p", "top_k", "min_p", "typical_p",
                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids",
-                "stop_token_ids", "ignore_eos", "timeout_ms", "logprobs", "top_logprobs")
-_WIRE_NAMES = {"n": "num_return_sequences", "logprobs": "return_logprobs"}
+                "stop_token_ids", "ignore_eos", "timeout_ms", "logprobs", "top_logprobs", "adapter")
+_WIRE_NAMES = {"n": "num_return_sequences", "logprobs": "return_logprobs", "adapter": "adapter_name"}
 
 
 def _plain(value: Any) -> Any:

@@ -24,3 +24,4 @@ class WorkerStatus:
     alive: bool                  # its engine thread runs
     cache_version: int           # the prefix cache's version: fetch a diff of its keys when it moved
     model_kind: ModelKind = ModelKind.GENERATE  # what its model answers: generate, embed or classify
+    adapters: tuple[str, ...] = ()  # LoRA adapters it holds, by name (docs/lora.md)

@@ -47,6 +47,12 @@ FLAGS: tuple[Flag, ...] = (
          "rerank, classify): a Hugging Face encoder directory, or 'embedded' for all-MiniLM-L6-v2", "model", "PATH"),
     Flag("--embedding-model-name", "EMBEDDING_MODEL_NAME", "the name clients pass as 'model' for it (default: "
          "all-MiniLM-L6-v2 / the directory's name)", "model", "NAME"),
+    Flag("--lora-modules", "LORA_MODULES", "LoRA adapters (PEFT directories) served beside the model from the "
+         "start, as name=path; a request names one as its 'model' (docs/lora.md)", "model", "NAME=PATH", many=True),
+    Flag("--lora-root", "LORA_ROOT", "the directory adapters may be loaded from at run time "
+         "(/v1/load_lora_adapter, /update); unset: run-time loading is off", "model", "DIR"),
+    Flag("--max-loras", "MAX_LORAS", "adapters a backend holds at once; loading one more evicts the least "
+         "recently used (default 0: no bound)", "model", "N"),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
     Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
          "or MOCK_MASTER", "net", "ROLE", cluster=False),

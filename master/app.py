@@ -91,7 +91,7 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
         if len(req.block_cache_keys) > req.seq_len:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"block_cache_keys has {len(req.block_cache_keys)} "
                                f"blocks but seq_len is only {req.seq_len} tokens", "block_cache_keys")
-        route = RouteRequest(req.model, req.block_cache_keys, req.seq_len)
+        route = RouteRequest(req.model, req.block_cache_keys, req.seq_len, req.adapter)
         # Held while every backend is busy; a frontend that gives up meanwhile leaves the queue.
         decision = await cancel_on_disconnect(request, hold.schedule(route, req.request_priority,
                                                                      req.generate_timeout))

@@ -96,7 +96,8 @@ def worker_status_from_pb(m: pb.WorkerStatusPB) -> WorkerStatus:
                         prefill_tokens_per_s=m.prefill_tokens_per_s, free_blocks=m.free_blocks,
                         total_blocks=m.total_blocks, block_size=m.block_size, version=m.version,
                         iterate_count=m.iterate_count, alive=m.alive, cache_version=m.cache_version,
-                        model_kind=ModelKind(m.model_kind or ModelKind.GENERATE))  # older backends: none
+                        model_kind=ModelKind(m.model_kind or ModelKind.GENERATE),  # older backends: none
+                        adapters=tuple(m.adapters))
 
 
 def cache_update_from_pb(m: pb.CacheStatusPB, since_version: int) -> CacheUpdate:

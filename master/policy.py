@@ -83,6 +83,7 @@ class RouteRequest:
     model: str
     block_cache_keys: Sequence[int]  # chained keys of the prompt's full blocks (kvyard.block_keys)
     seq_len: int                     # prompt tokens
+    adapter: str = ""                # a LoRA adapter of the model ("" = the base model): only backends holding it
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class BackendLoad:
     routed_kv_tokens: int = 0        # KV tokens they will take
     last_chosen: float = 0.0         # when the policy last picked it (monotonic seconds; 0 = never)
     kv_reported: bool = True         # False: its KV pool is unknown (a ServerLoad), so no KV check or eviction cost
+    adapters: Set[str] = field(default_factory=frozenset)  # LoRA adapters it holds
 
     @property
     def load(self) -> int:
@@ -216,6 +218,12 @@ def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
         models = sorted({b.model for b in backends})
         return Decision(None, "unknown_model", [], ErrorCode.MODEL_NOT_FOUND,
                         f"The model '{request.model}' does not exist; this cluster serves: {', '.join(models)}")
+    if request.adapter:
+        serving = [b for b in serving if request.adapter in b.adapters]
+        if not serving:
+            return Decision(None, "unknown_adapter", [], ErrorCode.MODEL_NOT_FOUND,
+                            f"The model '{request.adapter}' does not exist: no backend of '{request.model}' holds a "
+                            "LoRA adapter of that name")
     first = [b for b in serving if b.role != Role.DECODE] or serving
     decision = _choose_first_stage(request, first, cfg)
     roles = {b.name: b.role for b in first}

@@ -184,7 +184,8 @@ class Registry:
             base: dict[str, Any] = {} if st is None else dict(
                 running=st.running, waiting=st.waiting, queued_prefill_tokens=st.queued_prefill_tokens,
                 step_latency_ms=st.step_latency_ms, prefill_tokens_per_s=st.prefill_tokens_per_s,
-                free_blocks=st.free_blocks, total_blocks=st.total_blocks, block_size=st.block_size)
+                free_blocks=st.free_blocks, total_blocks=st.total_blocks, block_size=st.block_size,
+                adapters=frozenset(st.adapters))
             out.append(BackendLoad(
                 name=name, model=s.endpoint.model, healthy=self.healthy(s, now), role=s.endpoint.role, **base,
                 cached_keys=s.cache_keys, pending_keys=s.pending.keys(), recent_keys=s.recent.keys(),

@@ -23,6 +23,7 @@ class ScheduleRequest(_Strict):
     debug: bool = False                    # also return every candidate's score
     generate_timeout: int = Field(default=0, ge=0)  # ms (0 = none): held no longer than this while all are busy (504)
     request_priority: int = 0              # order among held requests: lower first (then arrival order)
+    adapter: str = ""                      # kvyard: the LoRA adapter asked for ("" = the base model)
 
 
 class RegisterRequest(_Strict):

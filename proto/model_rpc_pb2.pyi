@@ -31,6 +31,7 @@ class ErrorCodePB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[ErrorCodePB]
     INTERNAL: _ClassVar[ErrorCodePB]
     UNAVAILABLE: _ClassVar[ErrorCodePB]
+    MODEL_NOT_FOUND: _ClassVar[ErrorCodePB]
 
 class PoolTaskPB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ TIMEOUT: ErrorCodePB
 CANCELLED: ErrorCodePB
 INTERNAL: ErrorCodePB
 UNAVAILABLE: ErrorCodePB
+MODEL_NOT_FOUND: ErrorCodePB
 POOL_TASK_EMBED: PoolTaskPB
 POOL_TASK_SPARSE: PoolTaskPB
 POOL_TASK_COLBERT: PoolTaskPB
@@ -66,7 +68,7 @@ class TokenIdsPB(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateConfigPB(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_words_list", "return_logprobs", "top_logprobs", "timeout_ms", "stop_token_ids", "ignore_eos", "min_new_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "num_return_sequences", "constraint", "typical_p", "allowed_token_ids", "bad_words_ids")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_words_list", "return_logprobs", "top_logprobs", "timeout_ms", "stop_token_ids", "ignore_eos", "min_new_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "num_return_sequences", "constraint", "typical_p", "allowed_token_ids", "bad_words_ids", "adapter_name")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class GenerateConfigPB(_message.Message):
     TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -118,7 +121,8 @@ class GenerateConfigPB(_message.Message):
     typical_p: float
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words_ids: _containers.RepeatedCompositeFieldContainer[TokenIdsPB]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ..., constraint: _Optional[_Union[ConstraintPB, _Mapping]] = ..., typical_p: _Optional[float] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_ids: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ...) -> None: ...
+    adapter_name: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_words_list: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_return_sequences: _Optional[int] = ..., constraint: _Optional[_Union[ConstraintPB, _Mapping]] = ..., typical_p: _Optional[float] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_ids: _Optional[_Iterable[_Union[TokenIdsPB, _Mapping]]] = ..., adapter_name: _Optional[str] = ...) -> None: ...
 
 class ConstraintPB(_message.Message):
     __slots__ = ("kind", "text")
@@ -295,7 +299,7 @@ class WorkerStatusRequestPB(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusPB(_message.Message):
-    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version", "model_kind")
+    __slots__ = ("role", "running", "waiting", "queued_prefill_tokens", "step_latency_ms", "prefill_tokens_per_s", "free_blocks", "total_blocks", "block_size", "version", "iterate_count", "alive", "cache_version", "model_kind", "adapters")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,7 @@ class WorkerStatusPB(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -324,7 +329,8 @@ class WorkerStatusPB(_message.Message):
     alive: bool
     cache_version: int
     model_kind: str
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ..., model_kind: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., version: _Optional[int] = ..., iterate_count: _Optional[int] = ..., alive: _Optional[bool] = ..., cache_version: _Optional[int] = ..., model_kind: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheStatusRequestPB(_message.Message):
     __slots__ = ("since_version",)

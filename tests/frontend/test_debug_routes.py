@@ -94,7 +94,6 @@ def test_without_a_paired_backend_the_debug_routes_are_503(tokenizer: TextTokeni
         assert level["processes"]["frontend"] == "ok" and "does not answer" in level["processes"]["backend"]
 
 
-@pytest.mark.parametrize("path", ["/update", "/update_eplb_config"])
-def test_live_update_routes_are_refused_with_a_reason(http: httpx.Client, path: str) -> None:
-    resp = http.post(path, json={"peft_info": {"lora_info": {"lora_0": "/lora/x"}}, "mode": "ALL"})
+def test_eplb_update_is_refused_with_a_reason(http: httpx.Client) -> None:
+    resp = http.post("/update_eplb_config", json={"mode": "ALL"})
     assert resp.status_code == 400 and "not supported" in resp.json()["error"]["message"], resp.text

@@ -91,7 +91,7 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(http: httpx.Client, fie
     ("num_beams", 4, "no beam search"), ("return_logits", True, "logprobs"),
     ("return_hidden_states", True, "hidden states"), ("top_p_decay", 0.9, "fixed top_p"),
     ("top_p_min", 0.1, "fixed top_p"), ("no_repeat_ngram_size", 3, "n-gram"),
-    ("bad_words_list", [[5, 6]], "bad_words"), ("adapter_name", "lora_0", "LoRA"),
+    ("bad_words_list", [[5, 6]], "bad_words"),
 ])
 def test_unimplemented_generate_config_keys_are_a_400_saying_why(http: httpx.Client, key: str, value: object,
                                                                  needle: str) -> None:
@@ -101,6 +101,15 @@ def test_unimplemented_generate_config_keys_are_a_400_saying_why(http: httpx.Cli
     assert key in error["message"] and needle in error["message"] and key in (error["param"] or ""), error
     raw = http.post("/", json={"prompt": "Hi", "generate_config": {key: value, "max_new_tokens": 2}})
     assert raw.status_code == 400 and key in raw.json()["error"]["message"], raw.text
+
+
+def test_adapter_name_the_backend_does_not_hold_is_a_404(http: httpx.Client) -> None:
+    """extra_configs.adapter_name reaches the backend (docs/lora.md); the mock holds no adapters."""
+    resp = http.post("/v1/chat/completions", json={**CHAT, "extra_configs": {"adapter_name": "lora_0"}})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+    assert "lora_0" in resp.json()["error"]["message"]
+    raw = http.post("/", json={"prompt": "Hi", "generate_config": {"adapter_name": "lora_0", "max_new_tokens": 2}})
+    assert raw.status_code == 404, raw.text
 
 
 def test_neutral_values_of_those_keys_are_taken(http: httpx.Client) -> None:

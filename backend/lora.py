@@ -1,0 +1,199 @@
+"""LoRA adapters at serving time: the backend's set of loaded adapters, and one step's rows grouped by adapter.
+
+A request names an adapter; the engine resolves the name here when the request arrives and every sequence
+of it holds the LoraAdapter (a feature of the sequence) with the adapter's cache key mixed into its block
+keys. Unloading removes the name only: sequences already running finish with the weights they hold, new
+requests naming it are refused with MODEL_NOT_FOUND.
+
+In a step, LoraBatch adds each adapter's low-rank product beside the base projections for the rows of the
+sequences that use it (grouped: one pair of small GEMMs per adapter and projection, whatever the number of
+its rows); rows without an adapter get nothing added."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.lora_weights import AdapterError, LoraAdapter, load_adapter
+from kvyard.errors import ErrorCode, RequestError
+from kvyard.model_config import ModelConfig
+
+log = logging.getLogger("kvyard.lora")
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What /v1/models and the load report say about one loaded adapter."""
+    name: str
+    path: str
+    rank: int
+    created: int  # unix time it was loaded
+
+
+class LoraRegistry:
+    """The adapters a backend holds, by name. Any thread: loads read files off the engine thread and then
+    swap the name in under a lock; the engine resolves names under the same lock."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_adapters: int = 0,
+                 allowed_root: Path | None = None) -> None:
+        """max_adapters: at most this many held (0: no bound); loading one more evicts the least recently
+        used. allowed_root: when set, adapter paths must lie under it."""
+        self.config, self.dtype, self.device = config, dtype, device
+        self.max_adapters = max_adapters
+        self.allowed_root = allowed_root.resolve() if allowed_root is not None else None
+        self._lock = threading.Lock()
+        self._adapters: OrderedDict[str, tuple[LoraAdapter, int]] = OrderedDict()  # name → (adapter, created)
+
+    def load(self, name: str, path: str, start_up: bool = False) -> AdapterInfo:
+        """Reads the adapter (raises AdapterError) and serves it under `name`, replacing one of that name.
+        start_up: the operator's LORA_MODULES, which may lie outside LORA_ROOT."""
+        if not name or name.strip() != name or "/" in name:
+            raise AdapterError(f"adapter name {name!r}: give a non-empty name without spaces at its ends or '/'")
+        where = self._check_path(path, start_up)
+        t0 = time.monotonic()
+        adapter = load_adapter(name, where, self.config, self.dtype, self.device)
+        created = int(time.time())
+        with self._lock:
+            self._adapters.pop(name, None)
+            self._adapters[name] = (adapter, created)
+            evicted = []
+            while self.max_adapters and len(self._adapters) > self.max_adapters:
+                evicted.append(self._adapters.popitem(last=False)[0])
+        log.info("LoRA adapter %r loaded from %s: rank %d on %s, %.1f MB, %.0f ms%s", name, where, adapter.rank,
+                 ",".join(adapter.targets), adapter.nbytes() / 2**20, (time.monotonic() - t0) * 1e3,
+                 f"; evicted {evicted} (least recently used)" if evicted else "")
+        return AdapterInfo(name, str(where), adapter.rank, created)
+
+    def unload(self, name: str) -> None:
+        """Raises RequestError(MODEL_NOT_FOUND) when no adapter has that name."""
+        with self._lock:
+            if self._adapters.pop(name, None) is None:
+                raise _not_found(name)
+        log.info("LoRA adapter %r unloaded (requests already running with it finish)", name)
+
+    def resolve(self, name: str) -> LoraAdapter:
+        """The adapter a request names (marked recently used); RequestError(MODEL_NOT_FOUND) if none."""
+        with self._lock:
+            held = self._adapters.get(name)
+            if held is None:
+                raise _not_found(name)
+            self._adapters.move_to_end(name)
+            return held[0]
+
+    def infos(self) -> list[AdapterInfo]:
+        with self._lock:
+            return [AdapterInfo(n, a.path, a.rank, c) for n, (a, c) in self._adapters.items()]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._adapters)
+
+    def _check_path(self, path: str, start_up: bool) -> Path:
+        if not path or "://" in path:
+            raise AdapterError(f"adapter path {path!r}: give a local directory (remote paths are not fetched)")
+        where = Path(path).expanduser().resolve()
+        if not start_up and self.allowed_root is not None and not where.is_relative_to(self.allowed_root):
+            raise AdapterError(f"adapter path {path!r} is outside LORA_ROOT ({self.allowed_root})")
+        if not where.is_dir():
+            raise AdapterError(f"adapter path {path!r} is not a directory")
+        return where
+
+
+def _not_found(name: str) -> RequestError:
+    return RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {name!r} is not loaded on this backend",
+                        "model")
+
+
+class LoraBatch:
+    """One step's rows by adapter. Every adapter of the step is stacked per projection (cached while the
+    step's set of adapters stays the same, as it does from one decode step to the next), so each projection
+    costs three operations whatever the number of adapters: one GEMM of every row into every adapter's rank
+    columns, a mask keeping each row's own adapter's columns (none for rows of the base model), one GEMM out."""
+
+    def __init__(self, stack: _Stack, row_owner: torch.Tensor) -> None:
+        self.stack = stack
+        self.row_owner = row_owner  # [T]: each row's index into adapters, -1 for the base model
+        self._masks: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def of(adapters: Sequence[LoraAdapter | None], spans: Sequence[tuple[int, int]], stacks: LoraStacks,
+           device: torch.device) -> LoraBatch | None:
+        """adapters[i] serves flat rows spans[i] = (first, end); None when no row uses an adapter."""
+        order: dict[int, int] = {}
+        held: list[LoraAdapter] = []
+        owner: list[int] = []
+        for adapter, (a, b) in zip(adapters, spans):
+            k = -1
+            if adapter is not None:
+                if adapter.uid not in order:
+                    order[adapter.uid] = len(held)
+                    held.append(adapter)
+                k = order[adapter.uid]
+            owner.extend([k] * (b - a))
+        if not held:
+            return None
+        return LoraBatch(stacks.get(tuple(held)), torch.tensor(owner, dtype=torch.long, device=device))
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, target: str) -> torch.Tensor:
+        """y [T, out] += each row's adapter's (x @ A^T) @ B^T for `target` of `layer`; returns y (in place)."""
+        stacked = self.stack.get(layer, target)
+        if stacked is None:
+            return y
+        a, b, col_owner = stacked
+        mask = self._masks.get(id(col_owner))
+        if mask is None:
+            mask = (self.row_owner[:, None] == col_owner[None, :]).to(x.dtype)  # [T, R]
+            self._masks[id(col_owner)] = mask
+        return y.addmm_((x @ a.t()).mul_(mask), b.t())
+
+
+class _Stack:
+    """The step's adapters' matrices side by side, per (layer, projection), built on first use."""
+
+    def __init__(self, adapters: tuple[LoraAdapter, ...]) -> None:
+        self.adapters = adapters
+        self._mats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        self._owners: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per column layout (masks reuse it)
+
+    def get(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        key = (layer, target)
+        if key not in self._mats:
+            parts = [(k, ad.mats[key]) for k, ad in enumerate(self.adapters) if key in ad.mats]
+            if not parts:
+                self._mats[key] = None
+            else:
+                layout = tuple(k for k, (a, _) in parts for _ in range(a.shape[0]))
+                owner = self._owners.get(layout)
+                if owner is None:
+                    owner = self._owners[layout] = torch.tensor(layout, dtype=torch.long, device=parts[0][1][0].device)
+                self._mats[key] = (torch.cat([a for _, (a, _) in parts]).contiguous(),
+                                   torch.cat([b for _, (_, b) in parts], dim=1).contiguous(), owner)
+        return self._mats[key]
+
+
+class LoraStacks:
+    """The stacks of the last few sets of adapters a step held (the model runner keeps one; engine thread)."""
+
+    def __init__(self, kept: int = 2) -> None:
+        self.kept = kept  # the batch's current set and one before it (a request joining or leaving flips them)
+        self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+
+    def get(self, adapters: tuple[LoraAdapter, ...]) -> _Stack:
+        key = tuple(a.uid for a in adapters)
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stacks[key] = _Stack(adapters)
+            while len(self._stacks) > self.kept:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(key)
+        return stack
+
+
+def adapter_error(exc: AdapterError) -> RequestError:
+    return RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), "lora_path")

@@ -1,0 +1,140 @@
+"""LoRA adapters end to end, as a user runs them: `kvyard serve` (PDFUSION: frontend + backend) on a tiny random
+Llama with an adapter from --lora-modules' variable, run-time loads under LORA_ROOT through the frontend's
+vLLM and RTP-LLM routes (behind the API key), requests naming an adapter as `model` or
+`extra_configs.adapter_name`, each answer checked against transformers + PEFT's greedy tokens; an unload with a
+stream in flight (it finishes; the next request is a 404)."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.backend.test_lora import save_adapter
+from tests.support.procs import RoleProcess, free_port_block
+from tests.support.tiny_models import hf_greedy, save_hf_dir, tiny_model
+
+pytestmark = pytest.mark.slow
+peft = pytest.importorskip("peft")
+
+KEY = "lora-test-key"
+STEPS = 8
+
+
+class Served:
+    def __init__(self, root: Path) -> None:
+        self.tiny = tiny_model("llama", layers=2)
+        self.model_dir = save_hf_dir(self.tiny, root / "base")
+        self.lora_root = root / "adapters"
+        self.peft = {"attn": save_adapter(self.tiny.hf_model, self.lora_root / "attn", 8, 16,
+                                          ["q_proj", "k_proj", "v_proj", "o_proj"], 1),
+                     "all": save_adapter(self.tiny.hf_model, self.lora_root / "all", 16, 32,
+                                         ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], 2)}
+        self.port = free_port_block()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        self.ids = torch.randint(10, self.tiny.config.vocab_size, (12,),
+                                 generator=torch.Generator().manual_seed(7)).tolist()
+
+    def reference(self, adapter: str | None) -> list[int]:
+        return hf_greedy(self.tiny.hf_model if adapter is None else self.peft[adapter], self.ids, STEPS)[0]
+
+    def generate(self, model: str | None = None, max_tokens: int = STEPS, **extra: Any) -> httpx.Response:
+        """A greedy completion of the prompt's ids (their ids back as logprob tokens); extra: extra_configs."""
+        body = {"prompt": self.ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                "return_tokens_as_token_ids": True, "extra_configs": extra}
+        return self.http.post("/v1/completions", json=body if model is None else {**body, "model": model})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("serve-lora")
+    s = Served(root)
+    env = {"CHECKPOINT_PATH": str(s.model_dir), "START_PORT": str(s.port), "KV_CACHE_MB": "16", "API_KEY": KEY,
+           "LORA_MODULES": f"attn={s.lora_root / 'attn'}", "LORA_ROOT": str(s.lora_root)}
+    proc = RoleProcess(env, root / "server.log")
+    try:
+        proc.wait_healthy(f"{s.url}/health", timeout_s=180)
+        yield s
+    finally:
+        proc.stop()
+
+
+def output_ids(resp: httpx.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_models_lists_adapters_with_their_parent(served: Served) -> None:
+    data = {m["id"]: m for m in served.http.get("/v1/models").json()["data"]}
+    base = next(iter(data))
+    assert data["attn"]["parent"] == base and data["attn"]["root"].endswith("attn")
+
+
+def test_adapter_by_model_or_adapter_name_matches_peft(served: Served) -> None:
+    base, attn = served.reference(None), served.reference("attn")
+    assert base != attn  # the adapter changes the answer
+    assert output_ids(served.generate()) == base
+    assert output_ids(served.generate("attn")) == attn
+    assert output_ids(served.generate(adapter_name="attn")) == attn
+    assert served.generate("attn").json()["model"] == "attn"
+    raw = served.http.post("/", json={"prompt": "Hello", "model": "attn", "generate_config": {"max_new_tokens": 2}})
+    assert raw.status_code == 200, raw.text
+    resp = served.generate("nope")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+    resp = served.generate("attn", adapter_name="all")
+    assert resp.status_code == 400 and "adapter_name" in resp.text
+
+
+def test_run_time_load_unload_and_update(served: Served) -> None:
+    open_http = httpx.Client(base_url=served.url, timeout=30)
+    body = {"lora_name": "all", "lora_path": str(served.lora_root / "all")}
+    assert open_http.post("/v1/load_lora_adapter", json=body).status_code == 401  # the API key guards it
+    resp = served.http.post("/v1/load_lora_adapter", json=body)
+    assert resp.status_code == 200 and resp.json()["adapter"]["rank"] == 16, resp.text
+    assert output_ids(served.generate("all")) == served.reference("all")
+    outside = served.lora_root.parent / "elsewhere"
+    shutil.copytree(served.lora_root / "all", outside)
+    resp = served.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(outside)})
+    assert resp.status_code == 400 and "LORA_ROOT" in resp.json()["error"]["message"]
+    for key in ("models_info", "sampler_info"):
+        resp = served.http.post("/update", json={key: {"a": "b"}})
+        assert resp.status_code == 400 and key in resp.json()["error"]["message"], resp.text
+    resp = served.http.post("/update_eplb_config", json={"mode": "ALL"})
+    assert resp.status_code == 400 and "mixture-of-experts" in resp.text
+    # RTP-LLM's peft_info: the whole set. "all" stays, "attn" goes, "again" comes.
+    lora_info = {"all": str(served.lora_root / "all"), "again": str(served.lora_root / "attn")}
+    resp = served.http.post("/update", json={"peft_info": {"lora_info": lora_info}})
+    assert resp.status_code == 200 and resp.json()["unloaded"] == ["attn"], resp.text
+    assert served.generate("attn").status_code == 404
+    assert output_ids(served.generate("again")) == served.reference("attn")
+    served.http.post("/update", json={"peft_info": {"lora_info": {"attn": str(served.lora_root / "attn")}}})
+
+
+def test_unload_with_a_stream_in_flight(served: Served) -> None:
+    steps = 160
+    want = hf_greedy(served.peft["attn"], served.ids, steps)[0]
+    done: dict[str, Any] = {}
+
+    def long_request() -> None:
+        done["resp"] = served.generate("attn", max_tokens=steps)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    while not served.http.get("/worker_status").json().get("running_task_info"):
+        assert "resp" not in done, "the request finished before it was seen running"
+        time.sleep(0.01)
+    resp = served.http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"})
+    assert resp.status_code == 200, resp.text
+    thread.join(timeout=120)
+    assert output_ids(done["resp"]) == want  # it finished, with the adapter's weights
+    resp = served.generate("attn")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    resp = served.http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"})
+    assert resp.status_code == 404
