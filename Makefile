@@ -55,7 +55,7 @@ image:
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/model_rpc.proto
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. proto/rtp_llm_rpc.proto  # no .pyi: RTP-LLM's service
+	$(PY) -m grpc_tools.protoc -I. --python_out=. proto/rtp_llm_rpc.proto  # messages only: backend/rtp_rpc.py serves it
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py

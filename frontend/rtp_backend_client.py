@@ -18,7 +18,8 @@ from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import SamplingParams
 from proto import rtp_llm_rpc_pb2 as rtp
-from proto import rtp_llm_rpc_pb2_grpc as rtp_grpc
+
+METHOD = "/RpcService/GenerateStreamCall"   # RTP-LLM's service has no package (backend/rtp_rpc.py serves it)
 
 # SamplingParams fields GenerateConfigPB has no field for: (the request's name for it, its off value)
 _NOT_CARRIED = {"min_p": ("min_p", 0.0), "typical_p": ("typical_p", 1.0), "logit_bias": ("logit_bias", {}),
@@ -67,7 +68,8 @@ class RtpBackendClient(BackendClient):
 
     def __init__(self, address: str, token: str = "") -> None:
         super().__init__(address, token)
-        self._rtp = rtp_grpc.RpcServiceStub(self._channel)
+        self._rtp_call = self._channel.unary_stream(METHOD, request_serializer=rtp.GenerateInputPB.SerializeToString,
+                                                    response_deserializer=rtp.GenerateOutputsPB.FromString)
 
     async def responsive(self, timeout_s: float) -> bool:
         return await self.healthy(timeout_s)
@@ -95,7 +97,7 @@ class RtpBackendClient(BackendClient):
         with _fits_the_proto():
             msg = rtp.GenerateInputPB(request_id=secrets.randbits(62), token_ids=input_ids, generate_config=config,
                                       client_id=request_id)
-        call = self._rtp.GenerateStreamCall(msg, metadata=self._metadata)
+        call = self._rtp_call(msg, metadata=self._metadata)
         generated: dict[int, int] = {}
         try:
             async for outs in call:

@@ -8,10 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTOS = ("model_rpc", "rtp_llm_rpc")
-# RTP-LLM's service: its messages, and the stub and servicer base that frontend/rtp_backend_client.py and the
-# test mock (tests/support/rtp_mock_backend.py) use (backend/rtp_rpc.py registers its handler by hand).
-GENERATED = ("model_rpc_pb2.py", "model_rpc_pb2.pyi", "model_rpc_pb2_grpc.py", "rtp_llm_rpc_pb2.py",
-             "rtp_llm_rpc_pb2_grpc.py")
+# RTP-LLM's service is registered by hand (backend/rtp_rpc.py): only its messages are generated.
+GENERATED = ("model_rpc_pb2.py", "model_rpc_pb2.pyi", "model_rpc_pb2_grpc.py", "rtp_llm_rpc_pb2.py")
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:

@@ -74,6 +74,14 @@ def test_what_rtp_llm_cannot_carry_is_a_400(front: MockFrontend, extra: dict[str
     assert info.value.body["param"] == param and "rtp_llm" in info.value.body["message"]
 
 
+def test_prompt_logprobs_need_a_call_rtp_llm_lacks(front: MockFrontend) -> None:
+    """The score call is kvyard's own: an RTP-LLM backend answers UNIMPLEMENTED, the request a 400."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client(front).completions.create(model="mock-model", prompt="a b c", max_tokens=2,
+                                         extra_body={"prompt_logprobs": 1})
+    assert "does not serve this call" in info.value.body["message"]
+
+
 def test_kvyards_own_backend_over_rtp_llm(tokenizer: TextTokenizer) -> None:
     with MockBackendThread(script(tokenizer, "Hi there")) as backend, \
             mock_frontend(tokenizer, backend.address, BACKEND_PROTOCOL="rtp_llm") as front:

@@ -4,7 +4,9 @@ whose GenerateStreamCall yields one GenerateOutputsPB per token, each holding on
 token as an INT32 [[id]] tensor and an AuxInfoPB (iter_count, output_len), `finished` only on the last.
 
 Written from those facts rather than copied. What differs from the seed's script: the imports are our
-generated modules (proto.rtp_llm_rpc_pb2 / _grpc, RTP-LLM's field numbers) instead of rtp_llm.cpp.proto; the
+generated messages (proto.rtp_llm_rpc_pb2, RTP-LLM's field numbers) instead of rtp_llm.cpp.proto, and the two
+names it took from RTP-LLM's generated _grpc module (RpcServiceServicer, add_RpcServiceServicer_to_server) are
+defined here, as that module would define them (kvyard generates no _grpc module for this service); the
 tensor is built with numpy as RTP-LLM's trans_from_tensor lays it out (int32_data, shape [1, 1]) instead of
 from torch; the output ids are a parameter (the seed's are Qwen2 ids; tests pass ids of their own tokenizer);
 it binds 127.0.0.1 on a given port and keeps the requests it got for tests to read.
@@ -20,7 +22,6 @@ import grpc
 import numpy as np
 
 from proto.rtp_llm_rpc_pb2 import AuxInfoPB, GenerateInputPB, GenerateOutputPB, GenerateOutputsPB, TensorPB
-from proto.rtp_llm_rpc_pb2_grpc import RpcServiceServicer, add_RpcServiceServicer_to_server
 
 SEED_OUTPUT_IDS = (91, 13013, 6213, 91, 1339, 151645)   # the seed's script's answer (Qwen2's vocabulary)
 
@@ -29,6 +30,21 @@ def int32_tensor(ids: Sequence[int]) -> TensorPB:
     """A [1, len(ids)] INT32 tensor, as trans_from_tensor lays out torch.tensor([ids], dtype=torch.int32)."""
     values = np.asarray([ids], dtype="<i4")
     return TensorPB(data_type=TensorPB.INT32, shape=list(values.shape), int32_data=values.tobytes())
+
+
+class RpcServiceServicer:
+    """The servicer base RTP-LLM's generated module gives: one method to override."""
+
+    def GenerateStreamCall(self, request: GenerateInputPB, context: grpc.ServicerContext) -> Iterator[GenerateOutputsPB]:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "GenerateStreamCall")
+        yield from ()
+
+
+def add_RpcServiceServicer_to_server(servicer: RpcServiceServicer, server: grpc.Server) -> None:
+    method = grpc.unary_stream_rpc_method_handler(servicer.GenerateStreamCall,
+                                                  request_deserializer=GenerateInputPB.FromString,
+                                                  response_serializer=GenerateOutputsPB.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("RpcService", {"GenerateStreamCall": method}),))
 
 
 class MockRpcServer(RpcServiceServicer):
