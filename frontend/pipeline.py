@@ -236,7 +236,7 @@ class Pipeline:
                     if choice.done:
                         continue
                     choice.tokens += len(out.token_ids)
-                    text = choice.stops.feed(choice.detok.push(out.token_ids))
+                    text = choice.stops.feed(_detokenized(choice.detok, out.token_ids))
                     finish = "stop" if choice.stops.stopped else None
                     if finish is None and out.finish_reason is not None:
                         text += choice.stops.feed(choice.detok.flush())
@@ -298,6 +298,16 @@ def _stop_reason(stops: StopStringMatcher, ids: list[int], stop_ids: tuple[int, 
     if stops.matched is not None:
         return stops.matched
     return ids[-1] if finish == "stop" and ids and ids[-1] in stop_ids else None
+
+
+def _detokenized(detok: IncrementalDetokenizer, token_ids: list[int]) -> str:
+    """The text of a step's ids; ids outside this frontend's vocabulary mean the backend serves another model
+    (a misconfigured BACKEND_ADDRESS, another server's tokenizer): the request fails saying so."""
+    try:
+        return detok.push(token_ids)
+    except ValueError as exc:
+        raise RequestError(ErrorCode.INTERNAL, f"the backend answered with {exc}: it serves a model with "
+                           "another vocabulary than this frontend's tokenizer") from None
 
 
 @dataclass

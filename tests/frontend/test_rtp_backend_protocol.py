@@ -101,3 +101,19 @@ def test_config_mapping_keeps_stops_and_seed() -> None:
 def test_int32_tensor_layout() -> None:
     t = int32_tensor([1, 70000])
     assert list(t.shape) == [1, 2] and np.frombuffer(t.int32_data, "<i4").tolist() == [1, 70000]
+
+
+def test_ids_outside_the_vocabulary_fail_the_request_saying_so(tokenizer: TextTokenizer) -> None:
+    """A backend serving another model (the seed's mock sends Qwen2 ids, 151645, ...): the request ends
+    with an error naming the cause, not an anonymous internal error."""
+    port = free_port_block(1)
+    server, _ = start(port, [151645, 151643])
+    try:
+        with mock_frontend(tokenizer, f"127.0.0.1:{port}", BACKEND_PROTOCOL="rtp_llm") as front:
+            resp = httpx.post(f"{front.url}/v1/chat/completions", timeout=10,
+                              json={"model": "mock-model", "messages": MESSAGES})
+            assert resp.status_code == 500, resp.text
+            message = resp.json()["error"]["message"]
+            assert "token ids out of range" in message and "another vocabulary" in message
+    finally:
+        server.stop(0)
