@@ -36,6 +36,12 @@ def system_prompt(topic: str) -> str:
             "friendly sentence, without lists, and never mention that you are a guide. ") * 3
 
 
+def story_prompt(topic: str) -> str:
+    """A stream's own system prompt, several KV blocks long: only the backend that ran the stream caches it."""
+    return (f"You tell long, calm stories about {topic}, full of small details about {topic}, in plain words, "
+            "one paragraph after another, and you never stop to ask the listener anything. ") * 3
+
+
 def routed(cluster: MultiHostCluster) -> dict[str, int]:
     return {name: b["routed_requests"] for name, b in cluster.backends_view().items()}
 
@@ -164,8 +170,8 @@ def test_cutting_a_backends_link(cluster: MultiHostCluster) -> None:
     """pd1 drops off the network mid-stream: its streams end with an error chunk and [DONE], the others
     finish; new requests go around it within the health period; it rejoins once its link is back."""
     tally = Tally()
-    streams = [Stream(tally, cluster.frontend_url(("fe1", "fe2")[i % 2]), f"Tell a long story about {t}.").start()
-               for i, t in enumerate(TOPICS[:6])]
+    streams = [Stream(tally, cluster.frontend_url(("fe1", "fe2")[i % 2]), f"Tell a long story about {t}.",
+                      story_prompt(t)).start() for i, t in enumerate(TOPICS[:6])]
     cluster.wait_for("pd1 is streaming", lambda: cluster.worker_status("pd1")["running"] > 0, 60)
     for s in streams:
         s.first.wait(60)
@@ -192,13 +198,16 @@ def test_cutting_a_backends_link(cluster: MultiHostCluster) -> None:
         cluster.net.restore(cluster.host("pd1"))
     cluster.wait_for("pd1 rejoins", lambda: cluster.backends_view()["pd1"]["healthy"], 30)
     assert_blocks_back(cluster, "pd1")  # its cut streams were cancelled there too (gRPC keepalive)
-    # The prefixes the first check left in pd1's cache bring their requests back to it.
+    # The prompts of the streams cut on pd1 are cached there and nowhere else (each stream was routed once, with
+    # a system prompt of its own): they bring their follow-ups back to it.
+    cut_on_pd1 = [s for s in streams if s.outcome == "errored"]
     back = Tally()
     before = routed(cluster)
-    for topic in TOPICS[:6]:
-        chat(back, cluster.frontend_url("fe1"), "And what else?", system_prompt(topic))
-    back.assert_none_lost(6)
-    assert back.answered == 6 and delta(before, routed(cluster)).get("pd1", 0) >= 1, delta(before, routed(cluster))
+    for s in cut_on_pd1:
+        chat(back, cluster.frontend_url("fe1"), "And what happened next?", s.system)
+    back.assert_none_lost(len(cut_on_pd1))
+    moved = delta(before, routed(cluster))
+    assert back.answered == len(cut_on_pd1) and moved.get("pd1", 0) >= 1, moved
 
 
 def test_cutting_the_masters_link(cluster: MultiHostCluster) -> None:

@@ -66,6 +66,7 @@ class Stream:
     tally: Tally
     base_url: str
     question: str
+    system: str | None = None
     max_tokens: int = 200  # long enough to be cut mid-stream, short enough to end well within the timeout
     first: threading.Event = field(default_factory=threading.Event)
     outcome: str = ""
@@ -83,7 +84,7 @@ class Stream:
         self._thread.join(timeout_s)
 
     def _read(self) -> None:
-        body = {"messages": messages(self.question), "max_tokens": self.max_tokens, "temperature": 0,
+        body = {"messages": messages(self.question, self.system), "max_tokens": self.max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True}
         datas: list[str] = []
         try:
