@@ -51,9 +51,14 @@ class ChatDialect(GenerationDialect[ChatState]):
 
     async def images(self, req: ChatCompletionRequest) -> list[LoadedImage]:
         """The messages' image parts, fetched and checked (before prepare, which runs off the event loop)."""
-        return await self.pipeline.images([(f"messages[{i}].content[{j}]", part.image_url.url)
-                                           for i, m in enumerate(req.messages) if isinstance(m.content, list)
-                                           for j, part in enumerate(m.content) if isinstance(part, ImagePart)])
+        parts = [(f"messages[{i}].content[{j}]", part.image_url) for i, m in enumerate(req.messages)
+                 if isinstance(m.content, list) for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+        for where, url in parts:
+            if url.detail == "low":
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{where}.image_url.detail: 'low' is not supported: "
+                                   "the model sees every image at its one, full resolution (use 'auto' or 'high')",
+                                   f"{where}.image_url.detail")
+        return await self.pipeline.images([(where, url.url) for where, url in parts])
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         placeholder = self.pipeline.image_placeholder  # each image part: the model's image token

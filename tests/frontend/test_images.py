@@ -117,3 +117,14 @@ def test_a_text_only_model_refuses_images(client: openai.OpenAI, http: httpx.Cli
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {}}]}]})
     assert r.status_code == 400, r.text
+
+
+def test_detail_low_is_refused_not_ignored(http: httpx.Client) -> None:
+    """A LLaVA tower has one resolution: `auto`/`high` are what it does, `low` cannot be honoured."""
+    for detail, status in (("low", 400), ("auto", None), ("high", None)):
+        part = {"type": "image_url", "image_url": {"url": data_uri(PNG), "detail": detail}}
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        # low: refused at parsing, naming the field; auto/high parse and reach the text-only model's refusal
+        assert ("detail" in message) == (status == 400), message
