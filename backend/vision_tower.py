@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from backend.checkpoint import open_checkpoint
 from kvyard.model_config import ModelConfig
+from kvyard.qwen_vl_config import QwenVisionConfig
 from kvyard.vision_config import VisionConfig
 
 log = logging.getLogger("kvyard.vision")
@@ -40,19 +42,23 @@ class VisionTower:
     def weight_bytes(self) -> int:
         return sum(_nbytes(t) for t in self.w.values())
 
-    def embed(self, image_hash: bytes, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [3, S, S] → [num_image_tokens, D] in the language model's dtype."""
+    def embed(self, image_hash: bytes, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """pixel_values [3, S, S] → [num_image_tokens, D] in the language model's dtype (a dynamic-resolution
+        tower's subclass takes its patches and grid instead)."""
         hit = self.cache.get(image_hash)
         if hit is not None:
             self.cache.move_to_end(image_hash)
             return hit
-        out = self.forward(pixel_values[None])[0]
+        out = self.encode(pixel_values, grid)
         self.tower_runs += 1
         self.cache[image_hash] = out
         self.cached_bytes += _nbytes(out)
         while self.cached_bytes > self.cache_bytes and len(self.cache) > 1:
             self.cached_bytes -= _nbytes(self.cache.popitem(last=False)[1])
         return out
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
+        return self.forward(pixel_values[None])[0]
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -94,21 +100,31 @@ def load_vision_tower(path: Path, config: ModelConfig, dtype: torch.dtype, devic
     """The tower's and projector's tensors (vision.*, projector.*) from the checkpoint, layers past the
     feature layer left unread."""
     vision = config.vision
+    if isinstance(vision, QwenVisionConfig):
+        from backend.qwen_vl_tower import load_qwen_tower  # it builds on this file's VisionTower
+        return load_qwen_tower(path, config, dtype, device)
     assert vision is not None
-    weights: dict[str, torch.Tensor] = {}
-    with open_checkpoint(path, config) as source:
-        for name in source.names():
-            if not name.startswith(("vision.", "projector.")) or _unused(name, vision):
-                continue
-            shape = source.shape(name)
-            weights[name] = source.read_float(name, 0, shape[0]).to(device=device, dtype=dtype).contiguous()
-    missing = [n for n in _needed(vision) if n not in weights]
-    if missing:
-        raise ValueError(f"{path}: the vision tower lacks {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    weights = read_image_side(path, config, dtype, device, lambda name: _unused(name, vision), _needed(vision))
     tower = VisionTower(vision, weights, dtype)
     log.info("vision tower: %d layers run, %d image tokens per image, %.0f MB", vision.num_layers,
              vision.num_image_tokens, tower.weight_bytes() / 2**20)
     return tower
+
+
+def read_image_side(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    unused: Callable[[str], bool], needed: list[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's vision.* and projector.* tensors but the unused; ValueError naming one missing."""
+    weights: dict[str, torch.Tensor] = {}
+    with open_checkpoint(path, config) as source:
+        for name in source.names():
+            if not name.startswith(("vision.", "projector.")) or unused(name):
+                continue
+            shape = source.shape(name)
+            weights[name] = source.read_float(name, 0, shape[0]).to(device=device, dtype=dtype).contiguous()
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise ValueError(f"{path}: the vision tower lacks {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return weights
 
 
 def _unused(name: str, vision: VisionConfig) -> bool:

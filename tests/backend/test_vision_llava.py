@@ -23,7 +23,7 @@ from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
 from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.sampling_params import SamplingParams
-from kvyard.vision_config import image_starts
+from kvyard.vision_config import image_spans
 from tests.backend.conftest import CPU, build_engine, greedy_run
 from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
 
@@ -111,9 +111,7 @@ def test_logits_and_tokens_match_transformers_then_cache(served: Served) -> None
     # The frontend's keys for the master (kvyard.block_keys with the image salts) are the ones the pool holds;
     # the same tokens keyed without the image are not.
     assert served.config.vision is not None
-    per_image = served.config.vision.num_image_tokens
-    salts = image_block_salts(image_starts(ids, served.tiny.image_token_id, per_image),
-                              [hashlib.sha256(data).digest()], per_image, 8)
+    salts = image_block_salts(image_spans(ids, served.config.vision), [hashlib.sha256(data).digest()], 8)
     held = set(engine.scheduler.block_pool.cached_keys())
     assert set(block_cache_keys(ids, 8, salts=salts)) <= held
     assert not set(block_cache_keys(ids, 8)) & held
