@@ -20,7 +20,7 @@ from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
 from backend.vision_inputs import attach_images, check_images
-from backend.vision_tower import VisionTower
+from backend.image_tower import ImageTower
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
                  max_model_len: int, role: Role = Role.PDFUSION, vision: ImageSide | None = None,
-                 tower: VisionTower | None = None, loras: LoraRegistry | None = None) -> None:
+                 tower: ImageTower | None = None, loras: LoraRegistry | None = None) -> None:
         """vision: a vision-language model's image side (None: text only); tower: where images are embedded
         here (None on a DECODE backend: it takes the prefilled KV); loras: the LoRA adapters it serves (None:
         none can be loaded)."""

@@ -1,6 +1,6 @@
 """A Qwen2-VL / Qwen2.5-VL image side in the backend: patches (backend/image_preprocess.py) → ViT with 2-D
 rotary positions → 2×2 patch merger → one embedding per `<|image_pad|>` token, which backend/model.py puts in
-place of the placeholders' embeddings in prefill (as LLaVA's, through backend/vision_tower.py's cache).
+place of the placeholders' embeddings in prefill (as LLaVA's; the embedding cache is backend/image_tower.py's).
 Qwen2.5-VL: RMSNorm/SwiGLU blocks, attention within windows of window_size² pixels except at
 fullatt_block_indexes; Qwen2-VL: LayerNorm/GELU blocks, every layer over the whole image."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.vision_tower import VisionTower, read_image_side
+from backend.image_tower import ImageTower, read_image_side
 from kvyard.model_config import ModelConfig
 from kvyard.qwen_vl_config import QwenVisionConfig
 
@@ -20,10 +20,10 @@ _ROPE_THETA = 10000.0  # the tower's rotary base in both families
 _NORM_EPS = 1e-6
 
 
-class QwenVisionTower(VisionTower):
-    """Engine thread only, as VisionTower (whose embedding cache it shares)."""
+class QwenVisionTower(ImageTower):
+    """Engine thread only."""
 
-    config: QwenVisionConfig  # type: ignore[assignment]
+    config: QwenVisionConfig
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
         if grid is None:
@@ -31,7 +31,7 @@ class QwenVisionTower(VisionTower):
         return self.forward(pixel_values, grid)
 
     @torch.inference_mode()
-    def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """patches [N, 3·t·p·p] (N = t·h·w, in 2×2 merge blocks) → [N / 4, D]."""
         c, w = self.config, self.w
         proj = w["vision.patch_embed.proj.weight"]
@@ -108,7 +108,7 @@ def load_qwen_tower(path: Path, config: ModelConfig, dtype: torch.dtype, device:
     vision = config.vision
     assert isinstance(vision, QwenVisionConfig)
     weights = read_image_side(path, config, dtype, device, lambda name: False, _needed(vision))
-    tower = QwenVisionTower(vision, weights, dtype)  # type: ignore[arg-type]
+    tower = QwenVisionTower(vision, weights, dtype)
     log.info("vision tower (%s): %d layers, %.0f MB", vision.family, vision.num_layers, tower.weight_bytes() / 2**20)
     return tower
 

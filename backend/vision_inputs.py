@@ -11,7 +11,7 @@ import torch
 from backend.engine_types import ImageInput
 from backend.mrope import mrope_positions
 from backend.sequence import Sequence
-from backend.vision_tower import VisionTower
+from backend.image_tower import ImageTower
 from kvyard.block_keys import image_block_salts
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.qwen_vl_config import QwenVisionConfig
@@ -49,7 +49,7 @@ def check_images(prompt_ids: list[int], images: list[ImageInput], vision: ImageS
 
 
 def attach_images(seqs: Seq[Sequence], images: list[ImageInput], vision: ImageSide | None,
-                  tower: VisionTower | None, block_size: int) -> None:
+                  tower: ImageTower | None, block_size: int) -> None:
     """Salt the sequences' block keys with the images' digests, give Qwen-VL sequences their M-RoPE
     positions and, where a tower runs (PDFUSION, PREFILL), the images' embeddings (engine thread: the
     tower's cache is the engine's)."""

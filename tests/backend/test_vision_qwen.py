@@ -17,7 +17,8 @@ from backend.engine_types import ImageInput
 from backend.image_preprocess import decode_image, image_input
 from backend.model import LlamaModel
 from backend.sequence import StopConditions
-from backend.vision_tower import VisionTower, load_vision_tower
+from backend.image_tower import ImageTower
+from backend.vision_tower import load_vision_tower
 from backend.weights import load_weights
 from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
@@ -40,7 +41,7 @@ class Served:
         assert isinstance(self.config.vision, QwenVisionConfig)
         self.vision: QwenVisionConfig = self.config.vision
         self.model = LlamaModel(self.config, load_weights(path, self.config, torch.float32, CPU, progress=False))
-        self.tower: VisionTower = load_vision_tower(path, self.config, torch.float32, CPU)
+        self.tower: ImageTower = load_vision_tower(path, self.config, torch.float32, CPU)
 
     def engine(self) -> Engine:
         engine = build_engine(self.model, self.config, num_blocks=48, block_size=8, max_num_batched_tokens=64)
