@@ -42,7 +42,8 @@ def tiny_qwen_vl(family: str = "qwen2_5_vl", seed: int = 0) -> TinyQwenVL:
     spec.specials = {"eos": "<|im_end|>"}
     text = {"vocab_size": len(spec.tokens), "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+            "bos_token_id": None, "eos_token_id": spec.id("<|im_end|>")}
     ids = {"image_token_id": spec.id("<|image_pad|>"), "video_token_id": spec.id("<|video_pad|>"),
            "vision_start_token_id": spec.id("<|vision_start|>"), "vision_end_token_id": spec.id("<|vision_end|>")}
     if family == "qwen2_5_vl":
