@@ -27,7 +27,10 @@ class Server:
     tiny: TinyQwenVL
     url: str
     client: openai.OpenAI
-    model: str
+
+    @property
+    def model(self) -> str:
+        return self.client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     try:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield Server(tiny, f"http://127.0.0.1:{port}", client, client.models.list().data[0].id)
+        yield Server(tiny, f"http://127.0.0.1:{port}", client)
     finally:
         proc.stop()
 

@@ -15,17 +15,13 @@ import torch
 from backend.engine import Engine, GenerationRequest
 from backend.engine_types import ImageInput
 from backend.image_preprocess import decode_image, pixels
-from backend.model import LlamaModel
 from backend.sequence import StopConditions
-from backend.vision_tower import VisionTower, load_vision_tower
-from backend.weights import load_weights
 from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
-from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.sampling_params import SamplingParams
 from kvyard.vision_config import image_spans
-from tests.backend.conftest import CPU, build_engine, greedy_run
-from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
+from tests.backend.conftest import build_engine, greedy_run
+from tests.support.tiny_vision import TinyLlava, load_vision_model, png_bytes, save_llava_dir, tiny_llava
 
 ATOL = 2e-3
 STEPS = 8
@@ -34,9 +30,7 @@ STEPS = 8
 class Served:
     def __init__(self, tiny: TinyLlava, path: Path) -> None:
         self.tiny, self.path = tiny, path
-        self.config: ModelConfig = load_model_config(path)
-        self.model = LlamaModel(self.config, load_weights(path, self.config, torch.float32, CPU, progress=False))
-        self.tower: VisionTower = load_vision_tower(path, self.config, torch.float32, CPU)
+        self.config, self.model, self.tower = load_vision_model(path)
 
     def engine(self) -> Engine:
         engine = build_engine(self.model, self.config, num_blocks=32, block_size=8, max_num_batched_tokens=64)

@@ -15,33 +15,25 @@ import torch
 from backend.engine import Engine, GenerationRequest
 from backend.engine_types import ImageInput
 from backend.image_preprocess import decode_image, image_input
-from backend.model import LlamaModel
 from backend.sequence import StopConditions
-from backend.image_tower import ImageTower
-from backend.vision_tower import load_vision_tower
-from backend.weights import load_weights
 from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
-from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.qwen_vl_config import QwenVisionConfig
 from kvyard.sampling_params import SamplingParams
 from kvyard.vision_config import image_spans
-from tests.backend.conftest import CPU, build_engine, greedy_run
+from tests.backend.conftest import build_engine, greedy_run
 from tests.support.tiny_qwen_vl import TinyQwenVL, save_qwen_vl_dir, tiny_qwen_vl
-from tests.support.tiny_vision import png_bytes
+from tests.support.tiny_vision import load_vision_model, png_bytes
 
-ATOL = 2e-3
-STEPS = 10
+ATOL, STEPS = 2e-3, 10  # logits within ATOL (float32) over STEPS greedy decode steps
 
 
 class Served:
     def __init__(self, tiny: TinyQwenVL, path: Path) -> None:
         self.tiny, self.path = tiny, path
-        self.config: ModelConfig = load_model_config(path)
+        self.config, self.model, self.tower = load_vision_model(path)
         assert isinstance(self.config.vision, QwenVisionConfig)
         self.vision: QwenVisionConfig = self.config.vision
-        self.model = LlamaModel(self.config, load_weights(path, self.config, torch.float32, CPU, progress=False))
-        self.tower: ImageTower = load_vision_tower(path, self.config, torch.float32, CPU)
 
     def engine(self) -> Engine:
         engine = build_engine(self.model, self.config, num_blocks=48, block_size=8, max_num_batched_tokens=64)
