@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, load_pooling_spec
-from tests.support.procs import RoleProcess, free_port_block
+from tests.support.procs import pdfusion
 from tests.support.tiny_decoder_poolers import tiny_qwen3_reranker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,16 +24,9 @@ DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France border
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    tmp = tmp_path_factory.mktemp("qwen3-reranker")
-    path = tiny_qwen3_reranker(tmp / "reranker")
-    port = free_port_block()
-    proc = RoleProcess({"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "CHECKPOINT_PATH": str(path),
-                        "MODEL_NAME": "rr"}, tmp / "pdfusion.log")
-    try:
-        proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
-        yield f"http://127.0.0.1:{port}", path
-    finally:
-        proc.stop()
+    path = tiny_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker") / "reranker")
+    with pdfusion(path, "rr", path.parent / "pdfusion.log") as url:
+        yield url, path
 
 
 def reference_scores(path: Path, query: str, docs: list[str], max_length: int = 512) -> list[float]:
