@@ -10,14 +10,12 @@ import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from tests.support.procs import RoleProcess, free_port_block
-from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
+from tests.support.tiny_vision import TinyLlava, png_bytes, reference_greedy, save_llava_dir, tiny_llava
 
 STEPS = 5
 
@@ -33,10 +31,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = tmp_path_factory.mktemp("llava-vit")
-    tiny = tiny_llava()
+    tiny, root, base = tiny_llava(), tmp_path_factory.mktemp("llava-vit"), free_port_block(41)
     path = save_llava_dir(tiny, root / "tiny-llava")
-    base = free_port_block(41)
     master, vit, prefill, decode, frontend = base, base + 10, base + 20, base + 30, base + 40
     common = {"CHECKPOINT_PATH": str(path), "KV_CACHE_MB": "16", "TORCH_NUM_THREADS": "1",
               "MASTER_ADDRESS": f"127.0.0.1:{master}"}
@@ -69,17 +65,7 @@ def chat(cluster: Cluster, image: bytes) -> httpx.Response:
 
 
 def reference_tokens(cluster: Cluster, ids: list[int], image: bytes) -> list[int]:
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from backend.image_preprocess import decode_image
-    processor: Any = CLIPImageProcessorPil.from_pretrained(str(cluster.path))
-    pixel_values = processor(images=[decode_image(image)], return_tensors="pt")["pixel_values"]
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(STEPS):
-            logits = cluster.tiny.hf_model(input_ids=torch.tensor([ids + out]), pixel_values=pixel_values).logits
-            out.append(int(logits[0, -1].argmax()))
-    return out
+    return reference_greedy(cluster.tiny, cluster.path, ids, image, STEPS)
 
 
 def test_image_chat_over_vit_prefill_decode_matches_transformers(cluster: Cluster) -> None:
