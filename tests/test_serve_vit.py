@@ -85,6 +85,8 @@ def test_image_chat_over_vit_prefill_decode_matches_transformers(cluster: Cluste
     view = httpx.get(f"{cluster.master}/backends", timeout=10).json()["backends"]
     assert sorted(b["role"] for b in view) == ["DECODE", "PREFILL", "VIT"], view
     assert 'role="VIT"' in httpx.get(f"{cluster.master}/metrics", timeout=10).text
+    models = httpx.get(f"{cluster.master}/v1/models", timeout=10).json()["data"]
+    assert [m["healthy_backends"] for m in models] == [2], models  # PREFILL and DECODE; a VIT serves nothing
 
 
 def test_vit_gone_is_a_503_saying_so(cluster: Cluster) -> None:
