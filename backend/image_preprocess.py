@@ -86,5 +86,5 @@ def image_input(data: bytes, vision: ImageSide, what: str = "image") -> ImageInp
             patches, grid = qwen_patches(img, vision)
         except ValueError as exc:  # too long and thin to resize
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{what}: {exc}", what) from None
-        return ImageInput(hashlib.sha256(data).digest(), patches, grid)
+        return ImageInput(hashlib.sha256(data).digest(), patches, grid=grid)
     return ImageInput(hashlib.sha256(data).digest(), pixels(img, vision.preprocess))

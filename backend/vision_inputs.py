@@ -51,25 +51,44 @@ def check_images(prompt_ids: list[int], images: list[ImageInput], vision: ImageS
 def attach_images(seqs: Seq[Sequence], images: list[ImageInput], vision: ImageSide | None,
                   tower: ImageTower | None, block_size: int) -> None:
     """Salt the sequences' block keys with the images' digests, give Qwen-VL sequences their M-RoPE
-    positions and, where a tower runs (PDFUSION, PREFILL), the images' embeddings (engine thread: the
-    tower's cache is the engine's)."""
+    positions (salt_images) and the images' embeddings: a VIT's (ImageInput.embeds) or, where a tower runs
+    (PDFUSION, PREFILL), the tower's (engine thread: the tower's cache is the engine's). A DECODE backend's
+    hand-over only salts and positions (salt_images)."""
     if not images or vision is None:
         return
+    spans = salt_images(seqs, images, vision, block_size)
+    rows = []
+    for (start, _), im in zip(spans, images):
+        if im.embeds is not None:
+            rows.append((start, im.embeds))
+        elif tower is None or im.pixels is None:
+            raise RequestError(ErrorCode.INTERNAL, "an image reached the engine with neither embeddings nor "
+                               "a tower to run on its pixels")
+        else:
+            rows.append((start, tower.embed(im.digest, im.pixels, im.grid)))
+    feature = ImageEmbeds(tuple(rows))
+    for seq in seqs:
+        seq.features = (*seq.features, feature)
+
+
+def salt_images(seqs: Seq[Sequence], images: list[ImageInput], vision: ImageSide | None,
+                block_size: int) -> list[tuple[int, int]]:
+    """Mix the images' digests into the keys of the blocks their placeholders fill (both sides of a
+    hand-over, so prefix caching tells images apart) and, for Qwen-VL, give the sequences the M-RoPE
+    positions the images make (both sides too: decode runs at index + the prompt's delta); returns each
+    image's placeholder run (start, length)."""
+    if not images or vision is None:
+        return []
     spans = check_images(seqs[0].prompt_token_ids, images, vision)
     salts = image_block_salts(spans, [im.digest for im in images], block_size)
-    features: list[object] = []
+    rope = None
     if isinstance(vision, QwenVisionConfig):
-        features.append(mrope_positions(seqs[0].num_prompt_tokens, spans, [im.grid for im in images if im.grid], vision))
-    if tower is not None:
-        rows = []
-        for (start, _), im in zip(spans, images):
-            if im.pixels is None:
-                raise RequestError(ErrorCode.INTERNAL, "an image reached the tower without its pixels")
-            rows.append((start, tower.embed(im.digest, im.pixels, im.grid)))
-        features.append(ImageEmbeds(tuple(rows)))
+        rope = mrope_positions(seqs[0].num_prompt_tokens, spans, [im.grid for im in images if im.grid], vision)
     for seq in seqs:
         seq.block_salts = salts
-        seq.features = (*seq.features, *features)
+        if rope is not None:
+            seq.features = (*seq.features, rope)
+    return spans
 
 
 def chunk_embeds(seq: object, start: int, n: int) -> list[tuple[int, torch.Tensor]]:

@@ -176,12 +176,16 @@ def cluster_parser() -> _Parser:
                     "everything (frontends drain first).",
         epilog="ports: frontends PORT, PORT+1, ...; master PORT+10; backend k (from 0): PORT+20+10k, its gRPC\n"
                "+1 and HTTP +5.\n\nexample:\n  kvyard cluster --backends 2 --kv-cache-mb 256\n"
-               "  kvyard cluster --prefill 1 --decode 1 --frontends 2")
+               "  kvyard cluster --prefill 1 --decode 1 --frontends 2\n"
+               "  kvyard cluster --model /models/llava-1.5-7b-hf --vit 1 --prefill 1 --decode 1")
     counts = parser.add_argument_group("shape")
     counts.add_argument("--backends", type=_count, default=None, metavar="N",
                         help="PDFUSION backends (prefill + decode; default 2 unless --prefill/--decode are given)")
     counts.add_argument("--prefill", type=_count, default=0, metavar="P", help="PREFILL backends")
     counts.add_argument("--decode", type=_count, default=0, metavar="D", help="DECODE backends")
+    counts.add_argument("--vit", type=_count, default=0, metavar="V",
+                        help="ROLE_TYPE=VIT processes (a vision model's image tower alone): the PDFUSION and PREFILL "
+                             "backends send their images there and load no tower (docs/vision.md)")
     counts.add_argument("--frontends", type=_count, default=1, metavar="F", help="frontends (default 1)")
     counts.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                         help="the frontends' bind address (default 127.0.0.1); the master and backends stay "
