@@ -31,6 +31,7 @@ class Cluster:
     url: str            # the frontend
     master: str
     vit: RoleProcess
+    vit_http: str       # the VIT's health and /worker_status
     own_tower: str      # gRPC of a PREFILL backend with its own tower (not registered; hands over to the DECODE one)
 
 
@@ -58,7 +59,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         procs[4].wait_healthy(f"http://127.0.0.1:{frontend}/health", timeout_s=120)
         procs[0].wait_healthy(f"http://127.0.0.1:{master}/health", timeout_s=30)
         yield Cluster(tiny, path, f"http://127.0.0.1:{frontend}", f"http://127.0.0.1:{master}", procs[1],
-                      f"127.0.0.1:{own + 1}")
+                      f"http://127.0.0.1:{vit + 5}", f"127.0.0.1:{own + 1}")
     finally:
         for p in reversed(procs):
             p.stop()
@@ -93,6 +94,8 @@ def test_image_chat_over_vit_prefill_decode_matches_transformers(cluster: Cluste
     view = httpx.get(f"{cluster.master}/backends", timeout=10).json()["backends"]
     assert sorted(b["role"] for b in view) == ["DECODE", "PREFILL", "VIT"], view
     assert 'role="VIT"' in httpx.get(f"{cluster.master}/metrics", timeout=10).text
+    work = httpx.get(f"{cluster.vit_http}/worker_status", timeout=10).json()  # RTP-LLM's WorkStatus
+    assert work["role"] == "VIT" and len(work["finished_task_list"]) == 2, work  # one call per new image
     models = httpx.get(f"{cluster.master}/v1/models", timeout=10).json()["data"]
     assert [m["healthy_backends"] for m in models] == [2], models  # PREFILL and DECODE; a VIT serves nothing
 
