@@ -25,6 +25,7 @@ class ImageInput:
     """One image of a prompt, in prompt order: the k-th image fills the k-th run of placeholder tokens."""
     digest: bytes                    # SHA-256 of the image file's bytes: the embedding cache's and block keys' key
     pixels: torch.Tensor | None      # [3, S, S] preprocessed (the gRPC edge decodes); None where no tower runs
+    embeds: torch.Tensor | None = None  # [placeholders, D] from a VIT process (VIT_ADDRESSES): no tower runs here
 
 
 @dataclass

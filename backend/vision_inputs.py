@@ -39,24 +39,37 @@ def check_images(prompt_ids: list[int], images: list[ImageInput], vision: Vision
 
 def attach_images(seqs: Seq[Sequence], images: list[ImageInput], vision: VisionConfig | None,
                   tower: VisionTower | None, block_size: int) -> None:
-    """Salt the sequences' block keys with the images' digests and, where a tower runs (PDFUSION, PREFILL),
-    give them the images' embeddings (engine thread: the tower's cache is the engine's)."""
+    """Salt the sequences' block keys with the images' digests and give them the images' embeddings: a
+    VIT's (ImageInput.embeds) or, where a tower runs (PDFUSION, PREFILL), the tower's (engine thread: the
+    tower's cache is the engine's). A DECODE backend's hand-over only salts (salt_images)."""
     if not images or vision is None:
         return
+    starts = salt_images(seqs, images, vision, block_size)
+    spans = []
+    for start, im in zip(starts, images):
+        if im.embeds is not None:
+            spans.append((start, im.embeds))
+        elif tower is None or im.pixels is None:
+            raise RequestError(ErrorCode.INTERNAL, "an image reached the engine with neither embeddings nor "
+                               "a tower to run on its pixels")
+        else:
+            spans.append((start, tower.embed(im.digest, im.pixels)))
+    feature = ImageEmbeds(tuple(spans))
+    for seq in seqs:
+        seq.features = (*seq.features, feature)
+
+
+def salt_images(seqs: Seq[Sequence], images: list[ImageInput], vision: VisionConfig | None,
+                block_size: int) -> list[int]:
+    """Mix the images' digests into the keys of the blocks their placeholders fill (both sides of a
+    hand-over, so prefix caching tells images apart); returns each image's placeholder start."""
+    if not images or vision is None:
+        return []
     starts = check_images(seqs[0].prompt_token_ids, images, vision)
     salts = image_block_salts(starts, [im.digest for im in images], vision.num_image_tokens, block_size)
-    feature = None
-    if tower is not None:
-        spans = []
-        for start, im in zip(starts, images):
-            if im.pixels is None:
-                raise RequestError(ErrorCode.INTERNAL, "an image reached the tower without its pixels")
-            spans.append((start, tower.embed(im.digest, im.pixels)))
-        feature = ImageEmbeds(tuple(spans))
     for seq in seqs:
         seq.block_salts = salts
-        if feature is not None:
-            seq.features = (*seq.features, feature)
+    return starts
 
 
 def chunk_embeds(seq: object, start: int, n: int) -> list[tuple[int, torch.Tensor]]:

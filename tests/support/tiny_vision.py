@@ -83,3 +83,18 @@ def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return buf.getvalue()
+
+
+def reference_greedy(tiny: TinyLlava, path: Path, ids: list[int], image: bytes, steps: int) -> list[int]:
+    """transformers' greedy continuation of `ids` with `image` (its CLIP image processor on our decode)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from backend.image_preprocess import decode_image
+    processor: Any = CLIPImageProcessorPil.from_pretrained(str(path))
+    pixel_values = processor(images=[decode_image(image)], return_tensors="pt")["pixel_values"]
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = tiny.hf_model(input_ids=torch.tensor([ids + out]), pixel_values=pixel_values).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out
