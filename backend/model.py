@@ -10,7 +10,7 @@ import torch
 from backend.attention import AttentionMetadata, KVCache
 from backend.lora import LoraBatch
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
-from backend.quant import QuantWeight
+from backend.quant import BlockWeight, QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
 
 log = logging.getLogger("kvyard.backend")
@@ -41,7 +41,7 @@ class LlamaModel:
         self.device = embed.qs.device if isinstance(embed, QuantWeight) else embed.device
         self.dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
         self.ops = ops or default_ops(self.device, self.dtype)
-        if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
+        if not isinstance(self.ops, KernelOps) and any(isinstance(w, BlockWeight) for w in weights.values()):
             raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
         if isinstance(self.ops, KernelOps) and config.head_dim not in KERNEL_HEAD_DIMS:
             log.warning("head_dim %d: the C++ attention kernels take %s; attention runs in PyTorch (slower decode)",
@@ -55,7 +55,7 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
-        return sum(w.nbytes() if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+        return sum(w.nbytes() if isinstance(w, BlockWeight) else w.numel() * w.element_size()
                    for w in self.w.values())
 
     @torch.inference_mode()
