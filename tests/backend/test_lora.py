@@ -29,6 +29,7 @@ from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.model_config import load_model_config
+from kvyard.roles import Role
 from kvyard.sampling_params import SamplingParams
 from tests.backend.conftest import CPU
 from tests.support.tiny_models import EXACT_TYPES, save_hf_dir, tiny_model, write_gguf
@@ -236,6 +237,19 @@ def test_unload_with_requests_in_flight(setup: Setup) -> None:
     with pytest.raises(RequestError) as err:
         engine.loras.unload("all")
     assert err.value.code is ErrorCode.MODEL_NOT_FOUND
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_prefill_decode_split_refuses_adapters(setup: Setup, role: Role) -> None:
+    """The hand-over does not carry adapters: a PREFILL or DECODE backend refuses a request naming one (a
+    400 at the frontend), never computes it with the base model."""
+    model = load_model(setup, "hf-dense")
+    engine = make_engine(model, registry_for(setup, model))
+    engine.role = role
+    with pytest.raises(RequestError) as err:
+        engine.validate(request("pd", prompt(5, 8, model.config.vocab_size), "attn"))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and "prefill/decode split" in err.value.message
+    engine.validate(request("pd-base", prompt(5, 8, model.config.vocab_size), None))  # the base model is served
 
 
 def test_lru_bound(setup: Setup) -> None:
