@@ -54,8 +54,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-loras", "MAX_LORAS", "adapters a backend holds at once; loading one more evicts the least "
          "recently used (default 0: no bound)", "model", "N"),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
-    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
-         "or MOCK_MASTER", "net", "ROLE", cluster=False),
+    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, VIT, GATEWAY, "
+         "MOCK_BACKEND or MOCK_MASTER", "net", "ROLE", cluster=False),
     Flag("--host", "HOST", "bind address (default 127.0.0.1; the image sets 0.0.0.0, which for internal ports "
          "needs a cluster token)", "net", "ADDRESS", cluster=False),
     Flag("--port", "START_PORT", "the frontend's HTTP port (default 8088); backend gRPC is +1, backend HTTP +5",
@@ -72,6 +72,8 @@ FLAGS: tuple[Flag, ...] = (
          "master is unreachable", "net", "HOST:PORT", many=True, cluster=False),
     Flag("--decode-address", "DECODE_ADDRESS", "a PREFILL backend's DECODE backend when a request names none",
          "net", "HOST:PORT", cluster=False),
+    Flag("--vit-addresses", "VIT_ADDRESSES", "ROLE_TYPE=VIT processes that embed a vision model's images, "
+         "comma-separated (the backend then loads no tower)", "net", "HOST:PORT,...", cluster=False),
     Flag("--advertise-host", "ADVERTISE_HOST", "the address others should dial (master, backend)", "net",
          "HOST", cluster=False),
     Flag("--frontend-server-count", "FRONTEND_SERVER_COUNT", "PDFUSION: 1 starts a frontend beside the backend, "

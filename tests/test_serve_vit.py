@@ -3,7 +3,8 @@ backend that sends its images to the VIT (VIT_ADDRESSES, no tower of its own), a
 frontend. An image chat's greedy answer is transformers' (the answer a PDFUSION backend running its own
 tower gives: tests/test_serve_vision.py); another picture behind the same tokens gets its own answer (the
 DECODE side's block keys carry the image digest, so it does not reuse the first picture's KV); the master
-lists the VIT; a VIT that is gone is a 503 saying so."""
+lists the VIT; a PREFILL backend running its own tower keys the same image as the VIT-fed one does (the
+DECODE backend skips the blocks it holds); a VIT that is gone is a 503 saying so."""
 from __future__ import annotations
 
 import base64
@@ -11,10 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
-from tests.support.procs import RoleProcess, free_port_block
+from proto import model_rpc_pb2 as pb
+from proto import model_rpc_pb2_grpc as pb_grpc
+from tests.support.procs import RoleProcess, cluster_metadata, free_port_block
 from tests.support.tiny_vision import TinyLlava, png_bytes, reference_greedy, save_llava_dir, tiny_llava
 
 STEPS = 5
@@ -27,13 +31,15 @@ class Cluster:
     url: str            # the frontend
     master: str
     vit: RoleProcess
+    vit_http: str       # the VIT's health and /worker_status
+    own_tower: str      # gRPC of a PREFILL backend with its own tower (not registered; hands over to the DECODE one)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tiny, root, base = tiny_llava(), tmp_path_factory.mktemp("llava-vit"), free_port_block(41)
+    tiny, root, base = tiny_llava(), tmp_path_factory.mktemp("llava-vit"), free_port_block(51)
     path = save_llava_dir(tiny, root / "tiny-llava")
-    master, vit, prefill, decode, frontend = base, base + 10, base + 20, base + 30, base + 40
+    master, vit, prefill, decode, frontend, own = base, base + 10, base + 20, base + 30, base + 40, base + 50
     common = {"CHECKPOINT_PATH": str(path), "KV_CACHE_MB": "16", "TORCH_NUM_THREADS": "1",
               "MASTER_ADDRESS": f"127.0.0.1:{master}"}
     procs: list[RoleProcess] = []
@@ -46,11 +52,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         procs.append(RoleProcess({**common, "ROLE_TYPE": "DECODE", "START_PORT": str(decode)}, root / "decode.log"))
         procs.append(RoleProcess({**common, "ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend),
                                   "BACKEND_ADDRESS": f"127.0.0.1:{prefill + 1}"}, root / "frontend.log"))
-        for proc, port in zip(procs[1:4], (vit, prefill, decode)):
+        procs.append(RoleProcess({**common, "ROLE_TYPE": "PREFILL", "START_PORT": str(own), "MASTER_ADDRESS": "",
+                                  "DECODE_ADDRESS": f"127.0.0.1:{decode + 1}"}, root / "own-tower.log"))
+        for proc, port in zip([*procs[1:4], procs[5]], (vit, prefill, decode, own)):
             proc.wait_healthy(f"http://127.0.0.1:{port + 5}/health", timeout_s=180)
         procs[4].wait_healthy(f"http://127.0.0.1:{frontend}/health", timeout_s=120)
         procs[0].wait_healthy(f"http://127.0.0.1:{master}/health", timeout_s=30)
-        yield Cluster(tiny, path, f"http://127.0.0.1:{frontend}", f"http://127.0.0.1:{master}", procs[1])
+        yield Cluster(tiny, path, f"http://127.0.0.1:{frontend}", f"http://127.0.0.1:{master}", procs[1],
+                      f"http://127.0.0.1:{vit + 5}", f"127.0.0.1:{own + 1}")
     finally:
         for p in reversed(procs):
             p.stop()
@@ -85,8 +94,25 @@ def test_image_chat_over_vit_prefill_decode_matches_transformers(cluster: Cluste
     view = httpx.get(f"{cluster.master}/backends", timeout=10).json()["backends"]
     assert sorted(b["role"] for b in view) == ["DECODE", "PREFILL", "VIT"], view
     assert 'role="VIT"' in httpx.get(f"{cluster.master}/metrics", timeout=10).text
+    work = httpx.get(f"{cluster.vit_http}/worker_status", timeout=10).json()  # RTP-LLM's WorkStatus
+    assert work["role"] == "VIT" and len(work["finished_task_list"]) == 2, work  # one call per new image
     models = httpx.get(f"{cluster.master}/v1/models", timeout=10).json()["data"]
     assert [m["healthy_backends"] for m in models] == [2], models  # PREFILL and DECODE; a VIT serves nothing
+
+
+def test_a_prefill_backend_with_its_own_tower_keys_the_image_alike(cluster: Cluster) -> None:
+    image = png_bytes(64, 64, seed=3)
+    r = chat(cluster, image)  # through the VIT: the DECODE backend now holds this prompt's blocks
+    assert r.status_code == 200, r.text
+    ids = r.json()["debug_info"]["input_ids"]
+    with grpc.insecure_channel(cluster.own_tower) as channel:
+        outs = list(pb_grpc.ModelRpcServiceStub(channel).GenerateStreamCall(pb.GenerateInputPB(
+            request_id="own-tower", token_ids=ids, images=[pb.ImagePB(data=image)],
+            generate_config=pb.GenerateConfigPB(max_new_tokens=STEPS, ignore_eos=True)), metadata=cluster_metadata()))
+    assert not any(o.HasField("error") for o in outs), outs[-1].error
+    assert [t for o in outs for g in o.generate_outputs for t in g.output_ids] == reference_tokens(cluster, ids, image)
+    image_end = ids.index(cluster.tiny.image_token_id) + cluster.tiny.image_tokens
+    assert outs[-1].generate_outputs[-1].aux_info.kv_blocks_skipped >= image_end // 16
 
 
 def test_vit_gone_is_a_503_saying_so(cluster: Cluster) -> None:
