@@ -5,6 +5,7 @@ steps (M-RoPE's 3-D image positions, then decode at index + rope_delta); a follo
 is a prefix-cache hit that still matches transformers, and a run of the wrong length is refused."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,22 @@ import torch
 
 from backend.engine import Engine, GenerationRequest
 from backend.engine_types import ImageInput
+from backend.grpc_server import start_grpc_server
 from backend.image_preprocess import decode_image, image_input
-from backend.sequence import StopConditions
+from backend.mrope import MropePositions
+from backend.pb_convert import handover_request_from_pb
+from backend.sequence import Sequence, StopConditions
+from backend.vision_inputs import salt_images
+from backend.vit_client import VitClient
+from backend.vit_server import VitServicer
 from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
+from kvyard.ports import free_port_block as free_port
 from kvyard.qwen_vl_config import QwenVisionConfig
 from kvyard.sampling_params import SamplingParams
 from kvyard.vision_config import image_spans
 from tests.backend.conftest import build_engine, greedy_run
+from proto import model_rpc_pb2 as pb
 from tests.support.tiny_qwen_vl import TinyQwenVL, save_qwen_vl_dir, tiny_qwen_vl
 from tests.support.tiny_vision import load_vision_model, png_bytes
 
@@ -58,20 +67,20 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                                          published_layout=request.param == "qwen2_vl"))
 
 
-def hf_inputs(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+def hf_inputs(path: Path, *data: bytes) -> dict[str, torch.Tensor]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(path))
-    out = processor(images=[decode_image(data)], return_tensors="pt")
+    out = processor(images=[decode_image(d) for d in data], return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def hf_greedy(served: Served, ids: list[int], data: bytes) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(served: Served, ids: list[int], *data: bytes) -> tuple[list[int], list[torch.Tensor]]:
     model = served.tiny.hf_model
     model.model.rope_deltas = None  # transformers keeps the last prompt's delta on the model
     tokens, logits = [], []
     types = (torch.tensor([ids]) == served.vision.image_token_id).int()
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([ids]), mm_token_type_ids=types, use_cache=True, **hf_inputs(served.path, data))
+        out = model(input_ids=torch.tensor([ids]), mm_token_type_ids=types, use_cache=True, **hf_inputs(served.path, *data))
         for _ in range(STEPS):
             row = out.logits[0, -1].float()
             tokens.append(int(row.argmax()))
@@ -131,6 +140,16 @@ def test_logits_and_tokens_match_transformers_then_cache(served: Served) -> None
     assert not set(block_cache_keys(ids, 8)) & held
 
 
+def test_two_images_of_different_sizes(served: Served) -> None:
+    """Each image's positions start where the text before it ends; the delta adds up over both."""
+    first, second = png_bytes(140, 84, seed=1), png_bytes(60, 130, seed=4)
+    ids = served.prompt(first) + served.prompt(second, before=3, after=4)
+    theirs, their_logits = hf_greedy(served, ids, first, second)
+    ours, our_logits, _ = engine_run(served.engine(), "two", ids, [served.image(first), served.image(second)])
+    assert_close(our_logits, their_logits, "two images")
+    assert ours == theirs
+
+
 def test_run_length_must_match_the_image(served: Served) -> None:
     engine = served.engine()
     data = png_bytes(140, 84, seed=1)
@@ -142,3 +161,36 @@ def test_run_length_must_match_the_image(served: Served) -> None:
         engine.validate(GenerationRequest("short", short, SamplingParams(), stop, images=[image]))
     with pytest.raises(RequestError, match="placeholders for 1 image"):
         engine.validate(GenerationRequest("two", ids, SamplingParams(), stop, images=[image, image]))
+
+
+def test_vit_and_hand_over_carry_the_grid(served: Served) -> None:
+    """A VIT's embeddings come with the image's grid (the backend's M-RoPE needs it) and give the same
+    tokens as the backend's own tower; a PD hand-over header carries the grids to the decode side, whose
+    sequence then decodes at index + the same delta."""
+    data = png_bytes(140, 84, seed=1)
+    ids = served.prompt(data)
+    own = served.image(data)
+
+    async def via_vit() -> list[ImageInput]:
+        port = free_port()
+        server, _ = await start_grpc_server(VitServicer(served.tower), "127.0.0.1", port, "t")
+        try:
+            client = VitClient((f"127.0.0.1:{port}",), "t", served.vision, served.config.hidden_size, torch.float32,
+                               torch.device("cpu"))
+            return await client.prompt_images("r", [data])
+        finally:
+            await server.stop(None)
+
+    vit = asyncio.run(via_vit())
+    assert vit[0].grid == own.grid == (1, 6, 10) and vit[0].pixels is None and vit[0].embeds is not None
+    tokens_own, _, _ = engine_run(served.engine(), "own", ids, [own])
+    tokens_vit, _, _ = engine_run(served.engine(), "vit", ids, vit)
+    assert tokens_vit == tokens_own
+
+    header = pb.KVTransferHeaderPB(request_id="pd", prompt_ids=ids, first_token=7, image_digests=[own.digest],
+                                   image_grids=[1, 6, 10])
+    req = handover_request_from_pb(header, frozenset(), 512)
+    seq = Sequence("pd", req.prompt_ids, req.stop)
+    salt_images([seq], req.images, served.vision, 8)
+    rope = seq.feature(MropePositions)
+    assert rope is not None and rope.delta == 5 - 15 and rope.flat(len(ids) + 1, 1) == [len(ids) + 1 - 10]
