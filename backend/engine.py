@@ -20,11 +20,11 @@ from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
 from backend.vision_inputs import attach_images, check_images, salt_images
-from backend.vision_tower import VisionTower
+from backend.image_tower import ImageTower
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
-from kvyard.vision_config import VisionConfig
+from kvyard.vision_config import ImageSide
 from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
@@ -35,8 +35,8 @@ class Engine:
     `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int, role: Role = Role.PDFUSION, vision: VisionConfig | None = None,
-                 tower: VisionTower | None = None, loras: LoraRegistry | None = None) -> None:
+                 max_model_len: int, role: Role = Role.PDFUSION, vision: ImageSide | None = None,
+                 tower: ImageTower | None = None, loras: LoraRegistry | None = None) -> None:
         """vision: a vision-language model's image side (None: text only); tower: where images are embedded
         here (None on a DECODE backend: it takes the prefilled KV); loras: the LoRA adapters it serves (None:
         none can be loaded)."""
@@ -73,6 +73,10 @@ class Engine:
         if isinstance(req, GenerationRequest):
             check_images(req.prompt_ids, req.images, self.vision)
         if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
+            if self.role is not Role.PDFUSION:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the LoRA adapter {req.sampling.adapter!r}: "
+                                   f"adapters are not served by a prefill/decode split (this backend is "
+                                   f"{self.role.value}); send it to a PDFUSION backend", "model")
             if self.loras is None:
                 raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
                                    "loaded: this backend serves no adapters", "model")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
 from backend.lora import LoraBatch
+from backend.lora_weights import FUSED_TARGETS, LoraAdapter
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
 from backend.quant import BlockWeight, QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
@@ -53,6 +55,16 @@ class LlamaModel:
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
         self.fused = None if config.qk_norm else self.ops.fused_decoder(config, weights, self.lm_head)
 
+    def fused_lora(self, adapter: LoraAdapter) -> Any:
+        """An adapter in the fused decode step's form: A and B^T per layer and projection, empty where none
+        (made once per adapter, on the engine thread)."""
+        if adapter.fused is None:
+            none = torch.empty(0)
+            keys = [(i, t) for i in range(self.config.num_layers) for t in FUSED_TARGETS]
+            adapter.fused = self.ops.fused_lora([adapter.mats[k][0] if k in adapter.mats else none for k in keys],
+                                                [adapter.mats[k][1] if k in adapter.mats else none for k in keys])
+        return adapter.fused
+
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
         return sum(w.nbytes() if isinstance(w, BlockWeight) else w.numel() * w.element_size()
@@ -61,27 +73,34 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None,
+                mrope: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
         embeds: rows [M] whose input embedding is given instead of looked up, and those embeddings [M, D]
-        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); a step with
-        any runs op by op, since the fused C++ decode step takes no adapters."""
-        if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS
-                and embeds is None and lora is None):
-            return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
-                                      self.cos, self.sin, cache.data, cache.block_size, logits_rows)
-        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora)
+        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); the fused
+        C++ decode step takes them too (each row's own adapter's terms, backend/csrc/lora_step.h). mrope:
+        [3, T] (t, h, w) rotary positions (Qwen-VL, a step with image tokens) instead of `positions`."""
+        if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS and embeds is None
+                and mrope is None):
+            args = (input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens, self.cos, self.sin,
+                    cache.data, cache.block_size, logits_rows)
+            if lora is None:
+                return self.fused.forward(*args)
+            return self.fused.forward_lora(*args, lora.fused(self.fused_lora), lora.row_owner)
+        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora, mrope)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      lora: LoraBatch | None = None) -> torch.Tensor:
-        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds
-        and lora as forward's."""
+                      lora: LoraBatch | None = None, mrope: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds,
+        lora and mrope as forward's."""
         c, ops, w = self.config, self.ops, self.w
-        cos = self.cos[positions]  # [T, d/2]; shared by every layer
-        sin = self.sin[positions]
+        if mrope is None:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, d/2]; shared by every layer
+        else:
+            cos, sin = self._mrope_tables(mrope)
         x = ops.embed(w["embed"], input_ids).to(self.dtype)  # [T, D]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(self.dtype)
@@ -108,6 +127,17 @@ class LlamaModel:
             if lora is not None:
                 lora.add(x, m, i, "down")
         return x
+
+    def _mrope_tables(self, mrope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d/2] for (t, h, w) positions [3, T]: mrope_section's first run of frequencies
+        turns with t, the next with h, the last with w."""
+        assert self.config.mrope_section is not None, "3-D positions on a model without M-RoPE"
+        cos, sin, at = [], [], 0
+        for axis, size in enumerate(self.config.mrope_section):
+            cos.append(self.cos[mrope[axis], at:at + size])
+            sin.append(self.sin[mrope[axis], at:at + size])
+            at += size
+        return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
     def _qk_norm(self, qkv: torch.Tensor, p: str) -> torch.Tensor:
         """Qwen3: each head of q and k RMS-normed over its d values (before RoPE); v as it is."""

@@ -41,7 +41,10 @@ def handover_request_from_pb(h: pb.KVTransferHeaderPB, eos_token_ids: frozenset[
     max_new = max(1, h.generate_config.max_new_tokens - spent) if h.generate_config.max_new_tokens else 0
     req = _request(h.request_id, [*h.prompt_ids, h.first_token], h.generate_config, eos_token_ids, max_model_len,
                    max_new, max(0, h.generate_config.min_new_tokens - spent))
-    req.images = [ImageInput(bytes(d), None) for d in h.image_digests]  # digests only: the block keys' salts
+    # digests only (the block keys' salts), and Qwen-VL's grids (its M-RoPE positions)
+    grids = [tuple(h.image_grids[i:i + 3]) for i in range(0, len(h.image_grids), 3)]
+    req.images = [ImageInput(bytes(d), None, grid=grids[k] if k < len(grids) else None)  # type: ignore[arg-type]
+                  for k, d in enumerate(h.image_digests)]
     return req
 
 

@@ -21,7 +21,7 @@ from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_reque
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
-from kvyard.vision_config import VisionConfig
+from kvyard.vision_config import ImageSide
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -38,7 +38,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         self.decode_channels = DecodeChannels()
         self.grammars = grammars              # compiles constraints off the engine thread; None: refuse them
         self.tasks = TaskLog()                # running and finished calls, for /worker_status
-        self.vision: VisionConfig | None = None  # a vision model's image side: decodes its requests' images
+        self.vision: ImageSide | None = None  # a vision model's image side: decodes its requests' images
         self.vit: VitClient | None = None        # VIT_ADDRESSES: a VIT process embeds them instead of our tower
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):

@@ -5,6 +5,7 @@ budget), so an image seen again costs no call. A VIT that cannot be reached is t
 error (503), never a wait: calls do not wait for a connection, and each has a deadline."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
@@ -13,13 +14,15 @@ import grpc
 import torch
 
 from backend.engine_types import ImageInput
+from backend.image_preprocess import decode_image
 from backend.pb_convert import embedding_from_pb
-from backend.vision_tower import EMBED_CACHE_BYTES
+from backend.image_tower import EMBED_CACHE_BYTES
 from kvyard.cluster_auth import client_interceptors
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.pb_errors import error_from_pb
-from kvyard.vision_config import VisionConfig
+from kvyard.qwen_vl_config import QwenVisionConfig
+from kvyard.vision_config import ImageSide
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -30,11 +33,11 @@ VIT_CALL_TIMEOUT_S = 120.0  # one EmbedImages call (a big tower on a busy CPU ta
 class VitClient:
     """Owned by the backend's event loop (the gRPC edge calls `prompt_images`)."""
 
-    def __init__(self, addresses: tuple[str, ...], token: str, vision: VisionConfig, hidden_size: int,
+    def __init__(self, addresses: tuple[str, ...], token: str, vision: ImageSide, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, cache_bytes: int = EMBED_CACHE_BYTES) -> None:
         self.addresses = addresses
         self.vision = vision
-        self.shape = (vision.num_image_tokens, hidden_size)
+        self.hidden_size = hidden_size
         self.dtype, self.device = dtype, device
         options = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
                    *CLIENT_OPTIONS]
@@ -48,6 +51,7 @@ class VitClient:
 
     async def prompt_images(self, request_id: str, files: list[bytes]) -> list[ImageInput]:
         digests = [hashlib.sha256(data).digest() for data in files]
+        shapes = await asyncio.to_thread(self._shapes, files)
         found = {d: self.cache[d] for d in digests if d in self.cache}
         for d in found:
             self.cache.move_to_end(d)
@@ -56,7 +60,26 @@ class VitClient:
             for d, t in zip(missing, await self._embed(request_id, list(missing.values()))):
                 found[d] = t
                 self._keep(d, t)
-        return [ImageInput(d, None, found[d]) for d in digests]
+        for d, (_, rows) in zip(digests, shapes):
+            if tuple(found[d].shape) != (rows, self.hidden_size):
+                raise RequestError(ErrorCode.INTERNAL, f"the VIT sent an embedding of shape {list(found[d].shape)}, this "
+                                   f"model takes {[rows, self.hidden_size]} (is it serving the same checkpoint?)")
+        return [ImageInput(d, None, found[d], grid) for d, (grid, _) in zip(digests, shapes)]
+
+    def _shapes(self, files: list[bytes]) -> list[tuple[tuple[int, int, int] | None, int]]:
+        """Each image's patch grid (Qwen-VL, from its size: M-RoPE's positions need it; None for LLaVA) and
+        the embedding rows it takes."""
+        vision = self.vision
+        if not isinstance(vision, QwenVisionConfig):
+            return [(None, vision.num_image_tokens)] * len(files)
+        out: list[tuple[tuple[int, int, int] | None, int]] = []
+        for i, data in enumerate(files):
+            width, height = decode_image(data, f"images[{i}]").size
+            try:
+                out.append((vision.grid(width, height), vision.num_tokens(width, height)))
+            except ValueError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"images[{i}]: {exc}", f"images[{i}]") from None
+        return out
 
     async def _embed(self, request_id: str, files: list[bytes]) -> list[torch.Tensor]:
         """One VIT's answer; the next VIT when one cannot be reached; UNAVAILABLE when none can."""
@@ -82,11 +105,7 @@ class VitClient:
                            + "; ".join(failures) + " (VIT_ADDRESSES)")
 
     def _tensor(self, m: pb.ImageEmbeddingPB) -> torch.Tensor:
-        t = embedding_from_pb(m)
-        if tuple(t.shape) != self.shape:
-            raise RequestError(ErrorCode.INTERNAL, f"the VIT sent an embedding of shape {list(t.shape)}, this model "
-                               f"takes {list(self.shape)} (is it serving the same checkpoint?)")
-        return t.to(device=self.device, dtype=self.dtype)
+        return embedding_from_pb(m).to(device=self.device, dtype=self.dtype)
 
     def _keep(self, digest: bytes, t: torch.Tensor) -> None:
         self.cache[digest] = t

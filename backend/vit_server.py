@@ -27,8 +27,9 @@ from backend.image_preprocess import prompt_images
 from backend.main import peak_resident_mb, resident_mb
 from backend.pb_convert import embedding_to_pb, worker_status_to_pb
 from backend.registration import register_forever
+from backend.image_tower import ImageTower
 from backend.task_log import TaskLog
-from backend.vision_tower import VisionTower, load_vision_tower
+from backend.vision_tower import load_vision_tower
 from kvyard.errors import RequestError
 from kvyard.model_config import load_model_config
 from kvyard.pb_errors import error_to_pb
@@ -44,7 +45,7 @@ class VitServicer(pb_grpc.ModelRpcServiceServicer):
     """EmbedImages and the load report; the other ModelRpcService calls are UNIMPLEMENTED here. The tower
     runs on one thread of its own (its embedding cache is that thread's), pictures are decoded beside it."""
 
-    def __init__(self, tower: VisionTower) -> None:
+    def __init__(self, tower: ImageTower) -> None:
         self.tower = tower
         self._runner = ThreadPoolExecutor(1, thread_name_prefix="vit-tower")
         self.running = 0          # calls whose images are being embedded or wait for the tower
@@ -85,7 +86,7 @@ class VitServicer(pb_grpc.ModelRpcServiceServicer):
         out = []
         for im in images:
             assert im.pixels is not None
-            out.append(self.tower.embed(im.digest, im.pixels))
+            out.append(self.tower.embed(im.digest, im.pixels, im.grid))
         return out
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,

@@ -12,6 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from backend.image_tower import ImageTower
+from backend.model import LlamaModel
+from backend.vision_tower import load_vision_tower
+from backend.weights import load_weights
+from kvyard.model_config import ModelConfig, load_model_config
 from renderers.llama3 import LLAMA3_TEMPLATE
 from tests.support.tiny_models import randomize
 from tests.support.tiny_tokenizers import LLAMA3_SPECIALS, TokenizerSpec, byte_level_tokenizer, save_hf_tokenizer
@@ -73,6 +78,14 @@ def save_llava_dir(tiny: TinyLlava, path: Path) -> Path:
     stops = [tiny.tokenizer.id(t) for k, t in tiny.tokenizer.specials.items() if k in ("eos", "eot", "eom")]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(set(stops))}))
     return path
+
+
+def load_vision_model(path: Path) -> tuple[ModelConfig, LlamaModel, ImageTower]:
+    """A vision checkpoint as the backend loads it (float32, CPU): its config, language model and tower."""
+    config = load_model_config(path)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, load_weights(path, config, torch.float32, cpu, progress=False))
+    return config, model, load_vision_tower(path, config, torch.float32, cpu)
 
 
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
