@@ -253,12 +253,13 @@ def _safetensors_header(file: Path) -> dict[str, _SafeTensor]:
     return out
 
 
-# A LLaVA checkpoint's language model under a prefix (transformers 4 and 5 spell it differently), and its
-# image side, which backend/vision_tower.py reads as vision.* and projector.*.
+# A LLaVA or Qwen-VL checkpoint's language model under a prefix (transformers 4 and 5 spell it differently),
+# and its image side, which backend/vision_tower.py and backend/qwen_vl_tower.py read as vision.* and projector.*.
 _HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                 ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision."),
                 ("model.vision_tower.", "vision."), ("vision_tower.vision_model.", "vision."), ("vision_tower.", "vision."),
-                ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
+                ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."),
+                ("model.visual.", "vision."), ("visual.", "vision."))
 
 
 def _hf_name(key: str) -> str | None:

@@ -48,6 +48,8 @@ class BackendConfig:
     lora_root: str = ""          # LORA_ROOT: run-time loads (/v1/load_lora_adapter, /update) only from under it;
                                  # "" = run-time loading off
     max_loras: int = 0           # MAX_LORAS: adapters held at once, least recently used evicted; 0 = no bound
+    vit_addresses: tuple[str, ...] = ()  # VIT_ADDRESSES: ROLE_TYPE=VIT processes (gRPC host:port) that embed this
+                                 # backend's images; () = it runs its own tower
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> BackendConfig:
@@ -68,8 +70,9 @@ class BackendConfig:
                 raise ValueError(f"{checkpoint} is {kind.a}: it runs as ROLE_TYPE=PDFUSION only")
         weight_format = _weight_format(env, device, dtype, checkpoint)
         role = parse_role(env.get("ROLE_TYPE"))
-        if not role.is_backend:
-            raise ValueError(f"ROLE_TYPE must be a backend role (PDFUSION, PREFILL, DECODE), got {role.name}")
+        if not role.is_backend and role is not Role.VIT:
+            raise ValueError(f"ROLE_TYPE must be a backend role (PDFUSION, PREFILL, DECODE) or VIT, got {role.name}")
+        vits = _vit_addresses(env, role, checkpoint, kind)
         alone = role is not Role.PDFUSION or env_int(env, "FRONTEND_SERVER_COUNT", 1, minimum=0) == 0
         return cls(
             checkpoint_path=checkpoint,
@@ -101,7 +104,21 @@ class BackendConfig:
             lora_modules=lora_modules(env.get("LORA_MODULES", "")),
             lora_root=env_str(env, "LORA_ROOT", ""),
             max_loras=env_int(env, "MAX_LORAS", 0, minimum=0),
+            vit_addresses=vits,
         )
+
+
+def _vit_addresses(env: Mapping[str, str], role: Role, checkpoint: Path, kind: ModelKind) -> tuple[str, ...]:
+    """VIT_ADDRESSES, refused where no image would go there; ROLE_TYPE=VIT needs a vision model."""
+    vits = tuple(a.strip() for a in env.get("VIT_ADDRESSES", "").split(",") if a.strip())
+    vision = kind is ModelKind.GENERATE and load_model_config(checkpoint).vision is not None
+    if role is Role.VIT and not vision:
+        raise ValueError(f"ROLE_TYPE=VIT needs a vision-language checkpoint (one with an image tower), not {checkpoint}")
+    if vits and (role in (Role.VIT, Role.DECODE) or not vision):
+        raise ValueError("VIT_ADDRESSES is for a PDFUSION or PREFILL backend of a vision model: "
+                         + ("a DECODE backend never sees the images" if role is Role.DECODE else
+                            "a VIT runs the tower itself" if role is Role.VIT else f"{checkpoint} takes no images"))
+    return vits
 
 
 def lora_modules(raw: str) -> tuple[tuple[str, str], ...]:

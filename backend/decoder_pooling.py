@@ -48,6 +48,8 @@ class DecoderPoolingModel:
         self.spec = spec
         config = load_model_config(spec.path)
         weights = load_weights(spec.path, config, dtype, device)
+        if spec.score_from_tokens:
+            weights["score"] = _score_from_lm_head(weights, spec)
         if spec.kind is ModelKind.CLASSIFY and "score" not in weights:
             raise ModelFileError(f"{spec.path}: a sequence classifier without its `score.weight`")
         self.llama = LlamaModel(config, weights, max_positions=spec.max_len)
@@ -94,3 +96,11 @@ class DecoderPoolingModel:
             grown = max(num_blocks, 2 * (self._cache.num_blocks if self._cache else 0))
             self._cache = _SharedLayerCache(c.num_layers, grown, c.num_kv_heads, c.head_dim, self.dtype, self.device)
         return self._cache
+
+
+def _score_from_lm_head(weights: dict[str, torch.Tensor], spec: PoolingSpec) -> torch.Tensor:
+    """The LM head's rows for spec.score_from_tokens as a `score` head (the LM head itself is then dropped):
+    two-way, one row, yes minus no, so sigmoid(score) is softmax([no, yes])[yes] (vLLM's from_2_way_softmax)."""
+    head = weights.pop("lm_head", None)
+    rows = (head if head is not None else weights["embed"])[list(spec.score_from_tokens)].float()
+    return (rows[1:] - rows[:1] if spec.two_way else rows).to(weights["embed"].dtype).contiguous()

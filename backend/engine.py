@@ -19,12 +19,12 @@ from backend.sequence import Sequence
 from backend.siblings import Siblings, request_sequences
 from backend.step_stats import StepStats
 from backend.validation import validate_request
-from backend.vision_inputs import attach_images, check_images
-from backend.vision_tower import VisionTower
+from backend.vision_inputs import attach_images, check_images, salt_images
+from backend.image_tower import ImageTower
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
-from kvyard.vision_config import VisionConfig
+from kvyard.vision_config import ImageSide
 from kvyard.worker_status import WorkerStatus
 
 log = logging.getLogger("kvyard.engine")
@@ -35,8 +35,8 @@ class Engine:
     `lock`, which step holds only while the scheduler's state changes (not during the forward pass)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, vocab_size: int,
-                 max_model_len: int, role: Role = Role.PDFUSION, vision: VisionConfig | None = None,
-                 tower: VisionTower | None = None, loras: LoraRegistry | None = None) -> None:
+                 max_model_len: int, role: Role = Role.PDFUSION, vision: ImageSide | None = None,
+                 tower: ImageTower | None = None, loras: LoraRegistry | None = None) -> None:
         """vision: a vision-language model's image side (None: text only); tower: where images are embedded
         here (None on a DECODE backend: it takes the prefilled KV); loras: the LoRA adapters it serves (None:
         none can be loaded)."""
@@ -72,9 +72,6 @@ class Engine:
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
         if isinstance(req, GenerationRequest):
             check_images(req.prompt_ids, req.images, self.vision)
-            if req.images and self.role is not Role.PDFUSION:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, "images are served by PDFUSION backends only "
-                                   "(a prefill/decode split does not carry them yet)", "images")
         if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
             if self.loras is None:
                 raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
@@ -107,6 +104,7 @@ class Engine:
         """Allocate blocks for an imported sequence (prompt + first token); None: no room now."""
         seq = request_sequences(req, self.runner.device)[0]
         bs = self.scheduler.config.block_size
+        salt_images([seq], req.images, self.vision, bs)  # the prefill side's keys: the same images' digests
         with self.lock:
             need = self.scheduler.allocate_for_import(seq)
         if need is None:

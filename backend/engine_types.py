@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 class ImageInput:
     """One image of a prompt, in prompt order: the k-th image fills the k-th run of placeholder tokens."""
     digest: bytes                    # SHA-256 of the image file's bytes: the embedding cache's and block keys' key
-    pixels: torch.Tensor | None      # [3, S, S] preprocessed (the gRPC edge decodes); None where no tower runs
+    pixels: torch.Tensor | None      # [3, S, S] preprocessed (the gRPC edge decodes); None where no tower runs;
+                                     # Qwen-VL: its patches [h·w, 3·t·p·p]
+    embeds: torch.Tensor | None = None  # [placeholders, D] from a VIT process (VIT_ADDRESSES): no tower runs here
+    grid: tuple[int, int, int] | None = None  # Qwen-VL: (t, h, w) patches, which M-RoPE's positions need
 
 
 @dataclass

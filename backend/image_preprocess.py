@@ -1,5 +1,6 @@
 """Image bytes → the tower's pixel tensor, as the checkpoint's preprocessor_config.json says (CLIP's steps:
-RGB, resize the shorter side, center crop, rescale, normalise), with Pillow. Runs at the gRPC edge, off the
+RGB, resize the shorter side, center crop, rescale, normalise; Qwen-VL's: resize to multiples of 28 pixels
+within its pixel budget, rescale, normalise, cut into patches), with Pillow. Runs at the gRPC edge, off the
 engine thread; a picture Pillow cannot read is the request's error."""
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from PIL import Image, UnidentifiedImageError
 
 from backend.engine_types import ImageInput
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.vision_config import ImagePreprocess, VisionConfig
+from kvyard.qwen_vl_config import QwenVisionConfig
+from kvyard.vision_config import ImagePreprocess, ImageSide
 
 MAX_IMAGE_PIXELS = 64 << 20  # a decompression bomb's size is an error, not a long resize
 
@@ -43,19 +45,46 @@ def pixels(img: Image.Image, p: ImagePreprocess) -> torch.Tensor:
         ch, cw = p.crop
         top, left = (img.height - ch) // 2, (img.width - cw) // 2
         img = img.crop((left, top, left + cw, top + ch))
+    return _normalise(img, p.rescale, p.mean, p.std)
+
+
+def _normalise(img: Image.Image, rescale: float, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """[3, H, W] float32: (pixel · rescale - mean) / std per channel."""
     x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1)  # [3, H, W]
-    x = x * p.rescale
-    mean = torch.tensor(p.mean, dtype=torch.float32)[:, None, None]
-    std = torch.tensor(p.std, dtype=torch.float32)[:, None, None]
-    return (x - mean) / std
+    x = x * rescale
+    return (x - torch.tensor(mean, dtype=torch.float32)[:, None, None]) / torch.tensor(std, dtype=torch.float32)[:, None, None]
 
 
-def prompt_images(files: list[bytes], vision: VisionConfig | None) -> list[ImageInput]:
+def qwen_patches(img: Image.Image, v: QwenVisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Qwen-VL: the image resized to its grid, normalised and cut into patches [h·w, 3·t·p·p] (in 2×2
+    merge blocks, row-major, each patch's frame repeated t times: a still image is a clip of t equal
+    frames), and the (t, h, w) grid."""
+    t, gh, gw = v.grid(img.width, img.height)
+    p, m, pre = v.patch_size, v.merge_size, v.preprocess
+    if (img.width, img.height) != (gw * p, gh * p):
+        img = img.resize((gw * p, gh * p), resample=Image.Resampling(pre.resample))
+    x = _normalise(img, pre.rescale, pre.mean, pre.std)                            # [3, gh·p, gw·p]
+    x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, p, p]
+    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, v.temporal_patch_size, -1, -1)
+    return x.reshape(gh * gw, 3 * v.temporal_patch_size * p * p), (t, gh, gw)
+
+
+def prompt_images(files: list[bytes], vision: ImageSide | None) -> list[ImageInput]:
     """A request's image files → the engine's ImageInputs (decoded and preprocessed here, at the gRPC edge,
     in a worker thread: the engine thread only runs the tower)."""
     if not files:
         return []
     if vision is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "this model takes no images (a text-only model)", "images")
-    return [ImageInput(hashlib.sha256(data).digest(), pixels(decode_image(data, f"images[{i}]"), vision.preprocess))
-            for i, data in enumerate(files)]
+    return [image_input(data, vision, f"images[{i}]") for i, data in enumerate(files)]
+
+
+def image_input(data: bytes, vision: ImageSide, what: str = "image") -> ImageInput:
+    img = decode_image(data, what)
+    if isinstance(vision, QwenVisionConfig):
+        try:
+            patches, grid = qwen_patches(img, vision)
+        except ValueError as exc:  # too long and thin to resize
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{what}: {exc}", what) from None
+        return ImageInput(hashlib.sha256(data).digest(), patches, grid=grid)
+    return ImageInput(hashlib.sha256(data).digest(), pixels(img, vision.preprocess))

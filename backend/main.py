@@ -33,6 +33,7 @@ from backend.grpc_server import set_serving, start_grpc_server
 from backend.pd_transfer import DecodeChannels
 from backend.server import ModelRpcServicer, watch_engine
 from backend.vision_tower import load_vision_tower
+from backend.vit_client import VitClient
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.roles import Role
@@ -81,7 +82,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                                           max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens))
     tower = (load_vision_tower(cfg.checkpoint_path, model_cfg, dtype, device)
-             if model_cfg.vision is not None and cfg.role is not Role.DECODE else None)
+             if model_cfg.vision is not None and cfg.role is not Role.DECODE and not cfg.vit_addresses else None)
     engine = Engine(ModelRunner(model, cache), scheduler, model_cfg.vocab_size, max_model_len, cfg.role,
                     vision=model_cfg.vision, tower=tower, loras=lora_registry(cfg, model))
     eos = tokenizer.stop_token_ids
@@ -185,6 +186,10 @@ async def serve_backend(cfg: BackendConfig) -> None:
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address, grammars)
     servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it
     servicer.vision = engine_loop.engine.vision if isinstance(engine_loop.engine, Engine) else None
+    if cfg.vit_addresses and servicer.vision is not None:  # the images go there; no tower was loaded here
+        runner = engine_loop.engine.runner  # type: ignore[union-attr]
+        servicer.vit = VitClient(cfg.vit_addresses, cfg.cluster_token, servicer.vision, runner.model.config.hidden_size,
+                                 getattr(torch, cfg.dtype), runner.device)
     server, health_servicer = await start_grpc_server(servicer, cfg.host, cfg.grpc_port, cfg.cluster_token)
     facts = BackendFacts(cfg.server_port or cfg.grpc_port - 1, cfg.grpc_port, cfg.http_port, cfg.max_num_seqs)
     app = create_backend_http_app(engine_loop, cfg.cluster_token, servicer.tasks, facts,

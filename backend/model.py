@@ -10,7 +10,7 @@ import torch
 from backend.attention import AttentionMetadata, KVCache
 from backend.lora import LoraBatch
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
-from backend.quant import QuantWeight
+from backend.quant import BlockWeight, QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
 
 log = logging.getLogger("kvyard.backend")
@@ -41,7 +41,7 @@ class LlamaModel:
         self.device = embed.qs.device if isinstance(embed, QuantWeight) else embed.device
         self.dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
         self.ops = ops or default_ops(self.device, self.dtype)
-        if not isinstance(self.ops, KernelOps) and any(isinstance(w, QuantWeight) for w in weights.values()):
+        if not isinstance(self.ops, KernelOps) and any(isinstance(w, BlockWeight) for w in weights.values()):
             raise ValueError("GGUF block weights need the C++ CPU kernels (float32 on an AVX2 CPU)")
         if isinstance(self.ops, KernelOps) and config.head_dim not in KERNEL_HEAD_DIMS:
             log.warning("head_dim %d: the C++ attention kernels take %s; attention runs in PyTorch (slower decode)",
@@ -55,33 +55,37 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
-        return sum(w.nbytes() if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+        return sum(w.nbytes() if isinstance(w, BlockWeight) else w.numel() * w.element_size()
                    for w in self.w.values())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraBatch | None = None,
+                mrope: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
         embeds: rows [M] whose input embedding is given instead of looked up, and those embeddings [M, D]
         (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); a step with
-        any runs op by op, since the fused C++ decode step takes no adapters."""
+        any runs op by op, since the fused C++ decode step takes no adapters. mrope: [3, T] (t, h, w)
+        rotary positions (Qwen-VL, a step with image tokens) instead of `positions`."""
         if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS
-                and embeds is None and lora is None):
+                and embeds is None and lora is None and mrope is None):
             return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                       self.cos, self.sin, cache.data, cache.block_size, logits_rows)
-        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora)
+        x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora, mrope)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      lora: LoraBatch | None = None) -> torch.Tensor:
-        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds
-        and lora as forward's."""
+                      lora: LoraBatch | None = None, mrope: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's output [T, D], before the final norm (a pooling model pools it, normed); embeds,
+        lora and mrope as forward's."""
         c, ops, w = self.config, self.ops, self.w
-        cos = self.cos[positions]  # [T, d/2]; shared by every layer
-        sin = self.sin[positions]
+        if mrope is None:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, d/2]; shared by every layer
+        else:
+            cos, sin = self._mrope_tables(mrope)
         x = ops.embed(w["embed"], input_ids).to(self.dtype)  # [T, D]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(self.dtype)
@@ -108,6 +112,17 @@ class LlamaModel:
             if lora is not None:
                 lora.add(x, m, i, "down")
         return x
+
+    def _mrope_tables(self, mrope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d/2] for (t, h, w) positions [3, T]: mrope_section's first run of frequencies
+        turns with t, the next with h, the last with w."""
+        assert self.config.mrope_section is not None, "3-D positions on a model without M-RoPE"
+        cos, sin, at = [], [], 0
+        for axis, size in enumerate(self.config.mrope_section):
+            cos.append(self.cos[mrope[axis], at:at + size])
+            sin.append(self.sin[mrope[axis], at:at + size])
+            at += size
+        return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
     def _qk_norm(self, qkv: torch.Tensor, p: str) -> torch.Tensor:
         """Qwen3: each head of q and k RMS-normed over its d values (before RoPE); v as it is."""

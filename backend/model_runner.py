@@ -11,6 +11,7 @@ from backend.attention import AttentionMetadata, KVCache, PrefillSpan
 from backend.lora import LoraBatch, LoraStacks
 from backend.lora_weights import LoraAdapter
 from backend.model import LlamaModel
+from backend.mrope import MropePositions, StepPositions
 from backend.vision_inputs import chunk_embeds
 
 Feature = TypeVar("Feature")
@@ -59,6 +60,7 @@ class StepTensors:
     logits_rows: torch.Tensor  # [R] flat rows whose logits are computed, in chunk order
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [M] given embeddings [M, D] (images)
     lora: LoraBatch | None = None  # rows grouped by LoRA adapter; None: no row uses one
+    mrope: torch.Tensor | None = None  # [3, T] Qwen-VL (t, h, w) rotary positions when a row is an image token
 
 
 class ModelRunner:
@@ -74,12 +76,12 @@ class ModelRunner:
         if logit_rows is None:
             logit_rows = [[c.num_new_tokens - 1] if c.samples else [] for c in chunks]
         t = self.prepare(chunks, logit_rows)
-        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.embeds, t.lora)
+        return self.model.forward(t.input_ids, t.positions, self.cache, t.meta, t.logits_rows, t.embeds, t.lora, t.mrope)
 
     def prepare(self, chunks: Sequence[StepChunk], logit_rows: Sequence[Sequence[int]]) -> StepTensors:
         bs = self.cache.block_size
         ids: list[int] = []
-        positions: list[int] = []
+        positions = StepPositions()  # rotary positions: the index, unless M-RoPE shifts it (backend/mrope.py)
         slots: list[int] = []
         logits_rows: list[int] = []
         decode_rows: list[int] = []
@@ -97,7 +99,7 @@ class ModelRunner:
                 image_values.append(values)
             table = chunk.seq.block_table
             ids.extend(chunk.seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
+            positions.add(chunk.seq.feature(MropePositions), start, n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_rows.append(row0)
@@ -128,7 +130,8 @@ class ModelRunner:
         if any(a is not None for a in adapters):
             ends = list(accumulate(c.num_new_tokens for c in chunks))
             lora = LoraBatch.of(adapters, list(zip([0, *ends[:-1]], ends)), self.lora_stacks, self.device)
-        return StepTensors(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_rows), embeds, lora)
+        return StepTensors(self._tensor(ids), self._tensor(positions.flat), meta, self._tensor(logits_rows), embeds, lora,
+                           positions.mrope(self.device))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered, attend_prefills
-from backend.quant import K_KINDS, QuantWeight
+from backend.quant import K_KINDS, BlockWeight, QuantWeight, StackedWeight
 from kvyard.model_config import ModelConfig
 
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | BlockWeight
 
 # Above this many rows a linear over "rows"-layout blocks (float32 activations) dequantizes the weight
 # into a scratch matrix and calls the BLAS GEMM (prefill chunks): the block kernel re-decodes every block
@@ -108,11 +108,13 @@ class KernelOps(TorchOps):
             return None
         mats = [weights["embed"], lm_head] + [weights[f"layers.{i}.{n}"] for i in range(config.num_layers)
                                               for n in ("qkv", "o", "gate_up", "down")]
-        if not all(isinstance(w, QuantWeight) for w in mats):
+        if not all(isinstance(w, BlockWeight) for w in mats):
             return None
         none = torch.empty(0)
 
         def blocks(w: Weight) -> Any:
+            if isinstance(w, StackedWeight):
+                return self.k.BlockTensors(qs=none, d=none, m=none, parts=[blocks(p) for p in w.parts])
             assert isinstance(w, QuantWeight)
             return self.k.BlockTensors(qs=w.qs, d=w.d, m=w.m if w.m is not None else none)
 
@@ -138,6 +140,11 @@ class KernelOps(TorchOps):
                residual: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return super().linear(x, w, bias, residual)
+        if isinstance(w, StackedWeight):  # each part into its own columns, as the fused step runs it
+            rows = [p.shape[0] for p in w.parts]
+            biases = bias.split(rows) if bias is not None else [None] * len(rows)
+            y = torch.cat([self.linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
+            return y if residual is None else residual + y
         n, k = w.shape
         if w.layout == "rows" and x.shape[0] > DENSE_ROWS and n * k <= DENSE_MAX_NUMEL:
             if self._dense.numel() < n * k:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.engine_types import (CacheStatus, GenerationRequest, PoolingRequest, PoolingResult, PoolItem, PoolTask,
+import torch
+
+from backend.engine_types import (CacheStatus, GenerationRequest, ImageInput, PoolingRequest, PoolingResult, PoolItem, PoolTask,
                                   ScoreRequest, ScoreResult, TokenOutput)
 from backend.sequence import FinishReason, StopConditions
 from kvyard.aux_info import AuxInfo
@@ -37,8 +39,13 @@ def handover_request_from_pb(h: pb.KVTransferHeaderPB, eos_token_ids: frozenset[
     output budget (max_new_tokens, min_new_tokens) is already spent."""
     spent = h.first_token_output_len
     max_new = max(1, h.generate_config.max_new_tokens - spent) if h.generate_config.max_new_tokens else 0
-    return _request(h.request_id, [*h.prompt_ids, h.first_token], h.generate_config, eos_token_ids, max_model_len,
-                    max_new, max(0, h.generate_config.min_new_tokens - spent))
+    req = _request(h.request_id, [*h.prompt_ids, h.first_token], h.generate_config, eos_token_ids, max_model_len,
+                   max_new, max(0, h.generate_config.min_new_tokens - spent))
+    # digests only (the block keys' salts), and Qwen-VL's grids (its M-RoPE positions)
+    grids = [tuple(h.image_grids[i:i + 3]) for i in range(0, len(h.image_grids), 3)]
+    req.images = [ImageInput(bytes(d), None, grid=grids[k] if k < len(grids) else None)  # type: ignore[arg-type]
+                  for k, d in enumerate(h.image_digests)]
+    return req
 
 
 def params_from_pb(cfg: pb.GenerateConfigPB) -> SamplingParams:
@@ -140,3 +147,24 @@ def outputs_to_pb(request_id: str, outs: list[TokenOutput]) -> pb.GenerateOutput
                 lp.top_logprobs.add(token_id=tok, logprob=val)
         item.aux_info.CopyFrom(aux_to_pb(out.aux))
     return msg
+
+
+_EMBED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def embedding_to_pb(t: torch.Tensor) -> pb.ImageEmbeddingPB:
+    """One image's embeddings [N, D] as raw bytes (a VIT's answer)."""
+    t = t.detach().contiguous().cpu()
+    return pb.ImageEmbeddingPB(data=t.view(torch.uint8).numpy().tobytes(), dtype=str(t.dtype).removeprefix("torch."),
+                               shape=list(t.shape))
+
+
+def embedding_from_pb(m: pb.ImageEmbeddingPB) -> torch.Tensor:
+    """Raises RequestError (INTERNAL) for bytes that are not the tensor the message describes."""
+    shape = tuple(m.shape)
+    if m.dtype not in _EMBED_DTYPES or len(shape) != 2 or min(shape) <= 0:
+        raise RequestError(ErrorCode.INTERNAL, f"the VIT sent an embedding of dtype {m.dtype!r}, shape {list(shape)}")
+    dtype = getattr(torch, m.dtype)
+    if len(m.data) != shape[0] * shape[1] * dtype.itemsize:
+        raise RequestError(ErrorCode.INTERNAL, f"the VIT sent {len(m.data)} bytes for a {m.dtype}{list(shape)} embedding")
+    return torch.frombuffer(bytearray(m.data), dtype=torch.uint8).view(dtype).view(shape)

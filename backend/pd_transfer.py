@@ -122,7 +122,8 @@ async def _hand_over(loop: EngineLoop, msg: pb.GenerateInputPB, req: GenerationR
     header = pb.KVTransferHeaderPB(
         request_id=request_id, prompt_ids=req.prompt_ids, first_token=first.token_id,
         generate_config=msg.generate_config, block_size=layout.block_size, num_blocks=n_blocks,
-        block_keys=held.block_keys, dtype=layout.dtype, block_shape=layout.block_shape, first_token_output_len=1)
+        block_keys=held.block_keys, dtype=layout.dtype, block_shape=layout.block_shape, first_token_output_len=1,
+        image_digests=[im.digest for im in req.images], image_grids=[n for im in req.images for n in im.grid or ()])
     start = time.monotonic()
     call = decode.RemoteDecode()
     sent_bytes = sent = skipped = 0

@@ -161,6 +161,37 @@ class QuantWeight:
         return QuantWeight(parts[0].kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), m)
 
 
+@dataclass
+class StackedWeight:
+    """A fused matrix (q/k/v, gate/up) whose checkpoint parts differ in block kind (a Q4_K_M file's Q6_K v
+    beside a Q4_K q and k in half the layers): the parts stacked along the output rows, each served in its
+    own kind (neighbours of one kind merged), so none is requantized for the others' sake. A linear runs
+    each part's kernel into its own columns of one output (backend/csrc/qlinear_stack.h in the fused step),
+    each output computed exactly as if its part were the whole matrix."""
+    parts: list[QuantWeight]  # [N_i, K] each, one layout, in output-row order
+
+    @property
+    def kind(self) -> str:
+        return "+".join(p.kind for p in self.parts)
+
+    @property
+    def layout(self) -> str:
+        return self.parts[0].layout
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+BlockWeight = QuantWeight | StackedWeight
+
+
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
     """raw: the tensor's bytes as the GGUF stores them ([n, k/32 * block bytes] uint8)."""
     nb = k // QK

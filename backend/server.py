@@ -13,13 +13,15 @@ from backend.engine_loop import EngineLoop
 from backend.grpc_server import set_serving
 from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_decode
 from backend.task_log import TaskInfo, TaskLog
+from backend.engine_types import ImageInput
 from backend.image_preprocess import prompt_images
+from backend.vit_client import VitClient
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_request_from_pb, pooling_result_to_pb,
                                 request_from_pb, score_request_from_pb, score_result_to_pb, worker_status_to_pb)
 from kvyard.pb_errors import error_to_pb
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
-from kvyard.vision_config import VisionConfig
+from kvyard.vision_config import ImageSide
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
 
@@ -36,7 +38,8 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         self.decode_channels = DecodeChannels()
         self.grammars = grammars              # compiles constraints off the engine thread; None: refuse them
         self.tasks = TaskLog()                # running and finished calls, for /worker_status
-        self.vision: VisionConfig | None = None  # a vision model's image side: decodes its requests' images
+        self.vision: ImageSide | None = None  # a vision model's image side: decodes its requests' images
+        self.vit: VitClient | None = None        # VIT_ADDRESSES: a VIT process embeds them instead of our tower
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         """Each call is a task of /worker_status while it runs, then one of its finished tasks."""
@@ -53,10 +56,10 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         request_id = request.request_id
         try:
             req = request_from_pb(request, self.eos_token_ids, self.max_model_len)
-            if request.images:
-                req.images = await asyncio.to_thread(prompt_images, [im.data for im in request.images], self.vision)
             timeout_s = request.generate_config.timeout_ms / 1000 or None
             async with asyncio.timeout(timeout_s):
+                if request.images:
+                    req.images = await self._images(request)
                 req.grammar = await compile_constraint(self.grammars, req.constraint)
                 address = request.decode_address or self.decode_address
                 # A PREFILL backend asked with no decode side serves the request whole (it holds the whole
@@ -82,6 +85,16 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", request_id)
             raise
+
+    async def _images(self, request: pb.GenerateInputPB) -> list[ImageInput]:
+        """The request's images, embedded by a VIT (VIT_ADDRESSES) or preprocessed for our own tower."""
+        files = [im.data for im in request.images]
+        if self.role is Role.DECODE:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "a DECODE backend runs no image tower: it takes an "
+                               "image prompt's KV from a PREFILL backend, not the images", "images")
+        if self.vit is not None and self.vision is not None:
+            return await self.vit.prompt_images(request.request_id, files)
+        return await asyncio.to_thread(prompt_images, files, self.vision)
 
     async def RemoteDecode(self, request_iterator: AsyncIterator[pb.KVTransferPB],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RemoteDecodeReplyPB]:

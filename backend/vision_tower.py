@@ -1,58 +1,31 @@
 """A LLaVA-style image side in the backend: CLIP vision tower + 2-layer MLP projector, pixels → one embedding
 per image placeholder token, which backend/model.py puts in place of the placeholders' embeddings in prefill.
-Plain functions over a dict of weights (as backend/model.py); embeddings are kept by image hash (LRU), so
-an image seen again costs no tower pass."""
+Plain functions over a dict of weights (as backend/model.py); the embedding cache is backend/image_tower.py's.
+`load_vision_tower` loads whichever family's tower the checkpoint has."""
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from backend.checkpoint import open_checkpoint
+from backend.image_tower import ImageTower, read_image_side
+from backend.qwen_vl_tower import load_qwen_tower
 from kvyard.model_config import ModelConfig
+from kvyard.qwen_vl_config import QwenVisionConfig
 from kvyard.vision_config import VisionConfig
 
 log = logging.getLogger("kvyard.vision")
-# Image embeddings kept for images seen again (LLaVA-1.5-7B in bfloat16: 4.5 MB an image, ~56 images).
-EMBED_CACHE_BYTES = 256 << 20
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+class VisionTower(ImageTower):
+    """CLIP + projector; engine thread only."""
 
+    config: VisionConfig
 
-class VisionTower:
-    """Engine thread only (the engine calls `embed` as it adds a request)."""
-
-    def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 cache_bytes: int = EMBED_CACHE_BYTES) -> None:
-        self.config = config
-        self.w = weights
-        self.dtype = dtype
-        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image hash → [N, D] embeddings
-        self.cache_bytes = cache_bytes
-        self.cached_bytes = 0
-        self.tower_runs = 0  # images the tower has computed (the rest came from the cache)
-
-    def weight_bytes(self) -> int:
-        return sum(_nbytes(t) for t in self.w.values())
-
-    def embed(self, image_hash: bytes, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [3, S, S] → [num_image_tokens, D] in the language model's dtype."""
-        hit = self.cache.get(image_hash)
-        if hit is not None:
-            self.cache.move_to_end(image_hash)
-            return hit
-        out = self.forward(pixel_values[None])[0]
-        self.tower_runs += 1
-        self.cache[image_hash] = out
-        self.cached_bytes += _nbytes(out)
-        while self.cached_bytes > self.cache_bytes and len(self.cache) > 1:
-            self.cached_bytes -= _nbytes(self.cache.popitem(last=False)[1])
-        return out
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
+        return self.forward(pixel_values[None])[0]
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -83,28 +56,18 @@ class VisionTower:
         out = F.scaled_dot_product_attention(q, k, v)                            # bidirectional
         return self._linear(out.transpose(1, 2).reshape(b, n, width), p + "out_proj")
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
-
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], self.config.layer_norm_eps)
 
 
-def load_vision_tower(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionTower:
+def load_vision_tower(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ImageTower:
     """The tower's and projector's tensors (vision.*, projector.*) from the checkpoint, layers past the
     feature layer left unread."""
     vision = config.vision
+    if isinstance(vision, QwenVisionConfig):
+        return load_qwen_tower(path, config, dtype, device)
     assert vision is not None
-    weights: dict[str, torch.Tensor] = {}
-    with open_checkpoint(path, config) as source:
-        for name in source.names():
-            if not name.startswith(("vision.", "projector.")) or _unused(name, vision):
-                continue
-            shape = source.shape(name)
-            weights[name] = source.read_float(name, 0, shape[0]).to(device=device, dtype=dtype).contiguous()
-    missing = [n for n in _needed(vision) if n not in weights]
-    if missing:
-        raise ValueError(f"{path}: the vision tower lacks {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    weights = read_image_side(path, config, dtype, device, lambda name: _unused(name, vision), _needed(vision))
     tower = VisionTower(vision, weights, dtype)
     log.info("vision tower: %d layers run, %d image tokens per image, %.0f MB", vision.num_layers,
              vision.num_image_tokens, tower.weight_bytes() / 2**20)

@@ -11,10 +11,11 @@ time, read with pread from the file (no memory map, whose touched pages would co
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
 - keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K and Q6_K in the
-  n16 layout (int16 activations, AVX-512 VNNI) when every part of a matrix has that type. Elsewhere Q4_0 and Q4_K become Q4_1
-  (the same weights; Q4_K's scale products rounded to float16); every other type (F32, F16, BF16, Q5_*,
-  Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time. A fused
-  matrix whose parts would differ (Q4_K_M files mix Q4_K and Q6_K) is Q8_0 throughout.
+  n16 layout (int16 activations, AVX-512 VNNI). Elsewhere Q4_0 and Q4_K become Q4_1 (the same weights;
+  Q4_K's scale products rounded to float16); every other type (F32, F16, BF16, Q5_*, Q6_K, Q2_K, Q3_K,
+  IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time. A fused matrix whose parts
+  are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q and k in half the layers) is a
+  StackedWeight: each part in its own kind, none requantized for the others' sake.
 - otherwise dense in the model's dtype (dequantized or cast rows at a time, straight onto the device)."""
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ import numpy as np
 import torch
 
 from backend.checkpoint import GGUFSource, Source, open_checkpoint
-from backend.quant import QK, QuantWeight, native_kind
+from backend.quant import QK, BlockWeight, QuantWeight, StackedWeight, native_kind
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError
 
 log = logging.getLogger("kvyard.weights")
 
-Tensor = torch.Tensor | QuantWeight
+Tensor = torch.Tensor | BlockWeight
 CHUNK_ELEMENTS = 1 << 20  # weights converted per step: bounds the temporaries (float32: 4 MB)
 # Into GGUF blocks, a quarter of that: requantizing a chunk to Q8_0 holds ~5 float32 copies of it, ~18 MB
 # at 1M weights, which against 4-bit weights is 1.48x a 37 MB model's (benchmarks/load_weights.py).
@@ -61,9 +62,12 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
             out[name] = _load_one(source, parts, target, bar)
         bar.close()
     _give_back_freed_memory()
-    n_bytes = sum(t.nbytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in out.values())
-    kinds = sorted({t.kind for t in out.values() if isinstance(t, QuantWeight)})
-    kept = sum(isinstance(t, QuantWeight) for t in out.values())
+    blocks = [p for t in out.values() if isinstance(t, BlockWeight)
+              for p in (t.parts if isinstance(t, StackedWeight) else [t])]
+    n_bytes = sum(p.nbytes() for p in blocks) + sum(t.numel() * t.element_size() for t in out.values()
+                                                    if isinstance(t, torch.Tensor))
+    kinds = sorted({p.kind for p in blocks})
+    kept = sum(isinstance(t, BlockWeight) for t in out.values())
     log.info("loaded %d tensors (%.0f MB; %d in GGUF blocks %s) from %s in %.1f s as %s on %s", len(out),
              n_bytes / 2**20, kept, "/".join(kinds) or "-", path, time.monotonic() - start, dtype, device)
     return out
@@ -90,18 +94,13 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
     kinds = [source.block_kind(p) for p in parts]
     if target.keep_blocks and k % QK == 0 and all(kinds):
         layout = "n16" if target.block_layout == "n16" and n % 16 == 0 else "rows"
-        native = {native_kind(source.gguf_type(p) or "", layout) for p in parts}
-        if len(native) == 1 and None not in native and all(s[0] % 16 == 0 for s in shapes):
-            kind = native.pop()  # K-quants as the file has them (n16: the int16 kernels)
-        else:
-            kind = "q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"
-        dest: Tensor = QuantWeight.empty(kind, n, k, layout)
-        rows_per_chunk = max(16, BLOCK_CHUNK_ELEMENTS // k // 16 * 16)
-        for r0, pieces in _row_chunks(shapes, rows_per_chunk):
-            chunk = [source.read_blocks(parts[i], a, b, kind) for i, a, b in pieces]
-            dest.write_rows(r0, chunk[0] if len(chunk) == 1 else QuantWeight.cat(chunk))
-            bar.update(sum(source.nbytes(parts[i]) * (b - a) // shapes[i][0] for i, a, b in pieces))
-        return dest
+        served = _served_kinds(source, parts, shapes, kinds, layout)  # type: ignore[arg-type]
+        runs, first = [], 0  # neighbouring parts of one kind load as one matrix
+        for i in range(1, len(parts) + 1):
+            if i == len(parts) or served[i] != served[first]:
+                runs.append(_load_blocks(source, parts[first:i], shapes[first:i], served[first], layout, bar))
+                first = i
+        return runs[0] if len(runs) == 1 else StackedWeight(runs)
     dense = torch.empty((n, k), dtype=target.dtype, device=target.device)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // k)
     for r0, pieces in _row_chunks(shapes, rows_per_chunk):
@@ -111,6 +110,28 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
             r += b - a
             bar.update(source.nbytes(parts[i]) * (b - a) // shapes[i][0])
     return dense
+
+
+def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kinds: list[str],
+                  layout: str) -> list[str]:
+    """Each part's serving kind: a K-quant as it is (n16), else Q4_1 or Q8_0 (source.block_kind). Parts
+    whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all of them."""
+    if layout == "n16" and any(s[0] % 16 for s in shapes):
+        return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
+    return [native_kind(source.gguf_type(p) or "", layout) or kd for p, kd in zip(parts, kinds)]
+
+
+def _load_blocks(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kind: str, layout: str,
+                 bar: _Progress) -> QuantWeight:
+    """Parts stacked into one matrix of `kind` blocks, filled a chunk of rows at a time."""
+    n, k = sum(s[0] for s in shapes), shapes[0][1]
+    dest = QuantWeight.empty(kind, n, k, layout)
+    rows_per_chunk = max(16, BLOCK_CHUNK_ELEMENTS // k // 16 * 16)
+    for r0, pieces in _row_chunks(shapes, rows_per_chunk):
+        chunk = [source.read_blocks(parts[i], a, b, kind) for i, a, b in pieces]
+        dest.write_rows(r0, chunk[0] if len(chunk) == 1 else QuantWeight.cat(chunk))
+        bar.update(sum(source.nbytes(parts[i]) * (b - a) // shapes[i][0] for i, a, b in pieces))
+    return dest
 
 
 def _store(dst: torch.Tensor, values: torch.Tensor) -> None:

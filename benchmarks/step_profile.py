@@ -1,6 +1,10 @@
 """Where a decode step's time goes, phase by phase, at batch 1/8/32 (context 300), as `make run` serves.
 
     .venv/bin/python benchmarks/step_profile.py [--batches 1,8,32] [--ctx 300] [--activations auto|float32]
+                                                [--gguf PATH]
+
+--gguf profiles another GGUF than the embedded model (e.g. benchmarks/scale_model.py's 1.7B-shaped Q4_K_M);
+the weights' served kinds and bytes are printed first, with the step's memory bound at --bandwidth GB/s.
 
 A decode-only step runs in one C++ call (backend/csrc/decode_step.h); its phase timer sums thread 0's time
 between the barriers that separate the ops (waiting for the other thread included), summed over the 30
@@ -11,6 +15,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend import kernels  # noqa: E402
 from backend.attention import KVCache  # noqa: E402
 from backend.model import LlamaModel  # noqa: E402
+from backend.quant import QuantWeight  # noqa: E402
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner  # noqa: E402
 from backend.weights import load_weights  # noqa: E402
 from kvyard.model_config import load_model_config  # noqa: E402
@@ -32,15 +38,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--activations", default="auto", choices=("auto", "float32"),
                     help="auto: int16 where the CPU has AVX-512 VNNI (the serving default), else float32")
+    ap.add_argument("--gguf", type=Path, help="a GGUF to profile instead of the embedded model")
+    ap.add_argument("--bandwidth", type=float, default=23.0, help="read bandwidth, GB/s, for the memory bound")
     args = ap.parse_args()
     module = kernels.load()
     if module is None:
         sys.exit("the C++ kernels are unavailable here: nothing to profile")
     int16 = args.activations == "auto" and module.has_vnni()
-    path = embedded_model_path()
+    path = args.gguf or embedded_model_path()
     config = load_model_config(path)
     model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True,
-                                            block_layout="n16" if int16 else "rows"))
+                                            block_layout="n16" if int16 else "rows", progress=False))
+    served = model.weight_bytes()
+    print(f"{path.name}: {served / 1e6:.0f} MB served ({path.stat().st_size / 1e6:.0f} MB file): "
+          + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(served_kinds(model.w).items()))
+          + f"; memory bound at {args.bandwidth:g} GB/s: {served / args.bandwidth / 1e6:.1f} ms per one-row step")
     if model.fused is None:
         sys.exit("no fused decode step for these weights")
     print(f"{torch.get_num_threads()} threads, {'int16' if int16 else 'float32'} activations, float16 KV cache, "
@@ -66,6 +78,19 @@ def main() -> None:
             print(f"{'batch':>5} {'step':>6} {'tok/s':>6}  " + " ".join(f"{n:>10}" for n in names) + f" {'outside':>8}")
         print(f"{batch:>5} {step:>6.1f} {batch / step * 1000:>6.0f}  " + " ".join(f"{phases[n]:>10.2f}" for n in names)
               + f" {step - sum(phases.values()):>8.2f}")
+
+
+def served_kinds(weights: dict[str, Any]) -> dict[str, int]:
+    """Bytes per served kind (a matrix stacked from parts of several kinds counts each part as its own)."""
+    out: dict[str, int] = {}
+    for w in weights.values():
+        for part in getattr(w, "parts", [w]):
+            if isinstance(part, QuantWeight):
+                kind, n = part.kind, part.nbytes()
+            else:
+                kind, n = str(part.dtype).removeprefix("torch."), part.numel() * part.element_size()
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 if __name__ == "__main__":

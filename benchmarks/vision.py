@@ -3,9 +3,11 @@ realistic widths: a 12-layer ViT-S/14 tower, 1024 image tokens, a 135M-parameter
 (the real PDFUSION cluster, the openai-style chat route, the image as a data: URI) against transformers'
 LlavaForConditionalGeneration.generate in process (its CLIP image processor included), both float32 on the
 same machine and thread count, in the same run. Then the same image again: kvyard's embedding cache and
-prefix cache against its first time.
+prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
+projector only) and a backend (the whole model, KV_CACHE_MB=16) on the same checkpoint and prints each
+one's peak resident memory after loading.
 
-    .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N]
+    .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N] [--vit-memory]
 """
 from __future__ import annotations
 
@@ -65,6 +67,34 @@ def bench_kvyard(path: Path, images: list[bytes], threads: int) -> tuple[list[fl
         group.stop()
 
 
+def peak_mb(pid: int) -> float:
+    """The largest VmHWM among `pid` and its children (a backend runs in a child of the launcher)."""
+    pids = [pid, *(int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                   for c in (t / "children").read_text().split())]
+    peaks = []
+    for p in pids:
+        line = next(x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        peaks.append(int(line.split()[1]) / 1024)
+    return max(peaks)
+
+
+def vit_memory(path: Path, threads: int) -> dict[str, float]:
+    """Peak resident MB of a VIT process and of a backend-only process, each after loading."""
+    out = {}
+    for role in ("VIT", "PDFUSION"):
+        group = ProcessGroup(f"kvyard-{role.lower()}-", "benchmark-cluster-token-0123456789")
+        port = free_port_block(6)
+        try:
+            proc = group.kvyard(role.lower(), {"ROLE_TYPE": role, "START_PORT": str(port), "CHECKPOINT_PATH": str(path),
+                                               "DTYPE": "float32", "TORCH_NUM_THREADS": str(threads), "KV_CACHE_MB": "16",
+                                               "FRONTEND_SERVER_COUNT": "0"})
+            wait_healthy(f"http://127.0.0.1:{port + 5}/health", proc, 300)
+            out[role] = peak_mb(proc.pid)
+        finally:
+            group.stop()
+    return out
+
+
 def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[float]:
     import io
 
@@ -94,11 +124,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--vit-memory", action="store_true", help="only the VIT's and a backend's peak memory")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tiny = tiny_llava(image_size=SIDE, text=TEXT, vision=VISION)
     path = save_llava_dir(tiny, Path(tempfile.mkdtemp(prefix="kvyard-llava-")) / "llava-bench")
     del tiny
+    if args.vit_memory:
+        peaks = vit_memory(path, args.threads)
+        print("\n| process (float32, after loading) | peak resident (MB) |\n|---|---|")
+        print(f"| ROLE_TYPE=VIT (tower + projector) | {peaks['VIT']:.0f} |")
+        print(f"| backend (the whole model, KV_CACHE_MB=16) | {peaks['PDFUSION']:.0f} |")
+        return
     images = [png_bytes(SIDE, SIDE, seed=i) for i in range(args.trials)]
     first, again, reuse = bench_kvyard(path, images, args.threads)
     theirs = bench_transformers(path, images, args.threads)

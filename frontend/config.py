@@ -16,7 +16,7 @@ from kvyard.pooling_model import (ModelKind, PoolingSpec, embedding_model_name, 
                                   resolve_embedding_path)
 from kvyard.ports import backend_grpc_port, embedding_start_port, start_port
 from kvyard.tokenizer import TextTokenizer
-from kvyard.vision_config import VisionConfig, load_vision_config
+from kvyard.vision_config import ImageSide, load_vision_config
 
 
 
@@ -55,7 +55,7 @@ class FrontendConfig:
     embedding: PoolingSpec | None = None  # EMBEDDING_MODEL_PATH: the pooling model served beside the chat model
     embedding_model_name: str = ""       # EMBEDDING_MODEL_NAME: its name (default: all-MiniLM-L6-v2 / the directory's)
     embedding_backend_address: str = ""  # EMBEDDING_BACKEND_ADDRESS: its backend without a master
-    vision: VisionConfig | None = None   # the chat model's image side (a LLaVA directory); None: text only
+    vision: ImageSide | None = None      # the chat model's image side (LLaVA, Qwen-VL); None: text only
     images: ImageLimits = ImageLimits()  # IMAGE_*: where images may come from, how many, how large
     lora: bool = False               # LORA_MODULES or LORA_ROOT set: a `model` this frontend does not serve
                                      # names a LoRA adapter (the backend answers 404 if it holds none of that name)

@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from kvyard.env import env_int
 from kvyard.errors import ErrorCode, RequestError
-from kvyard.vision_config import VisionConfig
+from kvyard.vision_config import ImageSide
 from renderers import RenderedPrompt
 
 MAX_PIXELS = 64 << 20          # the backend's decoder refuses more too (backend/image_preprocess.py)
@@ -198,10 +198,11 @@ def _bad(part: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_ARGUMENT, f"{part}: {message}", part)
 
 
-def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision: VisionConfig | None,
+def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision: ImageSide | None,
                 param: str) -> RenderedPrompt:
     """Each image's one placeholder token, as the template wrote it, becomes the model's run of them
-    (LLaVA: one per patch feature); the prompt text keeps one placeholder per image (/v1/chat/render)."""
+    (LLaVA: one per patch feature; Qwen-VL: one per 2×2 patches at the image's resized size); the prompt
+    text keeps one placeholder per image (/v1/chat/render)."""
     if not images:
         return rendered
     if vision is None:
@@ -212,6 +213,14 @@ def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prompt has {found} image placeholder(s) for "
                            f"{len(images)} image(s)", param)
     ids: list[int] = []
+    pending = iter(images)
     for t in rendered.input_ids:
-        ids.extend([t] * vision.num_image_tokens if t == token else [t])
+        if t == token:
+            image = next(pending)
+            try:
+                ids.extend([t] * vision.num_tokens(image.width, image.height))
+            except ValueError as exc:  # Qwen-VL: too long and thin a picture to resize
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), param) from None
+        else:
+            ids.append(t)
     return replace(rendered, input_ids=ids)

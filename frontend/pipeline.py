@@ -87,9 +87,10 @@ class Pipeline:
 
     @property
     def image_placeholder(self) -> str:
-        """The text a template writes for one image (the model's image token), "" for a text-only model."""
+        """The text a template writes for one image (LLaVA: the image token; Qwen-VL: the image pad token
+        between vision start and end), "" for a text-only model."""
         vision = self.cfg.vision
-        return "" if vision is None else self.tokenizer.id_to_piece(vision.image_token_id)
+        return "" if vision is None else "".join(self.tokenizer.id_to_piece(i) for i in vision.placeholder_ids)
 
     def tokens(self, prompt: str | list[int]) -> RenderedPrompt:
         """A prompt given as text (special tokens parsed; BOS added when the model wants it and the text

@@ -15,7 +15,7 @@ from frontend.off_loop import off_loop
 from frontend.routing import ROUTER_PLACEHOLDER_MODEL, Router
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
-from kvyard.pooling_model import ModelKind, PoolingSpec
+from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, PoolingSpec
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class PoolingPipeline:
                                        "input")
                 ids = text[:limit] if cut else text
                 out.append(PoolInput(ids))
+            elif model.spec.template:
+                if not isinstance(text, tuple):
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: model {model.name!r} scores (query, "
+                                       "document) pairs with its prompt: give [query, document] pairs", "input")
+                out.append(_encode_templated(tok, *text, limit if cut else None))
             else:
                 first, second = (text if isinstance(text, tuple) else (prompt + text, None))
                 out.append(_encode(tok, first, second, limit if cut else None))
@@ -135,6 +140,19 @@ def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -
     if b is not None and not pair_start:  # a tokenizer without segment ids (XLM-R): after the first text's end
         pair_start = next((j for j, s in enumerate(enc.sequence_ids) if s == 1), 0)
     return PoolInput(enc.ids, pair_start)
+
+
+def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int | None) -> PoolInput:
+    """Qwen3-Reranker's prompt, tokenized as its model card does: the prefix, the instruction-query-document
+    text and the suffix each on their own, without special tokens; past `limit` the middle is cut at its end."""
+    t = QWEN3_RERANKER
+    prefix = tok.encode(t["prefix"], add_special_tokens=False).ids
+    suffix = tok.encode(t["suffix"], add_special_tokens=False).ids
+    middle = tok.encode(t["pair"].format(instruction=t["instruction"], query=query, document=document),
+                        add_special_tokens=False).ids
+    if limit is not None:
+        middle = middle[:max(0, limit - len(prefix) - len(suffix))]
+    return PoolInput(prefix + middle + suffix)
 
 
 def sigmoid(x: float) -> float:

@@ -32,7 +32,7 @@ from kvyard.cluster_auth import auth_headers
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.roles import Role
 from kvyard.sampling_params import SamplingParams
-from kvyard.vision_config import image_starts
+from kvyard.vision_config import image_spans
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -190,9 +190,8 @@ class Router:
         assert self._master is not None
         salts = None
         if images and self.cfg.vision is not None:  # the backend's keys hold the images' digests too
-            per_image = self.cfg.vision.num_image_tokens
-            salts = image_block_salts(image_starts(input_ids, self.cfg.vision.image_token_id, per_image),
-                                      [im.digest for im in images], per_image, self.cfg.block_size)
+            salts = image_block_salts(image_spans(input_ids, self.cfg.vision), [im.digest for im in images],
+                                      self.cfg.block_size)
         # An adapter's KV is keyed by its load on one backend: no prefix keys the master could match.
         keys = [] if adapter else block_cache_keys(input_ids, self.cfg.block_size, salts=salts)
         body: dict[str, Any] = {"model": model, "block_cache_keys": keys, "seq_len": len(input_ids), "debug": False,

@@ -71,11 +71,11 @@ def block_cache_keys(token_ids: Sequence[int], block_size: int, extra_key: bytes
     return keys
 
 
-def image_block_salts(starts: Sequence[int], digests: Sequence[bytes], per_image: int,
-                      block_size: int) -> dict[int, bytes]:
-    """Block index → the digests of the images whose placeholders [start, start + per_image) it holds."""
+def image_block_salts(spans: Sequence[tuple[int, int]], digests: Sequence[bytes], block_size: int) -> dict[int, bytes]:
+    """Block index → the digests of the images whose placeholders [start, start + length) it holds
+    (spans: each image's (start, length), kvyard.vision_config.image_spans)."""
     salts: dict[int, bytes] = {}
-    for start, digest in zip(starts, digests):
-        for block in range(start // block_size, (start + per_image - 1) // block_size + 1):
+    for (start, length), digest in zip(spans, digests):
+        for block in range(start // block_size, (start + length - 1) // block_size + 1):
             salts[block] = salts.get(block, b"") + digest
     return salts

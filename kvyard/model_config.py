@@ -14,7 +14,8 @@ from typing import Any
 
 from kvyard.gguf_meta import read_gguf_metadata, read_gguf_vector
 from kvyard.model_path import ModelFileError, is_gguf
-from kvyard.vision_config import VISION_MODEL_TYPES, VisionConfig, load_vision_config
+from kvyard.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_text_config
+from kvyard.vision_config import VISION_MODEL_TYPES, ImageSide, load_vision_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # qwen3 from a Hugging Face directory only
@@ -66,8 +67,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int = 0    # keys a query sees, itself included (Mistral); 0: all of them
     window_layers: tuple[bool, ...] | None = None  # per layer, whether the window applies; None: every layer
-    vision: VisionConfig | None = None  # a vision-language model's image side (LLaVA); None: text only
+    vision: ImageSide | None = None  # a vision-language model's image side (LLaVA, Qwen-VL); None: text only
     qk_norm: bool = False      # RMSNorm over each head of q and k before RoPE (Qwen3)
+    mrope_section: tuple[int, ...] | None = None  # Qwen-VL's M-RoPE: frequencies rotated by t, h, w positions
 
     def layer_window(self, layer: int) -> int:
         """The attention window of one layer (0: unbounded)."""
@@ -168,8 +170,11 @@ def _from_hf_dir(path: Path) -> ModelConfig:
     if not config_file.is_file():
         raise ModelFileError(f"{path}: no config.json")
     cfg = json.loads(config_file.read_text())
-    vision = None
-    if cfg.get("model_type") in VISION_MODEL_TYPES:  # the language model is its text_config
+    vision, mrope = None, None
+    if cfg.get("model_type") in QWEN_VL_MODEL_TYPES:
+        vision = load_vision_config(path)
+        cfg, mrope = qwen_text_config(path, cfg)
+    elif cfg.get("model_type") in VISION_MODEL_TYPES:  # the language model is its text_config
         vision = load_vision_config(path)
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **(cfg.get("text_config") or {})}
     model_type = cfg.get("model_type", "")
@@ -209,6 +214,7 @@ def _from_hf_dir(path: Path) -> ModelConfig:
         window_layers=window_layers,
         vision=vision,
         qk_norm=model_type == "qwen3",
+        mrope_section=mrope,
     )
 
 

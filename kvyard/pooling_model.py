@@ -66,6 +66,9 @@ class PoolingSpec:
     default_prompt_name: str | None = None    # the prompt used when a request names none
     labels: tuple[str, ...] = ()    # CLASSIFY: id2label in id order
     problem_type: str = ""          # CLASSIFY: "multi_label_classification" scores with a sigmoid
+    score_from_tokens: tuple[int, ...] = ()   # CLASSIFY decoder: its head is the LM head's rows for these ids
+    two_way: bool = False           # ... one logit, row[1] - row[0] (vLLM's from_2_way_softmax: yes - no)
+    template: str = ""              # "qwen3-reranker": pairs go through QWEN3_RERANKER's prompt
 
     @property
     def is_decoder(self) -> bool:
@@ -172,12 +175,57 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
     st = _sentence_transformers(path, positions)
     if kind is ModelKind.CLASSIFY and st.get("pooling", "last") != "last":
         raise ModelFileError(f"{path}: a decoder sequence classifier pools its last token, not {st['pooling']!r}")
+    from_lm = _from_lm_head(path, cfg) if kind is ModelKind.CLASSIFY else {}
     return PoolingSpec(
         path=path, kind=kind, model_type=cfg["model_type"], hidden_size=int(cfg["hidden_size"]),
         max_len=min(positions, st.get("max_seq_length") or positions), pooling=st.get("pooling", "last"),
         normalize=st.get("normalize", False), matryoshka_dimensions=_matryoshka(cfg), prompts=st.get("prompts", {}),
-        default_prompt_name=st.get("default_prompt_name"), labels=_labels(cfg, kind),
-        problem_type=str(cfg.get("problem_type") or ""))
+        default_prompt_name=st.get("default_prompt_name"), labels=from_lm.pop("labels", None) or _labels(cfg, kind),
+        problem_type=str(cfg.get("problem_type") or ""), **from_lm)
+
+
+# Qwen3-Reranker's prompt (its model card): the pair as one user turn, scored at the assistant's first token.
+QWEN3_RERANKER = {
+    "prefix": "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n",
+    "pair": "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+    "suffix": "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "instruction": "Given a web search query, retrieve relevant passages that answer the query",
+}
+
+
+def _from_lm_head(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A causal LM's head read as a classifier, as vLLM reads it (its --hf-overrides keys in config.json):
+    `classifier_from_token` names the tokens; `method` "from_2_way_softmax" (or `is_original_qwen3_reranker`)
+    scores one logit, the second token's minus the first's (sigmoid: the yes-over-no probability),
+    "no_post_processing" one logit per token."""
+    tokens = cfg.get("classifier_from_token")
+    original = bool(cfg.get("is_original_qwen3_reranker"))
+    if tokens is None and not original:
+        return {}
+    method = cfg.get("method") or ("from_2_way_softmax" if original else None)
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens) \
+            or method not in ("from_2_way_softmax", "no_post_processing") \
+            or (method == "from_2_way_softmax" and len(tokens) != 2):
+        raise ModelFileError(f"{path}: classifier_from_token {tokens!r} with method {method!r} is not supported "
+                             "(two tokens with from_2_way_softmax / is_original_qwen3_reranker, e.g. [\"no\", "
+                             "\"yes\"]; or tokens with no_post_processing)")
+    vocab = _token_ids(path)
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ModelFileError(f"{path}: classifier_from_token {missing} not in the tokenizer's vocabulary")
+    two_way = method == "from_2_way_softmax"
+    return {"score_from_tokens": tuple(vocab[t] for t in tokens), "two_way": two_way,
+            "labels": (tokens[1],) if two_way else tuple(tokens),
+            "template": "qwen3-reranker" if original else ""}
+
+
+def _token_ids(path: Path) -> dict[str, int]:
+    """tokenizer.json's vocabulary with its added tokens (a token string → its id)."""
+    tok = _json(path / "tokenizer.json")
+    vocab = dict((tok.get("model") or {}).get("vocab") or {})
+    vocab.update({a["content"]: a["id"] for a in tok.get("added_tokens") or []})
+    return vocab
 
 
 def _matryoshka(cfg: dict[str, Any]) -> tuple[int, ...] | None:

@@ -16,6 +16,8 @@ class Role(StrEnum):
     MOCK_BACKEND = "MOCK_BACKEND"  # a gRPC backend with no model streaming scripted tokens (backend/mock_backend.py)
     MOCK_MASTER = "MOCK_MASTER"    # answers /rtp_llm/schedule with configured backends (master/mock_master.py)
     GATEWAY = "GATEWAY"            # HTTP proxy over OpenAI-compatible upstreams, queueing when all are busy (gateway/)
+    VIT = "VIT"                    # a vision model's image tower and projector only: image files in, embeddings
+                                   # out (backend/vit_server.py), for backends given VIT_ADDRESSES
 
     @property
     def rtp_type(self) -> int:
@@ -27,22 +29,20 @@ class Role(StrEnum):
         return self in BACKEND_ROLES
 
 
-_RTP_TYPES = {Role.PDFUSION: 0, Role.PREFILL: 1, Role.DECODE: 2, Role.FRONTEND: 4, Role.MASTER: 5,
+_RTP_TYPES = {Role.PDFUSION: 0, Role.PREFILL: 1, Role.DECODE: 2, Role.VIT: 3, Role.FRONTEND: 4, Role.MASTER: 5,
               Role.MOCK_BACKEND: 6, Role.MOCK_MASTER: 7, Role.GATEWAY: 8}
 BACKEND_ROLES = frozenset({Role.PDFUSION, Role.PREFILL, Role.DECODE})
 
 
-# RTP-LLM's RoleType numbers, as its ROLE_TYPE takes them; 3 (VIT, a vision encoder) has no kvyard role.
-_NO_VIT = ("ROLE_TYPE VIT (RTP-LLM's 3, a separate vision-encoder process) is not a kvyard role: a PDFUSION or "
-           "PREFILL backend of a vision model runs its image tower itself (docs/vision.md)")
-RTP_ROLE_NUMBERS = {0: Role.PDFUSION, 1: Role.PREFILL, 2: Role.DECODE, 4: Role.FRONTEND}
+# RTP-LLM's RoleType numbers, as its ROLE_TYPE takes them.
+RTP_ROLE_NUMBERS = {0: Role.PDFUSION, 1: Role.PREFILL, 2: Role.DECODE, 3: Role.VIT, 4: Role.FRONTEND}
+# The roles the master tracks: backends it routes requests to, and VIT processes it only shows and polls.
+WORKER_ROLES = BACKEND_ROLES | {Role.VIT}
 
 
 def parse_role(value: str | None) -> Role:
     """A ROLE_TYPE name, any case, or RTP-LLM's RoleType number; unset means PDFUSION."""
     name = (value or "PDFUSION").strip().upper()
-    if name == "VIT" or name == "3":
-        raise ValueError(_NO_VIT)
     if name.isdigit():
         if int(name) not in RTP_ROLE_NUMBERS:
             raise ValueError(f"unknown ROLE_TYPE {value!r}; RTP-LLM's numbers are "
@@ -52,4 +52,4 @@ def parse_role(value: str | None) -> Role:
         return Role[name]
     except KeyError:
         raise ValueError(f"unknown ROLE_TYPE {value!r}; one of: {', '.join(r.name for r in Role)} "
-                         f"(or RTP-LLM's numbers 0, 1, 2, 4)") from None
+                         f"(or RTP-LLM's numbers 0, 1, 2, 3, 4)") from None

@@ -1,6 +1,7 @@
 """A vision-language checkpoint's image side, read once from config.json and preprocessor_config.json: what
 the backend's tower needs (widths, layers, which layer's features) and what the frontend needs (the image
-token, how many placeholders an image takes). LLaVA-style only: CLIP tower + 2-layer MLP projector."""
+token, how many placeholders an image takes). LLaVA-style here (CLIP tower + 2-layer MLP projector);
+Qwen2-VL / Qwen2.5-VL in kvyard/qwen_vl_config.py, whose QwenVisionConfig answers the same questions."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.model_path import ModelFileError
+from kvyard.qwen_vl_config import QWEN_VL_MODEL_TYPES, QwenVisionConfig, load_qwen_vision
 
-VISION_MODEL_TYPES = ("llava",)
+VISION_MODEL_TYPES = ("llava", *QWEN_VL_MODEL_TYPES)
 _TOWER_ACTS = ("quick_gelu", "gelu")
 _PROJECTOR_ACTS = ("gelu",)
 
@@ -50,6 +52,40 @@ class VisionConfig:
     def num_image_tokens(self) -> int:
         return self.num_patches + (1 if self.keep_cls else 0)
 
+    def num_tokens(self, width: int, height: int) -> int:
+        """Placeholders an image of this size takes: every image is resized to the tower's one size."""
+        return self.num_image_tokens
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The tokens a prompt writes for one image, before the frontend expands its image token."""
+        return (self.image_token_id,)
+
+
+# A vision-language model's image side, whichever family.
+ImageSide = VisionConfig | QwenVisionConfig
+
+
+def image_spans(token_ids: Sequence[int], vision: ImageSide) -> list[tuple[int, int]]:
+    """(start, length) of each image's placeholder run, in prompt order. LLaVA: adjacent images are one
+    run cut every num_image_tokens; Qwen-VL: each image's run is its own (vision_start and vision_end
+    around it), as long as its size makes it. ValueError when a LLaVA run is not a whole number of images."""
+    if isinstance(vision, VisionConfig):
+        n = vision.num_image_tokens
+        return [(s, n) for s in image_starts(token_ids, vision.image_token_id, n)]
+    spans: list[tuple[int, int]] = []
+    i, n = 0, len(token_ids)
+    while i < n:
+        if token_ids[i] != vision.image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < n and token_ids[j] == vision.image_token_id:
+            j += 1
+        spans.append((i, j - i))
+        i = j
+    return spans
+
 
 def image_starts(token_ids: Sequence[int], image_token_id: int, per_image: int) -> list[int]:
     """Where each image's placeholder run starts, in prompt order (adjacent images: one run cut every
@@ -71,13 +107,15 @@ def image_starts(token_ids: Sequence[int], image_token_id: int, per_image: int) 
     return starts
 
 
-def load_vision_config(path: Path) -> VisionConfig | None:
+def load_vision_config(path: Path) -> ImageSide | None:
     """None for a text-only checkpoint (a GGUF, or a config.json of a text model)."""
     if not (path / "config.json").is_file():
         return None
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("model_type") not in VISION_MODEL_TYPES:
         return None
+    if cfg["model_type"] in QWEN_VL_MODEL_TYPES:
+        return load_qwen_vision(path, cfg)
     v = cfg.get("vision_config") or {}
     if v.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise ModelFileError(f"{path}: vision tower {v.get('model_type')!r} is not supported (only clip_vision_model)")

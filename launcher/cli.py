@@ -54,8 +54,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-loras", "MAX_LORAS", "adapters a backend holds at once; loading one more evicts the least "
          "recently used (default 0: no bound)", "model", "N"),
     Flag("--model-type", "MODEL_TYPE", "the renderer (chat template family), see renderers/", "model", "NAME"),
-    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, GATEWAY, MOCK_BACKEND "
-         "or MOCK_MASTER", "net", "ROLE", cluster=False),
+    Flag("--role", "ROLE_TYPE", "PDFUSION (default), FRONTEND, MASTER, PREFILL, DECODE, VIT, GATEWAY, "
+         "MOCK_BACKEND or MOCK_MASTER", "net", "ROLE", cluster=False),
     Flag("--host", "HOST", "bind address (default 127.0.0.1; the image sets 0.0.0.0, which for internal ports "
          "needs a cluster token)", "net", "ADDRESS", cluster=False),
     Flag("--port", "START_PORT", "the frontend's HTTP port (default 8088); backend gRPC is +1, backend HTTP +5",
@@ -72,6 +72,8 @@ FLAGS: tuple[Flag, ...] = (
          "master is unreachable", "net", "HOST:PORT", many=True, cluster=False),
     Flag("--decode-address", "DECODE_ADDRESS", "a PREFILL backend's DECODE backend when a request names none",
          "net", "HOST:PORT", cluster=False),
+    Flag("--vit-addresses", "VIT_ADDRESSES", "ROLE_TYPE=VIT processes that embed a vision model's images, "
+         "comma-separated (the backend then loads no tower)", "net", "HOST:PORT,...", cluster=False),
     Flag("--advertise-host", "ADVERTISE_HOST", "the address others should dial (master, backend)", "net",
          "HOST", cluster=False),
     Flag("--frontend-server-count", "FRONTEND_SERVER_COUNT", "PDFUSION: 1 starts a frontend beside the backend, "
@@ -176,12 +178,16 @@ def cluster_parser() -> _Parser:
                     "everything (frontends drain first).",
         epilog="ports: frontends PORT, PORT+1, ...; master PORT+10; backend k (from 0): PORT+20+10k, its gRPC\n"
                "+1 and HTTP +5.\n\nexample:\n  kvyard cluster --backends 2 --kv-cache-mb 256\n"
-               "  kvyard cluster --prefill 1 --decode 1 --frontends 2")
+               "  kvyard cluster --prefill 1 --decode 1 --frontends 2\n"
+               "  kvyard cluster --model /models/llava-1.5-7b-hf --vit 1 --prefill 1 --decode 1")
     counts = parser.add_argument_group("shape")
     counts.add_argument("--backends", type=_count, default=None, metavar="N",
                         help="PDFUSION backends (prefill + decode; default 2 unless --prefill/--decode are given)")
     counts.add_argument("--prefill", type=_count, default=0, metavar="P", help="PREFILL backends")
     counts.add_argument("--decode", type=_count, default=0, metavar="D", help="DECODE backends")
+    counts.add_argument("--vit", type=_count, default=0, metavar="V",
+                        help="ROLE_TYPE=VIT processes (a vision model's image tower alone): the PDFUSION and PREFILL "
+                             "backends send their images there and load no tower (docs/vision.md)")
     counts.add_argument("--frontends", type=_count, default=1, metavar="F", help="frontends (default 1)")
     counts.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                         help="the frontends' bind address (default 127.0.0.1); the master and backends stay "

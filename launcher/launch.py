@@ -26,6 +26,15 @@ def run_backend(env: Mapping[str, str]) -> None:
     asyncio.run(serve_backend(BackendConfig.from_env(env)))
 
 
+def run_vit(env: Mapping[str, str]) -> None:
+    """ROLE_TYPE=VIT: the vision model's image tower alone (backend/vit_server.py)."""
+    from backend.config import BackendConfig
+    from backend.vit_server import serve_vit
+
+    setup_logging("vit", env)
+    asyncio.run(serve_vit(BackendConfig.from_env(env)))
+
+
 def run_embedding_backend(env: Mapping[str, str]) -> None:
     """PDFUSION's second backend: the pooling model EMBEDDING_MODEL_PATH names, on START_PORT + 10."""
     run_backend(embedding_env(env))
@@ -108,7 +117,7 @@ def _check_configs(role: Role, env: Mapping[str, str]) -> None:
     if role is Role.FRONTEND or (role is Role.PDFUSION and frontend_count(env)):
         from frontend.config import FrontendConfig
         FrontendConfig.from_env(env)
-    if role.is_backend:
+    if role.is_backend or role is Role.VIT:
         from backend.config import BackendConfig
         BackendConfig.from_env(env)
         if role is Role.PDFUSION and frontend_count(env) and env.get("EMBEDDING_MODEL_PATH"):
@@ -222,7 +231,7 @@ def start(env: dict[str, str], explain: Callable[[str], str] = str) -> int:
         run_frontend(env)
         return 0
     single = {Role.MASTER: run_master, Role.GATEWAY: run_gateway, Role.MOCK_BACKEND: run_mock_backend,
-              Role.MOCK_MASTER: run_mock_master}
+              Role.MOCK_MASTER: run_mock_master, Role.VIT: run_vit}
     if role in single:
         single[role](env)
         return 0

@@ -55,7 +55,8 @@ class Part:
 
     @property
     def is_backend(self) -> bool:
-        return self.role.is_backend
+        """A process with a backend's ports (gRPC +1, HTTP +5): the backends, and VIT processes."""
+        return self.role.is_backend or self.role is Role.VIT
 
     @property
     def grpc_address(self) -> str:
@@ -84,9 +85,10 @@ class Layout:
         return f"{LOOPBACK}:{self.master.start_port}"
 
 
-def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int, embedding: int = 0) -> Layout:
+def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int, embedding: int = 0,
+         vit: int = 0) -> Layout:
     """Raises UsageError for a shape that cannot run. embedding: backends of the pooling model
-    (EMBEDDING_MODEL_PATH), last."""
+    (EMBEDDING_MODEL_PATH), last; vit: ROLE_TYPE=VIT processes, before them (in `backends`)."""
     if frontends < 1 or frontends > MAX_FRONTENDS:
         raise UsageError(f"--frontends must be 1..{MAX_FRONTENDS}, got {frontends}")
     if (prefill > 0) != (decode > 0):
@@ -95,7 +97,7 @@ def plan(port: int, frontends: int, pdfusion: int, prefill: int, decode: int, em
     if pdfusion + prefill == 0:
         raise UsageError("no backend: give --backends N (N >= 1) or --prefill P --decode D")
     kinds = [("backend", Role.PDFUSION, pdfusion), ("prefill", Role.PREFILL, prefill), ("decode", Role.DECODE, decode),
-             (EMBEDDING_PART, Role.PDFUSION, embedding)]
+             ("vit", Role.VIT, vit), (EMBEDDING_PART, Role.PDFUSION, embedding)]
     backends: list[Part] = []
     for name, role, count in kinds:
         for i in range(count):
@@ -113,7 +115,7 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
     env = {**base, "ROLE_TYPE": part.role.value, "START_PORT": str(part.start_port), "HOST": LOOPBACK}
     for wired in ("MASTER_ADDRESS", "BACKEND_ADDRESS", "BACKEND_ADDRESSES", "DECODE_ADDRESS", "ADVERTISE_HOST",
                   "FRONTEND_SERVER_COUNT", "MASTER_BACKENDS", "MASTER_BACKEND_DNS", "MODEL_SERVICE_CONFIG",
-                  "EMBEDDING_BACKEND_ADDRESS"):
+                  "EMBEDDING_BACKEND_ADDRESS", "VIT_ADDRESSES"):
         env.pop(wired, None)  # the cluster wires these itself
     if part.name.startswith(EMBEDDING_PART):
         from launcher.launch import embedding_env
@@ -126,8 +128,12 @@ def part_env(layout: Layout, part: Part, base: Mapping[str, str], frontend_host:
             decodes = [b for b in layout.backends if b.role == Role.DECODE]
             prefills = [b for b in layout.backends if b.role == Role.PREFILL]
             env["DECODE_ADDRESS"] = decodes[prefills.index(part) % len(decodes)].grpc_address
+        vits = [b.grpc_address for b in layout.backends if b.role == Role.VIT]
+        if vits and part.role in (Role.PDFUSION, Role.PREFILL) and not _embedding(part):
+            env["VIT_ADDRESSES"] = ",".join(vits)  # their images go there: they load no tower of their own
     elif part.role == Role.FRONTEND:
-        direct = [b.grpc_address for b in layout.backends if b.role != Role.DECODE and not _embedding(b)]
+        direct = [b.grpc_address for b in layout.backends if b.role in (Role.PDFUSION, Role.PREFILL)
+                  and not _embedding(b)]
         env.update(HOST=frontend_host, MASTER_ADDRESS=layout.master_address, BACKEND_ADDRESS=direct[0],
                    BACKEND_ADDRESSES=",".join(direct))
         pooling = [b.grpc_address for b in layout.backends if _embedding(b)]
@@ -170,7 +176,7 @@ def run_cluster(ns: argparse.Namespace, overrides: Mapping[str, str], explain: C
     try:
         pdfusion = ns.backends if ns.backends is not None else (0 if ns.prefill or ns.decode else 2)
         embedding = int(bool({**os.environ, **overrides}.get("EMBEDDING_MODEL_PATH")))
-        layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode, embedding)
+        layout = plan(ns.port, ns.frontends, pdfusion, ns.prefill, ns.decode, embedding, ns.vit)
         shared = shared_env(os.environ, overrides, layout)
         check(layout, shared, ns.host)
         if not is_loopback(ns.host) and not shared.get("API_KEY"):
@@ -334,7 +340,8 @@ class LocalCluster:
             return any(p not in self.left_down for p in parts)
         lay = self.layout
         decodes = [b for b in lay.backends if b.role == Role.DECODE]
-        return (any_left(list(lay.frontends)) and any_left([b for b in lay.backends if b.role != Role.DECODE])
+        return (any_left(list(lay.frontends))
+                and any_left([b for b in lay.backends if b.role in (Role.PDFUSION, Role.PREFILL)])
                 and (not decodes or any_left(decodes)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:

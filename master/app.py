@@ -163,14 +163,14 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     async def models() -> dict[str, Any]:
         now = clock()
         healthy: dict[str, int] = {m: 0 for m in registry.models()}
-        for state in registry.backends.values():
-            healthy[state.endpoint.model] += registry.healthy(state, now)
+        for state in registry.backends.values():  # a VIT embeds images: it serves no request itself
+            healthy[state.endpoint.model] += registry.healthy(state, now) and state.endpoint.role is not Role.VIT
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "kvyard",
                                             "healthy_backends": n} for m, n in healthy.items()]}
 
     async def health() -> Any:
         now = clock()
-        if any(registry.healthy(s, now) for s in registry.backends.values()):
+        if any(registry.healthy(s, now) and s.endpoint.role is not Role.VIT for s in registry.backends.values()):
             return PlainTextResponse("ok")
         return JSONResponse(error_body("no healthy backend", "service_unavailable"), 503,
                             headers={"Retry-After": "1"})

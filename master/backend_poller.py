@@ -10,7 +10,7 @@ import grpc
 from kvyard.cluster_auth import grpc_metadata
 from kvyard.grpc_keepalive import CLIENT_OPTIONS
 from kvyard.pooling_model import ModelKind
-from kvyard.roles import BACKEND_ROLES, Role
+from kvyard.roles import WORKER_ROLES, Role
 from kvyard.worker_status import WorkerStatus
 from proto import model_rpc_pb2 as pb
 from proto import model_rpc_pb2_grpc as pb_grpc
@@ -76,7 +76,7 @@ class BackendPoller:
 def worker_status_from_pb(m: pb.WorkerStatusPB) -> WorkerStatus:
     """Raises StatusError(definitive) for a report no real backend would send."""
     problems = []
-    if m.role not in BACKEND_ROLES:
+    if m.role not in WORKER_ROLES:
         problems.append(f"role {m.role!r}")
     for name in ("running", "waiting", "queued_prefill_tokens", "free_blocks", "iterate_count", "cache_version"):
         if getattr(m, name) < 0:

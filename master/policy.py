@@ -211,6 +211,7 @@ def score(request: RouteRequest, b: BackendLoad, hit: int, best_hit: int, defaul
 
 def choose_backend(request: RouteRequest, backends: Sequence[BackendLoad],
                    cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    backends = [b for b in backends if b.role != Role.VIT]  # a VIT embeds images for backends; it generates nothing
     serving = [b for b in backends if b.model == request.model]
     if not backends:
         return Decision(None, "no_backends", [], ErrorCode.UNAVAILABLE, "no backend has registered yet")

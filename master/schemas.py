@@ -29,7 +29,7 @@ class ScheduleRequest(_Strict):
 class RegisterRequest(_Strict):
     """POST /rtp_llm/register: a backend announcing itself (repeated, so a restarted master relearns it)."""
     model: str = Field(min_length=1)
-    role: Literal["PDFUSION", "PREFILL", "DECODE"] = "PDFUSION"
+    role: Literal["PDFUSION", "PREFILL", "DECODE", "VIT"] = "PDFUSION"
     server_ip: str = ""                    # "" = the address the registration came from
     grpc_port: PORT
     http_port: PORT

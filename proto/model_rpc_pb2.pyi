@@ -355,7 +355,7 @@ class CacheStatusPB(_message.Message):
     def __init__(self, version: _Optional[int] = ..., is_diff: _Optional[bool] = ..., cached_keys: _Optional[_Iterable[int]] = ..., added_keys: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KVTransferHeaderPB(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "first_token", "first_logprob", "generate_config", "block_size", "num_blocks", "block_keys", "dtype", "block_shape", "first_token_output_len")
+    __slots__ = ("request_id", "prompt_ids", "first_token", "first_logprob", "generate_config", "block_size", "num_blocks", "block_keys", "dtype", "block_shape", "first_token_output_len", "image_digests", "image_grids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +367,8 @@ class KVTransferHeaderPB(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_GRIDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -378,7 +380,9 @@ class KVTransferHeaderPB(_message.Message):
     dtype: str
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     first_token_output_len: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprobPB, _Mapping]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_token_output_len: _Optional[int] = ...) -> None: ...
+    image_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    image_grids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprobPB, _Mapping]] = ..., generate_config: _Optional[_Union[GenerateConfigPB, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_token_output_len: _Optional[int] = ..., image_digests: _Optional[_Iterable[bytes]] = ..., image_grids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVBlockPB(_message.Message):
     __slots__ = ("index", "data")
@@ -415,3 +419,29 @@ class BlockRequestPB(_message.Message):
     indices: _containers.RepeatedScalarFieldContainer[int]
     skipped: int
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class EmbedImagesInputPB(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImagePB]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImagePB, _Mapping]]] = ...) -> None: ...
+
+class ImageEmbeddingPB(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedImagesOutputPB(_message.Message):
+    __slots__ = ("embeddings", "error")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[ImageEmbeddingPB]
+    error: ErrorDetailsPB
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[ImageEmbeddingPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ...) -> None: ...

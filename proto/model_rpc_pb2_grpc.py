@@ -64,6 +64,11 @@ class ModelRpcServiceStub:
                 request_serializer=proto_dot_model__rpc__pb2.KVTransferPB.SerializeToString,
                 response_deserializer=proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.FromString,
                 _registered_method=True)
+        self.EmbedImages = channel.unary_unary(
+                '/kvyard.ModelRpcService/EmbedImages',
+                request_serializer=proto_dot_model__rpc__pb2.EmbedImagesInputPB.SerializeToString,
+                response_deserializer=proto_dot_model__rpc__pb2.EmbedImagesOutputPB.FromString,
+                _registered_method=True)
 
 
 class ModelRpcServiceServicer:
@@ -116,6 +121,14 @@ class ModelRpcServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedImages(self, request, context):
+        """Image files → their embeddings (ROLE_TYPE=VIT serves it: a vision tower and projector, no language
+        model); a backend configured with VIT_ADDRESSES asks it instead of running a tower of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRpcServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +161,11 @@ def add_ModelRpcServiceServicer_to_server(servicer, server):
                     servicer.RemoteDecode,
                     request_deserializer=proto_dot_model__rpc__pb2.KVTransferPB.FromString,
                     response_serializer=proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.SerializeToString,
+            ),
+            'EmbedImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedImages,
+                    request_deserializer=proto_dot_model__rpc__pb2.EmbedImagesInputPB.FromString,
+                    response_serializer=proto_dot_model__rpc__pb2.EmbedImagesOutputPB.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +330,33 @@ class ModelRpcService:
             '/kvyard.ModelRpcService/RemoteDecode',
             proto_dot_model__rpc__pb2.KVTransferPB.SerializeToString,
             proto_dot_model__rpc__pb2.RemoteDecodeReplyPB.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvyard.ModelRpcService/EmbedImages',
+            proto_dot_model__rpc__pb2.EmbedImagesInputPB.SerializeToString,
+            proto_dot_model__rpc__pb2.EmbedImagesOutputPB.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ PROTO_EDGES = {
     "backend/pd_transfer.py",           # the KV hand-over stream is itself a gRPC protocol
     "backend/mock_backend.py",          # the real servicer's set-up, over a scripted engine
     "backend/rtp_rpc.py",               # RTP-LLM's RpcService, translated to kvyard's
+    "backend/vit_server.py", "backend/vit_client.py",  # the VIT's EmbedImages call: its servicer and its caller
 }
 
 

@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.support.image_server import PNG, image_server
 from tests.support.procs import RoleProcess, free_port_block
-from tests.support.tiny_vision import IMAGE_TOKEN, TinyLlava, png_bytes, save_llava_dir, tiny_llava
+from tests.support.tiny_vision import IMAGE_TOKEN, TinyLlava, png_bytes, reference_greedy, save_llava_dir, tiny_llava
 
 STEPS = 6
 QUESTION = "What is in the picture?"
@@ -75,17 +74,7 @@ def chat(server: Server, *urls: str) -> dict[str, Any]:
 
 
 def reference_tokens(server: Server, ids: list[int], image: bytes) -> list[int]:
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from backend.image_preprocess import decode_image
-    processor: Any = CLIPImageProcessorPil.from_pretrained(str(server.path))
-    pixel_values = processor(images=[decode_image(image)], return_tensors="pt")["pixel_values"]
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(STEPS):
-            logits = server.tiny.hf_model(input_ids=torch.tensor([ids + out]), pixel_values=pixel_values).logits
-            out.append(int(logits[0, -1].argmax()))
-    return out
+    return reference_greedy(server.tiny, server.path, ids, image, STEPS)
 
 
 def test_openai_client_image_part_matches_transformers_then_hits_the_cache(server: Server) -> None:

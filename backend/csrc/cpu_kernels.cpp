@@ -352,8 +352,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   m.def("mask_rows_", &mask_rows_, "a grammar's token bitmask on each given row, in place", call_guard<release>());
-  py::class_<BlockTensors>(m, "BlockTensors", "one GGUF-block matrix: codes, scales, minimums (empty if none)")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("qs"), py::arg("d"), py::arg("m"));
+  py::class_<BlockTensors>(m, "BlockTensors",
+                           "one GGUF-block matrix: codes, scales, minimums (empty if none); or a stack of parts")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<BlockTensors>>(), py::arg("qs"), py::arg("d"),
+           py::arg("m"), py::arg("parts") = std::vector<BlockTensors>{});
   py::class_<LayerTensors>(m, "LayerTensors", "one layer's weights by name (qkv_bias empty if none)")
       .def(py::init<at::Tensor, BlockTensors, at::Tensor, BlockTensors, at::Tensor, BlockTensors, BlockTensors>(),
            py::arg("attn_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("ffn_norm"),

@@ -16,6 +16,7 @@
 
 #include "layer_ops.h"
 #include "qlinear.h"
+#include "qlinear_stack.h"
 #include "tensors.h"
 
 namespace kvyard {
@@ -24,6 +25,7 @@ namespace kvyard {
 // field). Held by FusedDecoder, so the pointers its views below keep stay valid.
 struct BlockTensors {  // one matrix in GGUF blocks (tensors.h as_matrix)
   at::Tensor qs, d, m;  // codes, scales, minimums (empty for Q8_0; the K-quants' sub-scales)
+  std::vector<BlockTensors> parts;  // instead, a stack of matrices of different kinds (qlinear_stack.h)
 };
 
 struct LayerTensors {
@@ -44,11 +46,11 @@ struct ModelTensors {
 
 struct LayerWeights {
   const float* attn_norm;
-  QMatrix qkv;
+  StackedMatrix qkv;       // fused matrices: parts of different kinds possible
   const float* qkv_bias;  // nullptr when the model has none
   QMatrix o;
   const float* ffn_norm;
-  QMatrix gate_up;
+  StackedMatrix gate_up;
   QMatrix down;
 };
 
@@ -85,11 +87,11 @@ class FusedDecoder {
       const LayerTensors& t = tensors_.layers[l];
       LayerWeights w;
       w.attn_norm = vector_of(t.attn_norm, D_, "attn_norm");
-      w.qkv = matrix(t.qkv);
+      w.qkv = stacked(t.qkv);
       w.qkv_bias = t.qkv_bias.numel() ? vector_of(t.qkv_bias, w.qkv.N, "qkv_bias") : nullptr;
       w.o = matrix(t.o);
       w.ffn_norm = vector_of(t.ffn_norm, D_, "ffn_norm");
-      w.gate_up = matrix(t.gate_up);
+      w.gate_up = stacked(t.gate_up);
       w.down = matrix(t.down);
       TORCH_CHECK(w.qkv.K == D_ && w.qkv.N == (H_ + 2 * Hkv_) * d_ && w.o.K == H_ * d_ && w.o.N == D_ &&
                   w.gate_up.K == D_ && w.gate_up.N % 2 == 0 && w.down.K == w.gate_up.N / 2 && w.down.N == D_,
@@ -142,8 +144,10 @@ class FusedDecoder {
     gu_.resize(B * F2);
     act_.resize(B * F2 / 2);
     int64_t input_size = input_scratch(lm_head_, std::max<int64_t>(R, 1));
-    for (const LayerWeights& w : layers_)
-      for (const QMatrix* m : {&w.qkv, &w.o, &w.gate_up, &w.down}) input_size = std::max(input_size, input_scratch(*m, B));
+    for (const LayerWeights& w : layers_) {
+      for (const StackedMatrix* m : {&w.qkv, &w.gate_up}) input_size = std::max(input_size, input_scratch(*m, B));
+      for (const QMatrix* m : {&w.o, &w.down}) input_size = std::max(input_size, input_scratch(*m, B));
+    }
     input_.resize(input_size);
     at::Tensor logits = at::empty({R, lm_head_.N}, cos.options());
     const int team = at::get_num_threads();
@@ -240,7 +244,17 @@ class FusedDecoder {
     last_mark_ = now;
   }
 
-  static QMatrix matrix(const BlockTensors& b) { return as_matrix(b.qs, b.d, b.m, b.m.numel() > 0); }
+  static QMatrix matrix(const BlockTensors& b) {
+    TORCH_CHECK(b.parts.empty(), "a stacked matrix where one matrix is expected");
+    return as_matrix(b.qs, b.d, b.m, b.m.numel() > 0);
+  }
+
+  static StackedMatrix stacked(const BlockTensors& b) {
+    std::vector<QMatrix> parts;
+    if (b.parts.empty()) parts.push_back(matrix(b));
+    for (const BlockTensors& p : b.parts) parts.push_back(matrix(p));
+    return stack_parts(parts);
+  }
 
   static const float* vector_of(const at::Tensor& t, int64_t n, const char* name) {
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat && t.numel() == n, name,
@@ -250,10 +264,12 @@ class FusedDecoder {
 
   // This thread's share of y = x w^T (+ bias) for M rows, then x_res += y on the same outputs when
   // x_res is given (the residual: (dot + bias) + residual, as the per-op path adds them). Called by every
-  // thread of the team: what the input needs (block sums, int16 rows) is prepared once into input_.
-  void linear(const float* x, int64_t M, const QMatrix& w, const float* bias, float* y, float* x_res,
+  // thread of the team: what the input needs (block sums, int16 rows) is prepared once into input_. A
+  // stacked matrix's parts are each shared out over the team on their own (their kinds differ in cost).
+  template <class Matrix>
+  void linear(const float* x, int64_t M, const Matrix& w, const float* bias, float* y, float* x_res,
               ThreadScratch& sc, int tid, int nt) {
-    LinearInput in;
+    decltype(prepare_input(w, x, M, 0, 0, nullptr)) in;
     if (M <= 2) {  // one or two rows: each thread prepares them itself, cheaper than a barrier
       sc.input.resize(input_scratch(w, M));
       in = prepare_input(w, x, M, 0, M, sc.input.data());
@@ -263,21 +279,25 @@ class FusedDecoder {
       in = prepare_input(w, x, M, m0, m1, input_.data());
 #pragma omp barrier
     }
-    if (!w.n16 && M > DECODE_ONCE_ROWS) sc.wbuf.resize(NT * w.K);
-    int64_t i0, i1;
-    split_range(linear_items(M, w), tid, nt, i0, i1);
-    for (int64_t item = i0; item < i1; ++item) {
-      run_linear_item(item, in, w, y, w.N, sc.wbuf.data());
-      if (!bias && !x_res) continue;
-      int64_t m0, m1, n0, n1;
-      item_bounds(item, M, w, m0, m1, n0, n1);
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t n = n0; n < n1; ++n) {
-          float v = y[m * w.N + n];
-          if (bias) v += bias[n];
-          if (x_res) x_res[m * w.N + n] += v;
-          else y[m * w.N + n] = v;
-        }
+    if (M > DECODE_ONCE_ROWS) sc.wbuf.resize(NT * w.K);  // rows layout: decoded weight rows
+    for (int p = 0; p < stack_size(w); ++p) {
+      const QMatrix& part = stack_part(w, p);
+      const int64_t c0 = stack_row0(w, p);  // the part's first output column
+      int64_t i0, i1;
+      split_range(linear_items(M, part), tid, nt, i0, i1);
+      for (int64_t item = i0; item < i1; ++item) {
+        run_linear_item(item, stack_input(in, p), part, y + c0, w.N, sc.wbuf.data());
+        if (!bias && !x_res) continue;
+        int64_t m0, m1, n0, n1;
+        item_bounds(item, M, part, m0, m1, n0, n1);
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t n = c0 + n0; n < c0 + n1; ++n) {
+            float v = y[m * w.N + n];
+            if (bias) v += bias[n];
+            if (x_res) x_res[m * w.N + n] += v;
+            else y[m * w.N + n] = v;
+          }
+      }
     }
   }
 

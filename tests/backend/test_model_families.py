@@ -150,9 +150,9 @@ def test_gguf_blocks(case: Case, layout: str) -> None:
 @pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unavailable")
 @pytest.mark.parametrize("name,types", [("q4_k", Q4_K_TYPES), ("requantized", REQUANTIZED_TYPES)])
 def test_gguf_converted_blocks(name: str, types: dict[str, str], tmp_path: Path) -> None:
-    """Q4_K served as Q4_1 (scale products rounded to float16); F32, F16, BF16, Q5_0, Q5_1, Q5_K, Q6_K and
-    a q/k/v of mixed kinds served as Q8_0, requantized at load. Exact when dense; in blocks, within
-    their rounding of the float32 dequantization."""
+    """Q4_K served as Q4_1 (scale products rounded to float16); F32, F16, BF16, Q5_0, Q5_1, Q5_K and Q6_K
+    served as Q8_0, requantized at load; a q/k/v of mixed kinds stacked, its Q4_1 k kept as it is. Exact
+    when dense; in blocks, within their rounding of the float32 dequantization."""
     case = _build("qwen2.5", tmp_path, types)
     compare(load(case.gguf), case.tiny, ATOL)
     model = load(case.gguf, blocks=True)
@@ -160,6 +160,7 @@ def test_gguf_converted_blocks(name: str, types: dict[str, str], tmp_path: Path)
     if name == "q4_k":
         assert kinds["layers.0.gate_up"] == kinds["layers.1.o"] == "q4_1"
     else:
+        assert {kinds.pop(f"layers.{i}.qkv") for i in range(model.config.num_layers)} == {"q8_0+q4_1+q8_0"}
         assert set(kinds.values()) == {"q8_0"}
     dense = load_weights(case.gguf, model.config, torch.float32, CPU)  # the file's exact dequantization
     for key, w in model.w.items():

@@ -15,17 +15,13 @@ import torch
 from backend.engine import Engine, GenerationRequest
 from backend.engine_types import ImageInput
 from backend.image_preprocess import decode_image, pixels
-from backend.model import LlamaModel
 from backend.sequence import StopConditions
-from backend.vision_tower import VisionTower, load_vision_tower
-from backend.weights import load_weights
 from kvyard.block_keys import block_cache_keys, image_block_salts
 from kvyard.errors import RequestError
-from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.sampling_params import SamplingParams
-from kvyard.vision_config import image_starts
-from tests.backend.conftest import CPU, build_engine, greedy_run
-from tests.support.tiny_vision import TinyLlava, png_bytes, save_llava_dir, tiny_llava
+from kvyard.vision_config import image_spans
+from tests.backend.conftest import build_engine, greedy_run
+from tests.support.tiny_vision import TinyLlava, load_vision_model, png_bytes, save_llava_dir, tiny_llava
 
 ATOL = 2e-3
 STEPS = 8
@@ -34,9 +30,7 @@ STEPS = 8
 class Served:
     def __init__(self, tiny: TinyLlava, path: Path) -> None:
         self.tiny, self.path = tiny, path
-        self.config: ModelConfig = load_model_config(path)
-        self.model = LlamaModel(self.config, load_weights(path, self.config, torch.float32, CPU, progress=False))
-        self.tower: VisionTower = load_vision_tower(path, self.config, torch.float32, CPU)
+        self.config, self.model, self.tower = load_vision_model(path)
 
     def engine(self) -> Engine:
         engine = build_engine(self.model, self.config, num_blocks=32, block_size=8, max_num_batched_tokens=64)
@@ -111,9 +105,7 @@ def test_logits_and_tokens_match_transformers_then_cache(served: Served) -> None
     # The frontend's keys for the master (kvyard.block_keys with the image salts) are the ones the pool holds;
     # the same tokens keyed without the image are not.
     assert served.config.vision is not None
-    per_image = served.config.vision.num_image_tokens
-    salts = image_block_salts(image_starts(ids, served.tiny.image_token_id, per_image),
-                              [hashlib.sha256(data).digest()], per_image, 8)
+    salts = image_block_salts(image_spans(ids, served.config.vision), [hashlib.sha256(data).digest()], 8)
     held = set(engine.scheduler.block_pool.cached_keys())
     assert set(block_cache_keys(ids, 8, salts=salts)) <= held
     assert not set(block_cache_keys(ids, 8)) & held

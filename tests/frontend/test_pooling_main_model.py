@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.procs import RoleProcess, free_port_block
+from tests.support.procs import pdfusion
 from tests.support.tiny_decoder_poolers import tiny_decoder_pooler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,14 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("pooling-main")
     path = tiny_decoder_pooler(tmp / "qwen3-emb")
-    port = free_port_block()
-    proc = RoleProcess({"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "CHECKPOINT_PATH": str(path),
-                        "MODEL_NAME": "emb,emb-alias"}, tmp / "pdfusion.log")
-    try:
-        proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
-        yield f"http://127.0.0.1:{port}", path
-    finally:
-        proc.stop()
+    with pdfusion(path, "emb,emb-alias", tmp / "pdfusion.log") as url:
+        yield url, path
 
 
 def test_embeddings_match_sentence_transformers(served: tuple[str, Path]) -> None:

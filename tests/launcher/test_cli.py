@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,6 +151,24 @@ def test_a_split_cluster_is_wired_through_the_master() -> None:
     assert {e["HOST"] for n, e in envs.items() if not n.startswith("frontend")} == {"127.0.0.1"}
     for name, env in envs.items():
         assert set(env) - set(base) <= role_reads(env), name  # what the cluster wires is used
+
+
+def test_a_cluster_with_a_vit(tmp_path: Path) -> None:
+    """`kvyard cluster --vit 1 --prefill 1 --decode 1` on a vision model: the VIT registers with the master,
+    the PREFILL backend (not the DECODE one) sends its images there, frontends never call it."""
+    from tests.support.tiny_vision import save_llava_dir, tiny_llava
+    lay = plan(9000, frontends=1, pdfusion=0, prefill=1, decode=1,
+               vit=cluster_parser().parse_args(["--vit", "1"]).vit)
+    base = {"CLUSTER_TOKEN": CLUSTER_TOKEN, "CHECKPOINT_PATH": str(save_llava_dir(tiny_llava(), tmp_path / "llava")),
+            "KV_CACHE_MB": "16", "VIT_ADDRESSES": "10.9.9.9:1"}
+    check(lay, base, "127.0.0.1")
+    envs = {p.name: part_env(lay, p, base, "127.0.0.1") for p in lay.parts}
+    assert envs["vit-1"]["ROLE_TYPE"] == "VIT" and envs["vit-1"]["MASTER_ADDRESS"] == "127.0.0.1:9010"
+    assert "VIT_ADDRESSES" not in envs["vit-1"] and "VIT_ADDRESSES" not in envs["decode-1"]
+    assert envs["prefill-1"]["VIT_ADDRESSES"] == "127.0.0.1:9041"
+    assert envs["frontend-1"]["BACKEND_ADDRESSES"] == "127.0.0.1:9021"
+    for name, env in envs.items():
+        assert set(env) - set(base) <= role_reads(env), name
 
 
 def test_a_cluster_with_an_embedding_model() -> None:

@@ -64,3 +64,12 @@ def test_no_decode_room_is_overloaded_not_a_crash() -> None:
 def test_without_prefill_backends_decode_only_backends_are_not_first_choice() -> None:
     d = choose_backend(REQ, [load("f1", "PDFUSION", running=3), load("d1", "DECODE")])
     assert d.chosen == "f1" and d.decode is None
+
+
+def test_a_vit_is_never_chosen() -> None:
+    """ROLE_TYPE=VIT registers under the model's name and looks idle and roomy: still no request goes there."""
+    d = choose_backend(REQ, [load("v1", "VIT", cached_keys=frozenset({11, 12, 13})), load("p1", "PREFILL"),
+                             load("d1", "DECODE")])
+    assert (d.chosen, d.decode) == ("p1", "d1") and {c.name for c in d.candidates} == {"p1"}
+    d = choose_backend(REQ, [load("v1", "VIT")])
+    assert d.chosen is None and d.error is ErrorCode.UNAVAILABLE

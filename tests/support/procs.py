@@ -7,7 +7,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,16 @@ class RoleProcess:
     def stop(self) -> None:
         stop_groups([self.proc])
         self._log.close()
+
+
+@contextmanager
+def pdfusion(checkpoint: Path, model_name: str, log_path: Path, timeout_s: float = 180) -> Iterator[str]:
+    """A PDFUSION launch (backend + frontend) serving checkpoint as model_name; yields its base URL."""
+    port = free_port_block()
+    proc = RoleProcess({"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "CHECKPOINT_PATH": str(checkpoint),
+                        "MODEL_NAME": model_name}, log_path)
+    try:
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=timeout_s)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()

@@ -1,7 +1,8 @@
 """Tiny random decoder pooling checkpoints as they ship: a Qwen3-Embedding-style embedder (the base model's
 weights without the "model." prefix, config.json saying Qwen3ForCausalLM, sentence-transformers' modules.json
 with last-token pooling and Normalize, a query prompt, a tokenizer that appends <|endoftext|>) and a
-*ForSequenceClassification scorer. Tokenizers are trained here (tests/support/tiny_models.py): no hub."""
+*ForSequenceClassification scorer, and an original Qwen3-Reranker (a causal LM whose config.json carries
+vLLM's --hf-overrides keys). Tokenizers are trained here (tests/support/tiny_models.py): no hub."""
 from __future__ import annotations
 
 import json
@@ -30,10 +31,11 @@ def _tokenizer_json() -> str:
 def decoder_config(family: str, vocab: int, pad: int, **extra: Any) -> Any:
     import transformers
     extra.setdefault("tie_word_embeddings", True)
+    extra.setdefault("max_position_embeddings", 128)
     cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
            "llama": transformers.LlamaConfig}[family]
     return cls(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6,
+               num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                pad_token_id=pad, **extra)
 
 
@@ -69,4 +71,28 @@ def tiny_decoder_pooler(path: Path, family: str = "qwen3", num_labels: int = 0, 
         "pooling_mode_cls_token": False, "include_prompt": True}))
     (path / "config_sentence_transformers.json").write_text(json.dumps({
         "prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None}))
+    return path
+
+
+def tiny_qwen3_reranker(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+    """Qwen3ForCausalLM weights, a tokenizer with "yes" and "no" and no post-processor (Qwen's), and
+    config.json saying Qwen3ForSequenceClassification, classifier_from_token ["no", "yes"],
+    is_original_qwen3_reranker: what vLLM's documented --hf-overrides for Qwen3-Reranker sets."""
+    import transformers
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_str(byte_level_tokenizer("qwen2", specials=QWEN2_SPECIALS).reference.to_str())  # a copy
+    tok.add_tokens(["yes", "no"])
+    tok.save(str(path / "tokenizer.json"))
+    pad = tok.token_to_id("<|endoftext|>")
+    (path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(decoder_config("qwen3", tok.get_vocab_size(with_added_tokens=True), pad,
+                                                         tie_word_embeddings=tie_word_embeddings,
+                                                         max_position_embeddings=512))
+    randomize(model)
+    model.eval().save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(architectures=["Qwen3ForSequenceClassification"], classifier_from_token=["no", "yes"],
+               is_original_qwen3_reranker=True)
+    (path / "config.json").write_text(json.dumps(cfg))
     return path

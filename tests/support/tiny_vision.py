@@ -12,6 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from backend.image_tower import ImageTower
+from backend.model import LlamaModel
+from backend.vision_tower import load_vision_tower
+from backend.weights import load_weights
+from kvyard.model_config import ModelConfig, load_model_config
 from renderers.llama3 import LLAMA3_TEMPLATE
 from tests.support.tiny_models import randomize
 from tests.support.tiny_tokenizers import LLAMA3_SPECIALS, TokenizerSpec, byte_level_tokenizer, save_hf_tokenizer
@@ -75,6 +80,14 @@ def save_llava_dir(tiny: TinyLlava, path: Path) -> Path:
     return path
 
 
+def load_vision_model(path: Path) -> tuple[ModelConfig, LlamaModel, ImageTower]:
+    """A vision checkpoint as the backend loads it (float32, CPU): its config, language model and tower."""
+    config = load_model_config(path)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, load_weights(path, config, torch.float32, cpu, progress=False))
+    return config, model, load_vision_tower(path, config, torch.float32, cpu)
+
+
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     """A random RGB picture, encoded."""
     from PIL import Image
@@ -83,3 +96,18 @@ def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return buf.getvalue()
+
+
+def reference_greedy(tiny: TinyLlava, path: Path, ids: list[int], image: bytes, steps: int) -> list[int]:
+    """transformers' greedy continuation of `ids` with `image` (its CLIP image processor on our decode)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from backend.image_preprocess import decode_image
+    processor: Any = CLIPImageProcessorPil.from_pretrained(str(path))
+    pixel_values = processor(images=[decode_image(image)], return_tensors="pt")["pixel_values"]
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = tiny.hf_model(input_ids=torch.tensor([ids + out]), pixel_values=pixel_values).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out

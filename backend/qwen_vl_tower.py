@@ -1,0 +1,128 @@
+"""A Qwen2-VL / Qwen2.5-VL image side in the backend: patches (backend/image_preprocess.py) → ViT with 2-D
+rotary positions → 2×2 patch merger → one embedding per `<|image_pad|>` token, which backend/model.py puts in
+place of the placeholders' embeddings in prefill (as LLaVA's; the embedding cache is backend/image_tower.py's).
+Qwen2.5-VL: RMSNorm/SwiGLU blocks, attention within windows of window_size² pixels except at
+fullatt_block_indexes; Qwen2-VL: LayerNorm/GELU blocks, every layer over the whole image."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backend.image_tower import ImageTower, read_image_side
+from kvyard.model_config import ModelConfig
+from kvyard.qwen_vl_config import QwenVisionConfig
+
+log = logging.getLogger("kvyard.vision")
+_ROPE_THETA = 10000.0  # the tower's rotary base in both families
+_NORM_EPS = 1e-6
+
+
+class QwenVisionTower(ImageTower):
+    """Engine thread only."""
+
+    config: QwenVisionConfig
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
+        if grid is None:
+            raise ValueError("a Qwen-VL image needs its patch grid")
+        return self.forward(pixel_values, grid)
+
+    @torch.inference_mode()
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """patches [N, 3·t·p·p] (N = t·h·w, in 2×2 merge blocks) → [N / 4, D]."""
+        c, w = self.config, self.w
+        proj = w["vision.patch_embed.proj.weight"]
+        x = F.linear(patches.to(device=proj.device, dtype=self.dtype), proj.reshape(proj.shape[0], -1))  # [N, C]
+        cos, sin = self._rotary(grid, x.device)                                  # [N, d] each
+        windows = self._window_mask(grid, x.device) if c.window_size else None   # [N, N] or None
+        for i in range(c.num_layers):
+            p = f"vision.blocks.{i}."
+            mask = None if i in c.full_attention_layers else windows
+            x = x + self._attention(self._norm(x, p + "norm1"), p + "attn.", cos, sin, mask)
+            x = x + self._mlp(self._norm(x, p + "norm2"), p + "mlp.")
+        x = self._norm(x, "vision.merger.ln_q").reshape(-1, c.hidden_size * c.merge_size ** 2)  # [N/4, 4C]
+        x = F.gelu(self._linear(x, "vision.merger.mlp.0"))
+        return self._linear(x, "vision.merger.mlp.2")                            # [N/4, D]
+
+    def _rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's row and column rotate half the head's frequencies each, in merge-block order."""
+        t, gh, gw = grid
+        m, d = self.config.merge_size, self.config.hidden_size // self.config.num_heads
+        rows = torch.arange(gh)[:, None].expand(gh, gw)
+        cols = torch.arange(gw)[None, :].expand(gh, gw)
+        rows, cols = ((a.reshape(gh // m, m, gw // m, m).transpose(1, 2).flatten().repeat(t)) for a in (rows, cols))
+        inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(0, d // 2, 2, dtype=torch.float) / (d // 2)))  # [d/4]
+        angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)            # [N, d/2]
+        angles = torch.cat([angles, angles], dim=-1).to(device)                                     # [N, d]
+        return angles.cos(), angles.sin()
+
+    def _window_mask(self, grid: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+        """[N, N] True where two patches lie in the same window (window_size pixels square, in merged
+        tokens from the top left): Qwen2.5-VL's windowed layers attend only there."""
+        t, gh, gw = grid
+        m = self.config.merge_size
+        side = self.config.window_size // m // self.config.patch_size  # merged tokens per window side
+        rows, cols = torch.arange(gh // m)[:, None] // side, torch.arange(gw // m)[None, :] // side
+        per_token = (rows * -(-(gw // m) // side) + cols).flatten()  # window of each merged token
+        window = (torch.arange(t)[:, None] * per_token.numel() + per_token[None, :]).flatten().repeat_interleave(m * m)
+        window = window.to(device)
+        return window[:, None] == window[None, :]
+
+    def _attention(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        n, width = x.shape
+        heads = self.config.num_heads
+        q, k, v = self._linear(x, p + "qkv").view(n, 3, heads, -1).unbind(1)  # [N, H, d] each
+        q, k = (_rope(a, cos, sin) for a in (q, k))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask)                 # [H, N, d], bidirectional
+        return self._linear(out.transpose(0, 1).reshape(n, width), p + "proj")
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        if self.config.family == "qwen2_5_vl":
+            return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")
+        h = self._linear(x, p + "fc1")
+        h = h * torch.sigmoid(1.702 * h) if self.config.hidden_act == "quick_gelu" else F.gelu(h)
+        return self._linear(h, p + "fc2")
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.config.family == "qwen2_5_vl":  # RMSNorm, computed in float32
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _NORM_EPS)
+            return self.w[name + ".weight"] * h.to(x.dtype)
+        return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], _NORM_EPS)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, d] rotated in float32 (pairs i, i + d/2); cos, sin [N, d]."""
+    h = x.float()
+    half = h.shape[-1] // 2
+    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
+    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def load_qwen_tower(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> QwenVisionTower:
+    vision = config.vision
+    assert isinstance(vision, QwenVisionConfig)
+    weights = read_image_side(path, config, dtype, device, lambda name: False, _needed(vision))
+    tower = QwenVisionTower(vision, weights, dtype)
+    log.info("vision tower (%s): %d layers, %.0f MB", vision.family, vision.num_layers, tower.weight_bytes() / 2**20)
+    return tower
+
+
+def _needed(vision: QwenVisionConfig) -> list[str]:
+    wb = ("weight", "bias")
+    if vision.family == "qwen2_5_vl":
+        norms = ["norm1.weight", "norm2.weight"]
+        mlp = [f"mlp.{m}.{k}" for m in ("gate_proj", "up_proj", "down_proj") for k in wb]
+        top = ["vision.merger.ln_q.weight"]
+    else:
+        norms = [f"{n}.{k}" for n in ("norm1", "norm2") for k in wb]
+        mlp = [f"mlp.{m}.{k}" for m in ("fc1", "fc2") for k in wb]
+        top = ["vision.merger.ln_q.weight", "vision.merger.ln_q.bias"]
+    per_layer = norms + mlp + [f"attn.{m}.{k}" for m in ("qkv", "proj") for k in wb]
+    top += ["vision.patch_embed.proj.weight"] + [f"vision.merger.mlp.{i}.{k}" for i in (0, 2) for k in wb]
+    return top + [f"vision.blocks.{i}.{n}" for i in range(vision.num_layers) for n in per_layer]

@@ -1,0 +1,83 @@
+"""An original Qwen3-Reranker (a causal LM scored by its last token's "yes" and "no" logits, configured by
+vLLM's --hf-overrides keys in config.json) as the main CHECKPOINT_PATH of a PDFUSION launch: /v1/rerank,
+/rerank, /v1/reranker and /v1/classifier answer what transformers' causal LM computes on the same weights
+with the model card's prompt and formula (softmax over [no, yes] of the last logits → yes)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, load_pooling_spec
+from tests.support.procs import pdfusion
+from tests.support.tiny_decoder_poolers import tiny_qwen3_reranker
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+QUERY = "what is the capital of France?"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France borders Spain and Italy; its capital "
+        "city, Paris, lies on the Seine."]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    path = tiny_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker") / "reranker")
+    with pdfusion(path, "rr", path.parent / "pdfusion.log") as url:
+        yield url, path
+
+
+def reference_scores(path: Path, query: str, docs: list[str], max_length: int = 512) -> list[float]:
+    """The model card's code: prefix + tokenizer(pair, truncated) + suffix, the last position's logits,
+    log-softmax over [no, yes], exp of yes."""
+    import transformers
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
+    prefix = tok.encode(QWEN3_RERANKER["prefix"], add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANKER["suffix"], add_special_tokens=False)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    out = []
+    for doc in docs:
+        pair = QWEN3_RERANKER["pair"].format(instruction=QWEN3_RERANKER["instruction"], query=query, document=doc)
+        ids = tok(pair, truncation="longest_first", max_length=max_length - len(prefix) - len(suffix))["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix + ids + suffix])).logits[0, -1]
+        out.append(torch.log_softmax(logits[[no, yes]], dim=-1)[1].exp().item())
+    return out
+
+
+def test_spec_from_the_checkpoint(served: tuple[str, Path]) -> None:
+    spec = load_pooling_spec(served[1])
+    assert (spec.kind, spec.template, spec.two_way, spec.labels) == (ModelKind.CLASSIFY, "qwen3-reranker", True,
+                                                                     ("yes",))
+
+
+def test_rerank_matches_transformers_yes_no(served: tuple[str, Path]) -> None:
+    url, path = served
+    ref = reference_scores(path, QUERY, DOCS)
+    for route in ("/v1/rerank", "/rerank", "/v1/reranker"):
+        r = httpx.post(url + route, json={"query": QUERY, "documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -ref[i])
+        for x in results:
+            assert abs(x["relevance_score"] - ref[x["index"]]) < 1e-4, (x, ref)
+    r = httpx.post(url + "/v1/classifier", json={"input": [[QUERY, d] for d in DOCS]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [d["labels"] for d in r.json()["data"]] == [["yes"]] * 3
+    assert [round(d["probs"][0], 4) for d in r.json()["data"]] == [round(s, 4) for s in ref]
+
+
+def test_truncation_cuts_the_pair_text_and_a_lone_text_is_a_400(served: tuple[str, Path]) -> None:
+    url, path = served
+    long_doc = "Paris " * 400
+    r = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": [long_doc]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    r = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": [long_doc], "truncate_prompt_tokens": 300},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert abs(r.json()["results"][0]["relevance_score"] - reference_scores(path, QUERY, [long_doc], 300)[0]) < 1e-4
+    r = httpx.post(url + "/v1/classifier", json={"input": "just one text"}, timeout=60)
+    assert r.status_code == 400 and "pairs" in r.json()["error"]["message"], r.text
