@@ -19,22 +19,10 @@ namespace kvyard {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
-// e^x for 16 floats, x ≤ 0 (exp_ps's polynomial, 512 bits wide).
+// e^x for 16 floats, x ≤ 0: exp_ps (simd.h) on each half (a small part of the work: once per score).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  const __m256 lo = exp_ps(_mm512_castps512_ps256(x)), hi = exp_ps(_mm512_extractf32x8_ps(x, 1));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
 // Keys [0, n) of KV head kvh, widened: kt [n16][d][16] (panel j holds keys 16j..16j+15, dimension-major, zero
