@@ -65,7 +65,7 @@ class EncoderModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids, type_ids: [B, T] int64; mask: [B, T] bool (True = a real token, padding on the right).
-        Returns the last hidden states [B, T, D]."""
+        Returns the last hidden states [B, T, D] (zeros at padding)."""
         w, cfg = self.w, self.cfg
         B, T = ids.shape
         positions = torch.arange(cfg.position_offset, cfg.position_offset + T, device=ids.device)  # [T]
@@ -73,22 +73,27 @@ class EncoderModel:
         if "embeddings.token_type_embeddings.weight" in w:  # one segment (XLM-R): every token is segment 0
             types = type_ids if cfg.type_vocab_size > 1 else torch.zeros_like(type_ids)
             x = x + w["embeddings.token_type_embeddings.weight"][types]
-        x = self._norm(x, "embeddings.LayerNorm")                          # [B, T, D]
-        H = cfg.num_heads
-        d = cfg.hidden_size // H
+        D, H = cfg.hidden_size, cfg.num_heads
+        d = D // H
+        # Padding runs only through attention: every other matmul takes the real tokens alone, packed
+        # [N, D] (a batch of 20-60-word sentences is about a third padding).
+        real = mask.reshape(-1).nonzero().squeeze(1) if not bool(mask.all()) else None   # [N]
+        x = x.reshape(B * T, D) if real is None else x.reshape(B * T, D)[real]
+        x = self._norm(x, "embeddings.LayerNorm")                          # [N, D]
         attn_mask = mask[:, None, None, :]                                 # [B, 1, 1, T]
         for i in range(cfg.num_layers):
             p = f"encoder.layer.{i}."
-            qkv = F.linear(x, w[p + "qkv.weight"], w[p + "qkv.bias"])      # [B, T, 3D]
+            qkv = _unpack(F.linear(x, w[p + "qkv.weight"], w[p + "qkv.bias"]), real, B * T)  # [B * T, 3D]
             q, k, v = qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)       # each [B, H, T, d]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, H, T, d]
-            a = a.transpose(1, 2).reshape(B, T, cfg.hidden_size)
-            a = F.linear(a, w[p + "attention.output.dense.weight"], w[p + "attention.output.dense.bias"])
+            a = a.transpose(1, 2).reshape(B * T, D)
+            a = F.linear(a if real is None else a[real], w[p + "attention.output.dense.weight"],
+                         w[p + "attention.output.dense.bias"])
             x = self._norm(x + a, p + "attention.output.LayerNorm")
             h = F.linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"])
             h = F.linear(self._act(h), w[p + "output.dense.weight"], w[p + "output.dense.bias"])
             x = self._norm(x + h, p + "output.LayerNorm")
-        return x
+        return _unpack(x, real, B * T).view(B, T, D)                     # zeros at padding
 
     def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden: [B, T, D] → logits [B, num_labels], from the first token (ids, mask: unused)."""
@@ -119,6 +124,15 @@ class EncoderModel:
         if self.cfg.activation == "relu":
             return torch.relu(h)
         return F.gelu(h, approximate="none" if self.cfg.activation == "gelu" else "tanh")
+
+
+def _unpack(x: torch.Tensor, real: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Packed rows [N, C] back to their places among `rows` (zeros at padding); None: nothing was packed."""
+    if real is None:
+        return x
+    out = x.new_zeros((rows, x.shape[-1]))
+    out[real] = x
+    return out
 
 
 def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:

@@ -73,6 +73,10 @@ class Engine:
         if isinstance(req, GenerationRequest):
             check_images(req.prompt_ids, req.images, self.vision)
         if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
+            if self.role is not Role.PDFUSION:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the LoRA adapter {req.sampling.adapter!r}: "
+                                   f"adapters are not served by a prefill/decode split (this backend is "
+                                   f"{self.role.value}); send it to a PDFUSION backend", "model")
             if self.loras is None:
                 raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
                                    "loaded: this backend serves no adapters", "model")

@@ -7,16 +7,18 @@ requests naming it are refused with MODEL_NOT_FOUND.
 
 In a step, LoraBatch adds each adapter's low-rank product beside the base projections for the rows of the
 sequences that use it (grouped: one pair of small GEMMs per adapter and projection, whatever the number of
-its rows); rows without an adapter get nothing added."""
+its rows); rows without an adapter get nothing added. A decode-only step hands the adapters and each row's
+index to the fused C++ decode step instead (LoraBatch.fused), which adds the same terms row by row."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,15 +112,26 @@ def _not_found(name: str) -> RequestError:
                         "model")
 
 
-class LoraBatch:
-    """One step's rows by adapter. Every adapter of the step is stacked per projection (cached while the
-    step's set of adapters stays the same, as it does from one decode step to the next), so each projection
-    costs three operations whatever the number of adapters: one GEMM of every row into every adapter's rank
-    columns, a mask keeping each row's own adapter's columns (none for rows of the base model), one GEMM out."""
+# From this many rows (prefill chunks) a step's LoRA products are grouped by adapter: each adapter's rows
+# (a slice, or gathered) through its own A and B, 2-4 operations per adapter and projection. Below it
+# (op-by-op decode, dense weights) every row goes through all the step's adapters stacked, then a mask
+# keeps its own: 3 operations whatever the number of adapters, but each row pays for all of them (on a
+# 640-row prefill with 4 rank-16 adapters the masked products cost 4x the grouped ones' arithmetic).
+GROUPED_ROWS = 64
 
-    def __init__(self, stack: _Stack, row_owner: torch.Tensor) -> None:
+
+class LoraBatch:
+    """One step's rows by adapter. Below GROUPED_ROWS rows, every adapter of the step is stacked per
+    projection (cached while the step's set of adapters stays the same, as it does from one decode step to
+    the next), so each projection costs three operations: one GEMM of every row into every adapter's rank
+    columns, a mask keeping each row's own adapter's columns (none for rows of the base model), one GEMM out.
+    From GROUPED_ROWS, each adapter's rows go through its own matrices only."""
+
+    def __init__(self, stack: _Stack, row_owner: torch.Tensor,
+                 groups: list[tuple[LoraAdapter, slice | torch.Tensor]] | None = None) -> None:
         self.stack = stack
         self.row_owner = row_owner  # [T]: each row's index into adapters, -1 for the base model
+        self.groups = groups  # (adapter, its rows) when grouped
         self._masks: dict[int, torch.Tensor] = {}
 
     @staticmethod
@@ -128,29 +141,58 @@ class LoraBatch:
         order: dict[int, int] = {}
         held: list[LoraAdapter] = []
         owner: list[int] = []
+        rows: list[list[tuple[int, int]]] = []  # per adapter, its spans
         for adapter, (a, b) in zip(adapters, spans):
             k = -1
             if adapter is not None:
                 if adapter.uid not in order:
                     order[adapter.uid] = len(held)
                     held.append(adapter)
+                    rows.append([])
                 k = order[adapter.uid]
+                rows[k].append((a, b))
             owner.extend([k] * (b - a))
         if not held:
             return None
-        return LoraBatch(stacks.get(tuple(held)), torch.tensor(owner, dtype=torch.long, device=device))
+        groups = None
+        if len(owner) >= GROUPED_ROWS:
+            groups = [(adapter, _rows(its, device)) for adapter, its in zip(held, rows)]
+        return LoraBatch(stacks.get(tuple(held)), torch.tensor(owner, dtype=torch.long, device=device), groups)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, target: str) -> torch.Tensor:
         """y [T, out] += each row's adapter's (x @ A^T) @ B^T for `target` of `layer`; returns y (in place)."""
+        if self.groups is not None:
+            for adapter, rows in self.groups:
+                mats = adapter.mats.get((layer, target))
+                if mats is None:
+                    continue
+                a, bt = mats
+                if isinstance(rows, slice):
+                    y[rows].addmm_(x[rows] @ a.t(), bt)
+                else:
+                    y.index_add_(0, rows, (x[rows] @ a.t()) @ bt)
+            return y
         stacked = self.stack.get(layer, target)
         if stacked is None:
             return y
-        a, b, col_owner = stacked
+        a, bt, col_owner = stacked
         mask = self._masks.get(id(col_owner))
         if mask is None:
             mask = (self.row_owner[:, None] == col_owner[None, :]).to(x.dtype)  # [T, R]
             self._masks[id(col_owner)] = mask
-        return y.addmm_((x @ a.t()).mul_(mask), b.t())
+        return y.addmm_((x @ a.t()).mul_(mask), bt)
+
+    def fused(self, build: Callable[[LoraAdapter], Any]) -> list[Any]:
+        """The step's adapters in the fused decode step's form (build: the ops' fused_lora), in row_owner's
+        order; built once per set of adapters."""
+        return self.stack.fused(build)
+
+
+def _rows(spans: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """Rows (first, end) spans as a slice when they are one run, else an index tensor."""
+    if all(b == a for (_, a), (b, _) in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1])
+    return torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
 
 
 class _Stack:
@@ -160,6 +202,7 @@ class _Stack:
         self.adapters = adapters
         self._mats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
         self._owners: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per column layout (masks reuse it)
+        self._fused: list[Any] | None = None
 
     def get(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         key = (layer, target)
@@ -173,8 +216,13 @@ class _Stack:
                 if owner is None:
                     owner = self._owners[layout] = torch.tensor(layout, dtype=torch.long, device=parts[0][1][0].device)
                 self._mats[key] = (torch.cat([a for _, (a, _) in parts]).contiguous(),
-                                   torch.cat([b for _, (_, b) in parts], dim=1).contiguous(), owner)
+                                   torch.cat([bt for _, (_, bt) in parts]).contiguous(), owner)
         return self._mats[key]
+
+    def fused(self, build: Callable[[LoraAdapter], Any]) -> list[Any]:
+        if self._fused is None:
+            self._fused = [build(a) for a in self.adapters]
+        return self._fused
 
 
 class LoraStacks:

@@ -4,7 +4,8 @@ for backend/model.py's fused projections.
 The model computes q/k/v as one `qkv` matrix and gate/up as one `gate_up`: an adapter's parts for a fused
 matrix are stacked into one A [sum of ranks, in] and a block-diagonal B [fused out, sum of ranks] (zero
 rows where a part has no adapter), with the scale (lora_alpha / r) folded into B, so the model adds
-`(x @ A^T) @ B^T` beside the base product. Anything PEFT can save that this does not compute the same way
+`(x @ A^T) @ B^T` beside the base product. B is kept transposed ([sum of ranks, fused out], contiguous):
+the fused C++ decode step reads it a rank column at a time. Anything PEFT can save that this does not compute the same way
 (rsLoRA, DoRA, trained biases, extra saved modules, per-module rank or alpha patterns, embedding or lm_head
 targets) is refused with an AdapterError that names it: never loaded and silently computed differently."""
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kvyard.model_config import ModelConfig
 # PEFT's module name → (our fused matrix, part index within it).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# Our fused matrices, in the order of backend/csrc/lora_step.h's LoraTarget.
+FUSED_TARGETS = ("qkv", "o", "gate_up", "down")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # Config keys whose non-default values change the arithmetic: (key, its neutral values, why refused).
 _REFUSED = (
@@ -52,9 +55,10 @@ class LoraAdapter:
     rank: int
     alpha: float
     targets: tuple[str, ...]                 # PEFT module names it adapts, sorted
-    # (layer, fused matrix) → (A [R, in], B [out, R] × scale); R = the sum of the parts' ranks.
+    # (layer, fused matrix) → (A [R, in], B^T [R, out] × scale); R = the sum of the parts' ranks.
     mats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     uid: int = field(default_factory=lambda: next(LoraAdapter._uids))
+    fused: Any = field(default=None, compare=False, repr=False)  # its fused decode step form, made on first use
     _uids: ClassVar[itertools.count] = itertools.count(1)
 
     @property
@@ -158,5 +162,5 @@ def _fuse(parts: dict[tuple[int, str], dict[str, torch.Tensor]], config: ModelCo
         big_b = torch.zeros(sum(outs), r * len(items))
         for j, (part, _, b) in enumerate(items):
             big_b[starts[part]:starts[part] + outs[part], j * r:(j + 1) * r] = b
-        out[(layer, target)] = (torch.cat([a for _, a, _ in items]), big_b)
+        out[(layer, target)] = (torch.cat([a for _, a, _ in items]), big_b.t())
     return out

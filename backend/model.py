@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
 from backend.lora import LoraBatch
+from backend.lora_weights import FUSED_TARGETS, LoraAdapter
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
 from backend.quant import BlockWeight, QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
@@ -53,6 +55,16 @@ class LlamaModel:
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
         self.fused = None if config.qk_norm else self.ops.fused_decoder(config, weights, self.lm_head)
 
+    def fused_lora(self, adapter: LoraAdapter) -> Any:
+        """An adapter in the fused decode step's form: A and B^T per layer and projection, empty where none
+        (made once per adapter, on the engine thread)."""
+        if adapter.fused is None:
+            none = torch.empty(0)
+            keys = [(i, t) for i in range(self.config.num_layers) for t in FUSED_TARGETS]
+            adapter.fused = self.ops.fused_lora([adapter.mats[k][0] if k in adapter.mats else none for k in keys],
+                                                [adapter.mats[k][1] if k in adapter.mats else none for k in keys])
+        return adapter.fused
+
     def weight_bytes(self) -> int:
         """Bytes the weights take in their serving format."""
         return sum(w.nbytes() if isinstance(w, BlockWeight) else w.numel() * w.element_size()
@@ -65,13 +77,16 @@ class LlamaModel:
                 mrope: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows that sample → logits [S, V] (float32).
         embeds: rows [M] whose input embedding is given instead of looked up, and those embeddings [M, D]
-        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); a step with
-        any runs op by op, since the fused C++ decode step takes no adapters. mrope: [3, T] (t, h, w)
-        rotary positions (Qwen-VL, a step with image tokens) instead of `positions`."""
-        if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS
-                and embeds is None and lora is None and mrope is None):
-            return self.fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
-                                      self.cos, self.sin, cache.data, cache.block_size, logits_rows)
+        (an image's placeholder tokens). lora: the rows that use LoRA adapters (backend/lora.py); the fused
+        C++ decode step takes them too (each row's own adapter's terms, backend/csrc/lora_step.h). mrope:
+        [3, T] (t, h, w) rotary positions (Qwen-VL, a step with image tokens) instead of `positions`."""
+        if (self.fused is not None and meta.decode_only and input_ids.shape[0] <= DENSE_ROWS and embeds is None
+                and mrope is None):
+            args = (input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens, self.cos, self.sin,
+                    cache.data, cache.block_size, logits_rows)
+            if lora is None:
+                return self.fused.forward(*args)
+            return self.fused.forward_lora(*args, lora.fused(self.fused_lora), lora.row_owner)
         x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora, mrope)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]

@@ -47,6 +47,10 @@ class TorchOps:
         """Something whose forward() runs a whole decode-only step in one call, or None: op by op."""
         return None
 
+    def fused_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor]) -> Any:
+        """A LoRA adapter for the fused decoder's forward_lora (only called where fused_decoder gave one)."""
+        raise NotImplementedError("no fused decode step in these ops")
+
     def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         assert isinstance(w, torch.Tensor)
         return w[ids]
@@ -130,6 +134,9 @@ class KernelOps(TorchOps):
                                       layers=[layer(f"layers.{i}.") for i in range(config.num_layers)])
         return self.k.FusedDecoder(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
                                    tensors, [config.layer_window(i) for i in range(config.num_layers)])
+
+    def fused_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor]) -> Any:
+        return self.k.LoraWeights(a=a, bt=bt)
 
     def embed(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

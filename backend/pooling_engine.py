@@ -20,6 +20,7 @@ from backend.engine_types import (CacheStatus, GenerationRequest, KVLayout, Pool
                                   PoolingResult, Pooled, PoolTask, ScoreRequest)
 from backend.pooling import run_task
 from backend.step_stats import StepStats
+from backend.step_threads import StepThreads
 from backend.validation import check_token_ids
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
@@ -27,12 +28,6 @@ from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import ModelKind, PoolingSpec
 from kvyard.roles import Role
 from kvyard.worker_status import WorkerStatus
-
-# A step of at most this many padded tokens runs on one torch thread: its matmuls are too small to be worth
-# splitting, and on a busy machine an OpenMP team's barriers cost far more than the work. Measured on the
-# shared 2-core machine (load ~9), all-MiniLM-L6-v2, one 6-token sentence in process: p50 590-610 ms on 2
-# threads, 43-47 ms switching to 1 for the step (the switch costs ~8 us). Larger batches keep every thread.
-ONE_THREAD_TOKENS = 64
 
 # What each kind of model can be asked (the frontend refuses the rest first, naming the route).
 _TASKS = {ModelKind.EMBED: (PoolTask.EMBED, PoolTask.SPARSE, PoolTask.COLBERT), ModelKind.CLASSIFY: (PoolTask.CLASSIFY,)}
@@ -70,6 +65,7 @@ class PoolingEngine:
         self._pending: deque[tuple[_Running, int]] = deque()  # (request, item index), FIFO
         self._running = 0
         self._version = 0
+        self._threads = StepThreads(torch.get_num_threads()) if model.device.type == "cpu" else None
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(block_size=self.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
@@ -180,15 +176,17 @@ class PoolingEngine:
             if it.pair_start and segments:
                 type_ids[b, it.pair_start:n] = 1
         device = self.model.device
-        threads = torch.get_num_threads()
-        small = device.type == "cpu" and threads > 1 and ids.numel() <= ONE_THREAD_TOKENS
-        if small:
-            torch.set_num_threads(1)
-        try:
+        if self._threads is None:
             return run_task(self.model, task, ids.to(device), type_ids.to(device), mask.to(device))
+        before = torch.get_num_threads()
+        threads = self._threads.choose(ids.numel())  # backend/step_threads.py: one, or all when that is faster
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        try:
+            return run_task(self.model, task, ids, type_ids, mask)
         finally:
-            if small:
-                torch.set_num_threads(threads)
+            self._threads.measured(threads, ids.numel(), time.perf_counter() - t0)
+            torch.set_num_threads(before)
 
     # ---- load reports (any thread) ----------------------------------------------------------
 

@@ -37,11 +37,11 @@ class QwenVisionTower(ImageTower):
         proj = w["vision.patch_embed.proj.weight"]
         x = F.linear(patches.to(device=proj.device, dtype=self.dtype), proj.reshape(proj.shape[0], -1))  # [N, C]
         cos, sin = self._rotary(grid, x.device)                                  # [N, d] each
-        windows = self._window_mask(grid, x.device) if c.window_size else None   # [N, N] or None
+        windows = self._windows(grid, x.device) if c.window_size else None
         for i in range(c.num_layers):
             p = f"vision.blocks.{i}."
-            mask = None if i in c.full_attention_layers else windows
-            x = x + self._attention(self._norm(x, p + "norm1"), p + "attn.", cos, sin, mask)
+            groups = None if i in c.full_attention_layers else windows
+            x = x + self._attention(self._norm(x, p + "norm1"), p + "attn.", cos, sin, groups)
             x = x + self._mlp(self._norm(x, p + "norm2"), p + "mlp.")
         x = self._norm(x, "vision.merger.ln_q").reshape(-1, c.hidden_size * c.merge_size ** 2)  # [N/4, 4C]
         x = F.gelu(self._linear(x, "vision.merger.mlp.0"))
@@ -59,27 +59,39 @@ class QwenVisionTower(ImageTower):
         angles = torch.cat([angles, angles], dim=-1).to(device)                                     # [N, d]
         return angles.cos(), angles.sin()
 
-    def _window_mask(self, grid: tuple[int, int, int], device: torch.device) -> torch.Tensor:
-        """[N, N] True where two patches lie in the same window (window_size pixels square, in merged
-        tokens from the top left): Qwen2.5-VL's windowed layers attend only there."""
+    def _windows(self, grid: tuple[int, int, int], device: torch.device) -> list[torch.Tensor]:
+        """Qwen2.5-VL's windows (window_size pixels square, counted in merged tokens from the top left; those
+        at the right and bottom edges cut short): token indices [k, L] for each group of k windows of L
+        tokens, so a windowed layer attends within each window in one call per group."""
         t, gh, gw = grid
         m = self.config.merge_size
         side = self.config.window_size // m // self.config.patch_size  # merged tokens per window side
-        rows, cols = torch.arange(gh // m)[:, None] // side, torch.arange(gw // m)[None, :] // side
-        per_token = (rows * -(-(gw // m) // side) + cols).flatten()  # window of each merged token
-        window = (torch.arange(t)[:, None] * per_token.numel() + per_token[None, :]).flatten().repeat_interleave(m * m)
-        window = window.to(device)
-        return window[:, None] == window[None, :]
+        lh, lw = gh // m, gw // m
+        across = -(-lw // side)                                        # windows per row of windows
+        unit = (torch.arange(lh)[:, None] // side * across + torch.arange(lw)[None, :] // side).flatten()
+        unit = (torch.arange(t)[:, None] * (-(-lh // side) * across) + unit[None, :]).flatten()  # window of each merged token
+        order = torch.argsort(unit, stable=True)
+        by_length: dict[int, list[torch.Tensor]] = {}
+        for units in torch.split(order, torch.bincount(unit).tolist()):
+            if units.numel():  # a merged token's m² patches are consecutive
+                tokens = (units[:, None] * m * m + torch.arange(m * m)[None, :]).flatten()
+                by_length.setdefault(tokens.numel(), []).append(tokens)
+        return [torch.stack(group).to(device) for group in by_length.values()]
 
     def _attention(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   windows: list[torch.Tensor] | None) -> torch.Tensor:
+        """Bidirectional attention over the whole image, or within each window (windows: _windows's groups)."""
         n, width = x.shape
-        heads = self.config.num_heads
-        q, k, v = self._linear(x, p + "qkv").view(n, 3, heads, -1).unbind(1)  # [N, H, d] each
+        q, k, v = self._linear(x, p + "qkv").view(n, 3, self.config.num_heads, -1).unbind(1)  # [N, H, d] each
         q, k = (_rope(a, cos, sin) for a in (q, k))
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask)                 # [H, N, d], bidirectional
-        return self._linear(out.transpose(0, 1).reshape(n, width), p + "proj")
+        if windows is None:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [H, N, d]
+            return self._linear(out.transpose(0, 1).reshape(n, width), p + "proj")
+        out = torch.empty_like(q)
+        for idx in windows:                                                   # idx: [k, L] token indices
+            o = F.scaled_dot_product_attention(*(a[idx].transpose(1, 2) for a in (q, k, v)))  # [k, H, L, d]
+            out[idx] = o.transpose(1, 2)
+        return self._linear(out.reshape(n, width), p + "proj")
 
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         if self.config.family == "qwen2_5_vl":

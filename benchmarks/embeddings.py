@@ -1,12 +1,16 @@
-"""kvyard's /v1/embeddings over HTTP vs sentence-transformers' in-process encode, same model (the embedded
-all-MiniLM-L6-v2), same dtype (float32), same machine, same run.
+"""kvyard's /v1/embeddings over HTTP vs sentence-transformers' in-process encode vs vLLM's CPU pooling runner
+over HTTP, same model (the embedded all-MiniLM-L6-v2), same dtype (float32), same machine, same run.
 
     .venv/bin/python benchmarks/embeddings.py [--sentences 1000] [--batch 32] [--threads N]
+        [--only kvyard,sentence-transformers,vllm]
 
-Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard as one HTTP request per batch,
-sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch. Latency:
-the p50 of 50 requests of one short sentence each. kvyard runs as PDFUSION's embedding backend + frontend
-(the chat backend is a mock: no weights). Both sides get the same torch thread count.
+Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard and vLLM as one HTTP request
+per batch, sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch.
+The three are interleaved batch by batch (see interleaved()). Latency: the p50 of 50 requests of one short
+sentence each. kvyard runs as PDFUSION's embedding backend + frontend (the chat backend is a mock: no
+weights); vLLM as benchmarks/vllm_peer.py starts it (its own venv). kvyard and sentence-transformers get the
+same torch thread count, vLLM its OpenMP threads bound to every core. Each system's vectors are checked
+against sentence-transformers' (the lowest cosine is printed).
 """
 from __future__ import annotations
 
@@ -16,13 +20,15 @@ import random
 import statistics
 import sys
 import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator
 
 import httpx
 
 from role_procs import ProcessGroup, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(__import__("role_procs").REPO))
-from kvyard.pooling_model import embedded_embedding_path  # noqa: E402
+from kvyard.pooling_model import EMBEDDED_EMBEDDING_NAME, embedded_embedding_path  # noqa: E402
 from kvyard.ports import free_port_block  # noqa: E402
 
 WORDS = ("the a of and to in is was for on that with as by at from it this be are an or which have has not but "
@@ -36,7 +42,12 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))).capitalize() + "." for _ in range(n)]
 
 
-def bench_kvyard(texts: list[str], batch: int, threads: int) -> tuple[float, float]:
+Embed = Callable[[list[str]], list[list[float]] | None]
+
+
+@contextmanager
+def kvyard_embedder(batch: int, threads: int) -> Iterator[Embed]:
+    """PDFUSION's embedding backend + a frontend (the chat backend a mock), asked over HTTP."""
     group = ProcessGroup("kvyard-embeddings-", "benchmark-cluster-token-0123456789")
     chat, encoder, frontend = free_port_block(6), free_port_block(6), free_port_block(6)
     try:
@@ -52,41 +63,77 @@ def bench_kvyard(texts: list[str], batch: int, threads: int) -> tuple[float, flo
         wait_healthy(f"http://127.0.0.1:{encoder + 5}/health", enc, 300)
         url = f"http://127.0.0.1:{frontend}"
         wait_healthy(f"{url}/health", fe, 120)
-        with httpx.Client(base_url=url, timeout=300) as client:
-            for _ in range(3):  # warm-up
-                client.post("/v1/embeddings", json={"input": texts[:batch]}).raise_for_status()
-            t0 = time.perf_counter()
-            for i in range(0, len(texts), batch):
-                r = client.post("/v1/embeddings", json={"input": texts[i:i + batch], "encoding_format": "base64"})
-                r.raise_for_status()
-            throughput = len(texts) / (time.perf_counter() - t0)
-            lat = []
-            for _ in range(50):
-                t = time.perf_counter()
-                client.post("/v1/embeddings", json={"input": "A short sentence."}).raise_for_status()
-                lat.append(time.perf_counter() - t)
-        return throughput, statistics.median(lat) * 1000
+        with httpx.Client(base_url=f"{url}/v1", timeout=300) as client:
+            yield http_embedder(client, EMBEDDED_EMBEDDING_NAME)
     finally:
         group.stop()
 
 
-def bench_sentence_transformers(texts: list[str], batch: int, threads: int) -> tuple[float, float]:
+@contextmanager
+def vllm_embedder(batch: int) -> Iterator[Embed]:
+    """vLLM's CPU backend, its pooling runner on the same directory (benchmarks/vllm_peer.py)."""
+    from vllm_peer import vllm_pooling_server
+    with vllm_pooling_server(embedded_embedding_path(), EMBEDDED_EMBEDDING_NAME, batch) as (url, _pid), \
+            httpx.Client(base_url=url, timeout=300) as client:
+        yield http_embedder(client, EMBEDDED_EMBEDDING_NAME)
+
+
+def http_embedder(client: httpx.Client, model: str) -> Embed:
+    """One POST /v1/embeddings per call; the vectors back only when asked (base64 otherwise, as a corpus
+    client would ask)."""
+    def embed(texts: list[str], vectors: bool = False) -> list[list[float]] | None:
+        r = client.post("/embeddings", json={"input": texts if len(texts) > 1 else texts[0], "model": model,
+                                             "encoding_format": "float" if vectors else "base64"})
+        r.raise_for_status()
+        return [d["embedding"] for d in r.json()["data"]] if vectors else None
+    return embed  # type: ignore[return-value]
+
+
+@contextmanager
+def st_embedder(batch: int, threads: int) -> Iterator[Embed]:
     import torch
     from sentence_transformers import SentenceTransformer
     torch.set_num_threads(threads)
     model = SentenceTransformer(str(embedded_embedding_path()), device="cpu")
-    for _ in range(3):
-        model.encode(texts[:batch], batch_size=batch)
-    t0 = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        model.encode(texts[i:i + batch], batch_size=batch)
-    throughput = len(texts) / (time.perf_counter() - t0)
-    lat = []
-    for _ in range(50):
-        t = time.perf_counter()
-        model.encode(["A short sentence."])
-        lat.append(time.perf_counter() - t)
-    return throughput, statistics.median(lat) * 1000
+
+    def embed(texts: list[str], vectors: bool = False) -> list[list[float]] | None:
+        out = model.encode(texts, batch_size=batch)
+        return out.tolist() if vectors else None
+    yield embed  # type: ignore[misc]
+
+
+def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> dict[str, tuple[float, float]]:
+    """Each batch (then each one-sentence request) goes to every system in turn, the order rotating, so a
+    burst of load elsewhere on the machine lands on all of them alike. → name: (sentences/s, p50 ms)."""
+    names = list(embedders)
+    for name in names:  # warm-up
+        for _ in range(3):
+            embedders[name](texts[:batch])
+    spent = dict.fromkeys(names, 0.0)
+    for k, i in enumerate(range(0, len(texts), batch)):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            t = time.perf_counter()
+            embedders[name](texts[i:i + batch])
+            spent[name] += time.perf_counter() - t
+    lat: dict[str, list[float]] = {n: [] for n in names}
+    for k in range(50):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            t = time.perf_counter()
+            embedders[name](["A short sentence."])
+            lat[name].append(time.perf_counter() - t)
+    return {n: (len(texts) / spent[n], statistics.median(lat[n]) * 1000) for n in names}
+
+
+def agreement(embedders: dict[str, Embed], texts: list[str]) -> dict[str, float]:
+    """The lowest cosine of each system's vectors against sentence-transformers' (a wrong answer is no win)."""
+    import torch
+    ref = torch.tensor(embedders["sentence-transformers"](texts, True))  # type: ignore[call-arg]
+    return {n: float(torch.cosine_similarity(torch.tensor(e(texts, True)), ref).min())  # type: ignore[call-arg]
+            for n, e in embedders.items()}
+
+
+LABELS = {"kvyard": "kvyard /v1/embeddings (HTTP)", "sentence-transformers": "sentence-transformers encode "
+          "(in process)", "vllm": "vLLM CPU pooling runner /v1/embeddings (HTTP)"}
 
 
 def main() -> None:
@@ -94,17 +141,31 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", default="kvyard,sentence-transformers,vllm",
+                    help="comma-separated: kvyard, sentence-transformers, vllm")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     texts = sentences(args.sentences)
-    kv = bench_kvyard(texts, args.batch, args.threads)
-    st = bench_sentence_transformers(texts, args.batch, args.threads)
+    only = [n for n in LABELS if n in args.only.split(",")]
+    makers = {"kvyard": lambda: kvyard_embedder(args.batch, args.threads),
+              "sentence-transformers": lambda: st_embedder(args.batch, args.threads),
+              "vllm": lambda: vllm_embedder(args.batch)}
+    with ExitStack() as stack:
+        embedders = {n: stack.enter_context(makers[n]()) for n in only}
+        load = os.getloadavg()
+        results = interleaved(embedders, texts, args.batch)
+        cosines = agreement(embedders, texts[:64]) if "sentence-transformers" in embedders else {}
     print(f"\n{args.sentences} sentences of 20-60 words, batch {args.batch}, all-MiniLM-L6-v2 float32, "
-          f"{args.threads} torch threads\n")
-    print("| | sentences/s | p50 one short sentence (ms) |\n|---|---|---|")
-    print(f"| kvyard /v1/embeddings (HTTP) | {kv[0]:.0f} | {kv[1]:.1f} |")
-    print(f"| sentence-transformers encode (in process) | {st[0]:.0f} | {st[1]:.1f} |")
-    print(f"| ratio kvyard / sentence-transformers | {kv[0] / st[0]:.2f}x | |")
+          f"{args.threads} torch threads, interleaved; load average at the start {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}, at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| | sentences/s | p50 one short sentence (ms) | min cosine vs sentence-transformers |\n|---|---|---|---|")
+    for name, (rate, p50) in results.items():
+        cos = f"{cosines[name]:.6f}" if name in cosines else ""
+        print(f"| {LABELS[name]} | {rate:.0f} | {p50:.1f} | {cos} |")
+    if "kvyard" in results:
+        for peer in ("sentence-transformers", "vllm"):
+            if peer in results:
+                print(f"| ratio kvyard / {peer} | {results['kvyard'][0] / results[peer][0]:.2f}x | | |")
 
 
 if __name__ == "__main__":

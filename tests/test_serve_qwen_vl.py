@@ -1,7 +1,7 @@
 """End to end with a Qwen2.5-VL directory: the real cluster on free loopback ports, the official openai client
 sending an image part. The prompt holds <|vision_start|><|image_pad|>×N<|vision_end|> with N from the
 image's size, the answer is transformers' greedy continuation (M-RoPE and all), the same image again is a
-prefix-cache hit, and /v1/chat/render shows one placeholder per image."""
+prefix-cache hit, /v1/chat/render shows one placeholder per image, and RTP-LLM's `POST /` takes `urls`."""
 from __future__ import annotations
 
 import base64
@@ -91,3 +91,10 @@ def test_openai_client_image_part_matches_transformers_then_hits_the_cache(serve
     assert r.status_code == 200, r.text
     assert r.json()["input_prompt"].count(PLACEHOLDER) == 1
     assert r.json()["input_ids"] == ids
+
+    # RTP-LLM's POST / with urls and a prompt that names no image: the placeholder goes in front
+    uri = messages(image)[0]["content"][0]["image_url"]["url"]
+    r = httpx.post(f"{server.url}/", json={"prompt": "Describe it.", "urls": [uri],
+                                          "generate_config": {"max_new_tokens": 2, "return_input_ids": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["input_ids"][0].count(pad) == 15

@@ -363,10 +363,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ModelTensors>(m, "ModelTensors", "the model's weights by name, its layers in order")
       .def(py::init<BlockTensors, at::Tensor, BlockTensors, std::vector<LayerTensors>>(), py::arg("embed"),
            py::arg("norm"), py::arg("lm_head"), py::arg("layers"));
+  py::class_<LoraWeights>(m, "LoraWeights", "one LoRA adapter for FusedDecoder: A and B transposed per layer and "
+                                            "projection (qkv, o, gate_up, down), empty where none")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("a"), py::arg("bt"));
   py::class_<FusedDecoder>(m, "FusedDecoder", "a whole decode step over GGUF-block weights in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, ModelTensors, std::vector<int64_t>>(), py::arg("n_heads"),
            py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("tensors"), py::arg("windows"))
       .def("forward", &FusedDecoder::forward, "logits of a decode-only step", call_guard<release>())
+      .def("forward_lora", &FusedDecoder::forward_lora, "forward with LoRA adapters: forward's arguments, the "
+           "step's adapters and each row's index into them (-1: none)", call_guard<release>())
       .def("set_profiling", &FusedDecoder::set_profiling, "time each phase of every step from now on (resets)")
       .def("profile", &FusedDecoder::profile, "seconds per phase since set_profiling(True)");
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "layer_ops.h"
+#include "lora_step.h"
 #include "qlinear.h"
 #include "qlinear_stack.h"
 #include "tensors.h"
@@ -65,9 +66,9 @@ struct ThreadScratch {
 class FusedDecoder {
  public:
   // Where a step's time goes (benchmarks/step_profile.py): thread 0's time between barriers, summed.
-  enum Phase { EMBED, NORM, QKV, ROPE_STORE, ATTENTION, O, GATE_UP, SILU, DOWN, LM_HEAD, PHASES };
+  enum Phase { EMBED, NORM, QKV, ROPE_STORE, ATTENTION, O, GATE_UP, SILU, DOWN, LM_HEAD, LORA, PHASES };
   static constexpr const char* PHASE_NAMES[PHASES] = {"embed", "rms_norm", "qkv", "rope_store", "attention",
-                                                      "o", "gate_up", "silu_mul", "down", "lm_head"};
+                                                      "o", "gate_up", "silu_mul", "down", "lm_head", "lora"};
 
   // windows: per layer, the keys a query sees (a sliding window, itself included; 0: all).
   FusedDecoder(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, ModelTensors tensors,
@@ -105,9 +106,36 @@ class FusedDecoder {
   // ids, positions, slots: [B] int64 (every row decodes one token); table: [B, nblk] int64 KV blocks;
   // lens: [B] keys each row sees; cos, sin: [P, d/2] float32 RoPE tables (indexed by position); cache:
   // [L, 2, S, Hkv, d] float32 or float16; rows: [R] rows whose logits are wanted → logits [R, V] float32.
-  at::Tensor forward(const at::Tensor& ids_in, const at::Tensor& positions_in, const at::Tensor& slots_in,
-                     const at::Tensor& table_in, const at::Tensor& lens_in, const at::Tensor& cos,
-                     const at::Tensor& sin, at::Tensor cache, int64_t block_size, const at::Tensor& rows_in) {
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                     const at::Tensor& table, const at::Tensor& lens, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor cache, int64_t block_size, const at::Tensor& rows) {
+    StepLoras none;
+    return step(ids, positions, slots, table, lens, cos, sin, std::move(cache), block_size, rows, none);
+  }
+
+  // forward with LoRA adapters (lora_step.h): owners [B] int64, each row's index into adapters (-1: none).
+  at::Tensor forward_lora(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                          const at::Tensor& table, const at::Tensor& lens, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor cache, int64_t block_size, const at::Tensor& rows,
+                          const std::vector<LoraWeights*>& adapters, const at::Tensor& owners_in) {
+    const at::Tensor owners = owners_in.to(at::kLong).contiguous();
+    TORCH_CHECK(owners.dim() == 1 && owners.size(0) == ids.size(0), "one adapter index per row");
+    StepLoras loras;
+    loras.adapters.assign(adapters.begin(), adapters.end());
+    loras.rows.resize(adapters.size());
+    const int64_t* owner = owners.data_ptr<int64_t>();
+    for (int64_t b = 0; b < owners.size(0); ++b) {
+      TORCH_CHECK(owner[b] >= -1 && owner[b] < static_cast<int64_t>(adapters.size()), "adapter index out of range");
+      if (owner[b] >= 0) loras.rows[owner[b]].push_back(b);
+    }
+    check_loras(loras);
+    return step(ids, positions, slots, table, lens, cos, sin, std::move(cache), block_size, rows, loras);
+  }
+
+ private:
+  at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in, const at::Tensor& slots_in,
+                  const at::Tensor& table_in, const at::Tensor& lens_in, const at::Tensor& cos, const at::Tensor& sin,
+                  at::Tensor cache, int64_t block_size, const at::Tensor& rows_in, StepLoras& loras) {
     const at::Tensor ids = ids_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
     const at::Tensor slots = slots_in.to(at::kLong).contiguous(), table = table_in.to(at::kLong).contiguous();
     const at::Tensor lens = lens_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
@@ -149,6 +177,7 @@ class FusedDecoder {
       for (const QMatrix* m : {&w.o, &w.down}) input_size = std::max(input_size, input_scratch(*m, B));
     }
     input_.resize(input_size);
+    if (loras.any()) loras.t.resize(B * loras.max_rank);
     at::Tensor logits = at::empty({R, lm_head_.N}, cos.options());
     const int team = at::get_num_threads();
     if (static_cast<int>(scratch_.size()) < team) scratch_.resize(team);
@@ -173,9 +202,11 @@ class FusedDecoder {
           for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.attn_norm, D_, eps_, h_.data() + b * D_);
 #pragma omp barrier
           mark(tid, NORM);
+          if (loras.any()) lora_shrink(loras, h_.data(), D_, l, LORA_QKV, tid, nt);
           linear(h_.data(), B, w.qkv, w.qkv_bias, qkv_.data(), nullptr, sc, tid, nt);
 #pragma omp barrier
           mark(tid, QKV);
+          if (loras.any()) lora_expand_all(loras, qkv_.data(), W, l, LORA_QKV, tid, nt);
           for (int64_t b = b0; b < b1; ++b) {
             const float* c = cos.data_ptr<float>() + pp[b] * (d_ / 2);
             const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
@@ -193,21 +224,27 @@ class FusedDecoder {
             attend(heads, kv, i / Hkv_, i % Hkv_, lp[i / Hkv_], windows_[l], sc.attention);
 #pragma omp barrier
           mark(tid, ATTENTION);
+          if (loras.any()) lora_shrink(loras, attn_.data(), H_ * d_, l, LORA_O, tid, nt);
           linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
           mark(tid, O);
+          if (loras.any()) lora_expand_all(loras, x_.data(), D_, l, LORA_O, tid, nt);
           for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.ffn_norm, D_, eps_, h_.data() + b * D_);
 #pragma omp barrier
           mark(tid, NORM);
+          if (loras.any()) lora_shrink(loras, h_.data(), D_, l, LORA_GATE_UP, tid, nt);
           linear(h_.data(), B, w.gate_up, nullptr, gu_.data(), nullptr, sc, tid, nt);
 #pragma omp barrier
           mark(tid, GATE_UP);
+          if (loras.any()) lora_expand_all(loras, gu_.data(), F2, l, LORA_GATE_UP, tid, nt);
           silu(B, F2 / 2, tid, nt);
 #pragma omp barrier
           mark(tid, SILU);
+          if (loras.any()) lora_shrink(loras, act_.data(), F2 / 2, l, LORA_DOWN, tid, nt);
           linear(act_.data(), B, w.down, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
           mark(tid, DOWN);
+          if (loras.any()) lora_expand_all(loras, x_.data(), D_, l, LORA_DOWN, tid, nt);
         }
         int64_t r0, r1;
         split_range(R, tid, nt, r0, r1);
@@ -224,6 +261,7 @@ class FusedDecoder {
     return logits;
   }
 
+ public:
   // On: every step adds its phases' seconds to profile(); off (the default): one branch per barrier.
   void set_profiling(bool on) {
     profiling_ = on;
@@ -237,6 +275,30 @@ class FusedDecoder {
   }
 
  private:
+  // Adapters' shapes against the model's; the scratch's width.
+  void check_loras(StepLoras& s) const {
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    for (const LoraWeights* a : s.adapters) {
+      TORCH_CHECK(a != nullptr && a->layers() == L, "LoRA weights for ", L, " layers expected");
+      for (int64_t l = 0; l < L; ++l) {
+        const LayerWeights& w = layers_[l];
+        const int64_t ins[LORA_TARGETS] = {D_, H_ * d_, D_, w.down.K}, outs[LORA_TARGETS] = {w.qkv.N, D_, w.gate_up.N, D_};
+        for (int t = 0; t < LORA_TARGETS; ++t) {
+          if (!a->has(l, t)) continue;
+          TORCH_CHECK(a->in(l, t) == ins[t] && a->out(l, t) == outs[t], "layer ", l, ": LoRA shapes do not fit the model");
+          s.max_rank = std::max(s.max_rank, a->rank(l, t));
+        }
+      }
+    }
+  }
+
+  // The expansion of a projection's LoRA terms: every thread's share, then a barrier (the next op reads y).
+  void lora_expand_all(const StepLoras& s, float* y, int64_t N, int64_t layer, int target, int tid, int nt) {
+    lora_expand(s, y, N, layer, target, tid, nt);
+#pragma omp barrier
+    mark(tid, LORA);
+  }
+
   void mark(int tid, Phase phase) {
     if (!profiling_ || tid != 0) return;
     const double now = omp_get_wtime();

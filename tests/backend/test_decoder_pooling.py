@@ -14,6 +14,7 @@ from backend.decoder_pooling import DecoderPoolingModel
 from backend.engine_types import PoolingRequest, PoolItem, PoolTask
 from backend.pooling import run_task
 from backend.pooling_engine import PoolingEngine
+from backend.step_threads import EXPLORE_EVERY, ONE_THREAD_TOKENS, StepThreads
 from kvyard.pooling_model import ModelKind, load_pooling_spec
 from tests.backend.test_encoder import SENTENCES, _batch, _tokenizer, _values
 from tests.support.tiny_decoder_poolers import QUERY_PROMPT, tiny_decoder_pooler
@@ -101,8 +102,8 @@ def test_qwen3_causal_lm_logits_match_transformers(tmp_path: Path) -> None:
 
 
 def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of at most ONE_THREAD_TOKENS padded tokens runs on one torch thread, larger ones on all; the
-    engine thread's count is restored after each."""
+    """A step of at most ONE_THREAD_TOKENS padded tokens runs on one torch thread, the first larger one on
+    all; the engine thread's count is restored after each."""
     import backend.pooling_engine as pooling_engine
     threads: list[int] = []
 
@@ -111,14 +112,35 @@ def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest
         return run_task(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pooling_engine, "run_task", recording)
-    engine = PoolingEngine(DecoderPoolingModel(load_pooling_spec(qwen3_embedder), torch.float32, CPU), "emb", 8, 4096)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    engine = PoolingEngine(DecoderPoolingModel(load_pooling_spec(qwen3_embedder), torch.float32, CPU), "emb", 8, 4096)
     try:
-        for n in (5, pooling_engine.ONE_THREAD_TOKENS + 1):
+        for n in (5, ONE_THREAD_TOKENS + 1):
             engine.add(PoolingRequest(f"r{n}", [PoolItem(list(range(3, 3 + n)))], PoolTask.EMBED))
             assert len(engine.step()[0].outputs) == 1
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert threads == [1, 2]
+
+
+def test_large_steps_run_on_the_thread_count_measured_faster() -> None:
+    """Each count is tried once (all threads first), then the faster runs, the other tried every
+    EXPLORE_EVERY large steps; a count that turns slow loses its place."""
+    chooser = StepThreads(2)
+    big = ONE_THREAD_TOKENS + 1
+    assert chooser.choose(ONE_THREAD_TOKENS) == 1 and StepThreads(1).choose(10 * big) == 1
+
+    def run(seconds: dict[int, float], steps: int) -> list[int]:
+        picks = []
+        for _ in range(steps):
+            picks.append(chooser.choose(big))
+            chooser.measured(picks[-1], big, seconds[picks[-1]])
+        return picks
+
+    n = EXPLORE_EVERY
+    # a busy machine: one thread is faster; all threads again only every EXPLORE_EVERY large steps
+    assert run({1: 1.0, 2: 3.0}, 2 * n) == [2] + [1] * (n - 2) + [2] + [1] * (n - 1) + [2]
+    # the machine quietens: the next try of all threads wins and they stay, one thread tried in turn
+    assert run({1: 1.0, 2: 0.2}, 2 * n) == [1] * (n - 1) + [2] * n + [1]

@@ -29,6 +29,7 @@ from backend.sequence import StopConditions
 from backend.weights import load_weights
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.model_config import load_model_config
+from kvyard.roles import Role
 from kvyard.sampling_params import SamplingParams
 from tests.backend.conftest import CPU
 from tests.support.tiny_models import EXACT_TYPES, save_hf_dir, tiny_model, write_gguf
@@ -120,6 +121,35 @@ def test_logits_match_peft(setup: Setup, kind: str) -> None:
     print(f"{kind}: worst |logit diff| {worst:.1e}")
 
 
+@pytest.mark.skipif("gguf-blocks" not in MODELS, reason="no C++ kernels here")
+def test_fused_decode_step_takes_adapters(setup: Setup) -> None:
+    """A decode-only step with adapter rows runs in the fused C++ step (backend/csrc/lora_step.h): its logits
+    match the op-by-op path's, seven rows of one adapter in two runs included (more than one row group), and
+    its base rows keep the bits of the same step without adapters. (The 200-row prefill groups rows by
+    adapter: "all" gathered from two runs, the others as slices.)"""
+    model = load_model(setup, "gguf-blocks")
+    assert model.fused is not None
+    adapters = {n: load_adapter(n, p, model.config, torch.float32, CPU) for n, p in setup.paths.items()}
+    names: list[str | None] = ["all"] * 6 + ["attn", None, "mlp", "all"]  # "all": two runs of rows
+    cache = KVCache(model.config.num_layers, 2 * len(names), 16, model.config.num_kv_heads, model.config.head_dim,
+                    torch.float32, CPU)
+    runner = ModelRunner(model, cache)
+    seqs = [DirectSeq(prompt(40 + j, 21, model.config.vocab_size), [2 * j, 2 * j + 1],
+                      () if name is None else (adapters[name],)) for j, name in enumerate(names)]
+    runner.run([DirectChunk(s, 0, 20) for s in seqs])
+    step = [DirectChunk(s, 20, 1) for s in seqs]
+    model.fused.set_profiling(True)
+    fused = runner.run(step)
+    assert model.fused.profile()["lora"] > 0  # the adapters' terms ran in the fused step
+    kept, model.fused = model.fused, None
+    op_by_op = runner.run(step)
+    model.fused = kept
+    assert float((fused - op_by_op).abs().max()) < 1e-4
+    bare = runner.run([DirectChunk(DirectSeq(s.token_ids, s.block_table), 20, 1) for s in seqs])
+    assert torch.equal(fused[7], bare[7])  # the base row: the same bits as a step with no adapter at all
+    assert not torch.equal(fused[0], bare[0])
+
+
 def make_engine(model: LlamaModel, registry: LoraRegistry, num_blocks: int = 64) -> Engine:
     c = model.config
     cache = KVCache(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, torch.float32, CPU)
@@ -207,6 +237,19 @@ def test_unload_with_requests_in_flight(setup: Setup) -> None:
     with pytest.raises(RequestError) as err:
         engine.loras.unload("all")
     assert err.value.code is ErrorCode.MODEL_NOT_FOUND
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_prefill_decode_split_refuses_adapters(setup: Setup, role: Role) -> None:
+    """The hand-over does not carry adapters: a PREFILL or DECODE backend refuses a request naming one (a
+    400 at the frontend), never computes it with the base model."""
+    model = load_model(setup, "hf-dense")
+    engine = make_engine(model, registry_for(setup, model))
+    engine.role = role
+    with pytest.raises(RequestError) as err:
+        engine.validate(request("pd", prompt(5, 8, model.config.vocab_size), "attn"))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and "prefill/decode split" in err.value.message
+    engine.validate(request("pd-base", prompt(5, 8, model.config.vocab_size), None))  # the base model is served
 
 
 def test_lru_bound(setup: Setup) -> None:

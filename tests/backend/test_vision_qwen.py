@@ -67,20 +67,20 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                                          published_layout=request.param == "qwen2_vl"))
 
 
-def hf_inputs(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+def hf_inputs(path: Path, *data: bytes) -> dict[str, torch.Tensor]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(path))
-    out = processor(images=[decode_image(data)], return_tensors="pt")
+    out = processor(images=[decode_image(d) for d in data], return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def hf_greedy(served: Served, ids: list[int], data: bytes) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(served: Served, ids: list[int], *data: bytes) -> tuple[list[int], list[torch.Tensor]]:
     model = served.tiny.hf_model
     model.model.rope_deltas = None  # transformers keeps the last prompt's delta on the model
     tokens, logits = [], []
     types = (torch.tensor([ids]) == served.vision.image_token_id).int()
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([ids]), mm_token_type_ids=types, use_cache=True, **hf_inputs(served.path, data))
+        out = model(input_ids=torch.tensor([ids]), mm_token_type_ids=types, use_cache=True, **hf_inputs(served.path, *data))
         for _ in range(STEPS):
             row = out.logits[0, -1].float()
             tokens.append(int(row.argmax()))
@@ -138,6 +138,16 @@ def test_logits_and_tokens_match_transformers_then_cache(served: Served) -> None
     held = set(engine.scheduler.block_pool.cached_keys())
     assert set(block_cache_keys(ids, 8, salts=salts)) <= held
     assert not set(block_cache_keys(ids, 8)) & held
+
+
+def test_two_images_of_different_sizes(served: Served) -> None:
+    """Each image's positions start where the text before it ends; the delta adds up over both."""
+    first, second = png_bytes(140, 84, seed=1), png_bytes(60, 130, seed=4)
+    ids = served.prompt(first) + served.prompt(second, before=3, after=4)
+    theirs, their_logits = hf_greedy(served, ids, first, second)
+    ours, our_logits, _ = engine_run(served.engine(), "two", ids, [served.image(first), served.image(second)])
+    assert_close(our_logits, their_logits, "two images")
+    assert ours == theirs
 
 
 def test_run_length_must_match_the_image(served: Served) -> None:

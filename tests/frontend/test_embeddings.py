@@ -75,6 +75,20 @@ def test_openai_client_embeddings_create(stack: Stack) -> None:
     assert max(abs(a - b) for a, b in zip(floats, vecs[0])) < 1e-6
 
 
+def test_langchain_openai_embeddings(stack: Stack) -> None:
+    """LangChain's OpenAIEmbeddings, configured as its docs say for an OpenAI-compatible server (without
+    check_embedding_ctx_length=False it counts tokens with tiktoken, whose encodings it downloads): the
+    vectors /v1/embeddings gives (test_encoder.py checks those against sentence-transformers)."""
+    from langchain_openai import OpenAIEmbeddings
+    texts, query = ["A man is eating food.", "The stock market fell today."], "A man is eating a piece of bread."
+    lc = OpenAIEmbeddings(model=EMB, base_url=f"{stack.url}/v1", api_key="x", check_embedding_ctx_length=False,
+                          max_retries=0)
+    ours = lc.embed_documents(texts) + [lc.embed_query(query)]
+    theirs = [d["embedding"] for d in _post(stack, "/v1/embeddings", {"input": texts + [query]}).json()["data"]]
+    assert [len(v) for v in ours] == [384] * 3
+    assert min(_cos(a, b) for a, b in zip(ours, theirs)) >= 0.9999
+
+
 def test_input_forms_and_shapes(stack: Stack) -> None:
     ids = httpx.post(f"{stack.url}/v1/embeddings", json={"input": "hello world"}).json()
     one = ids["data"][0]["embedding"]

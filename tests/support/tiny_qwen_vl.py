@@ -35,26 +35,28 @@ class TinyQwenVL:
         return self.tokenizer.id(token)
 
 
-def tiny_qwen_vl(family: str = "qwen2_5_vl", seed: int = 0) -> TinyQwenVL:
+def tiny_qwen_vl(family: str = "qwen2_5_vl", seed: int = 0, text: dict[str, Any] | None = None,
+                 vision: dict[str, Any] | None = None) -> TinyQwenVL:
+    """text / vision: text-config / vision-config sizes instead of the tiny defaults (benchmarks/vision.py)."""
     import transformers
 
     spec = byte_level_tokenizer("qwen2", specials=(*QWEN2_SPECIALS, *VISION_SPECIALS))
     spec.specials = {"eos": "<|im_end|>"}
-    text = {"vocab_size": len(spec.tokens), "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    text = {**{"vocab_size": len(spec.tokens), "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
-            "bos_token_id": None, "eos_token_id": spec.id("<|im_end|>")}
+            "bos_token_id": None, "eos_token_id": spec.id("<|im_end|>")}, **(text or {})}
     ids = {"image_token_id": spec.id("<|image_pad|>"), "video_token_id": spec.id("<|video_pad|>"),
            "vision_start_token_id": spec.id("<|vision_start|>"), "vision_end_token_id": spec.id("<|vision_end|>")}
     if family == "qwen2_5_vl":
         # window_size 56: windows of 2×2 merged tokens, so a 6×10-patch image has six, some cut at the edge
-        vision = {"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
-                  "window_size": 56, "fullatt_block_indexes": [1, 3]}
-        config: Any = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        tower = {"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
+                 "window_size": 56, "fullatt_block_indexes": [1, 3], **(vision or {})}
+        config: Any = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=tower, **ids)
         cls: Any = transformers.Qwen2_5_VLForConditionalGeneration
     else:
-        vision = {"depth": 3, "embed_dim": 64, "mlp_ratio": 2, "num_heads": 2, "hidden_size": 256}
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+        tower = {"depth": 3, "embed_dim": 64, "mlp_ratio": 2, "num_heads": 2, "hidden_size": 256, **(vision or {})}
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=tower, **ids)
         cls = transformers.Qwen2VLForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).float()
@@ -63,7 +65,8 @@ def tiny_qwen_vl(family: str = "qwen2_5_vl", seed: int = 0) -> TinyQwenVL:
     return TinyQwenVL(model, spec, family)
 
 
-def save_qwen_vl_dir(tiny: TinyQwenVL, path: Path, *, published_layout: bool = False) -> Path:
+def save_qwen_vl_dir(tiny: TinyQwenVL, path: Path, *, published_layout: bool = False,
+                     max_pixels: int = MAX_PIXELS) -> Path:
     """published_layout: config.json and tensor names as the Hugging Face hub's Qwen2-VL checkpoints have
     them (transformers 4): the language model's keys at the top level, rope_scaling of type mrope."""
     path.mkdir(parents=True, exist_ok=True)
@@ -83,7 +86,7 @@ def save_qwen_vl_dir(tiny: TinyQwenVL, path: Path, *, published_layout: bool = F
         save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
     save_hf_tokenizer(tiny.tokenizer, path, QWEN_VL_TEMPLATE)
     (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True, "resample": 3}))
