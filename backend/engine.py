@@ -65,22 +65,23 @@ class Engine:
 
     def validate(self, req: GenerationRequest | ScoreRequest | PoolingRequest) -> None:
         """Raises RequestError for input this engine can never serve. Safe from any thread: it also resolves
-        the LoRA adapter a generation request names (req.adapter), which the request then holds."""
+        the LoRA adapter a generation or score request names (req.adapter), which the request then holds."""
         if isinstance(req, PoolingRequest):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "this backend serves a generate model: it has no "
                                "pooling (embeddings, reranking, classification)", "model")
         validate_request(req, self.vocab_size, self.max_model_len, self.scheduler)
         if isinstance(req, GenerationRequest):
             check_images(req.prompt_ids, req.images, self.vision)
-        if isinstance(req, GenerationRequest) and req.sampling.adapter and req.adapter is None:
+        name = req.sampling.adapter if isinstance(req, GenerationRequest) else req.adapter_name
+        if name and req.adapter is None:
             if self.role is not Role.PDFUSION:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the LoRA adapter {req.sampling.adapter!r}: "
-                                   f"adapters are not served by a prefill/decode split (this backend is "
-                                   f"{self.role.value}); send it to a PDFUSION backend", "model")
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the LoRA adapter {name!r}: adapters are not "
+                                   f"served by a prefill/decode split (this backend is {self.role.value}); send "
+                                   "it to a PDFUSION backend", "model")
             if self.loras is None:
-                raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {req.sampling.adapter!r} is not "
-                                   "loaded: this backend serves no adapters", "model")
-            req.adapter = self.loras.resolve(req.sampling.adapter)
+                raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"the LoRA adapter {name!r} is not loaded: this "
+                                   "backend serves no adapters", "model")
+            req.adapter = self.loras.resolve(name)
 
     def add(self, req: GenerationRequest | ScoreRequest) -> None:
         if isinstance(req, ScoreRequest):

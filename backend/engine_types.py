@@ -80,6 +80,8 @@ class ScoreRequest:
     top_logprobs: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     n: int = 1                       # one result, so the engine loop counts it like one sequence
+    adapter_name: str = ""           # a LoRA adapter to score with ("": the base model)
+    adapter: LoraAdapter | None = None  # adapter_name resolved by Engine.validate
 
 
 @dataclass

@@ -93,7 +93,8 @@ def constraint_from_pb(cfg: pb.GenerateConfigPB) -> Constraint | None:
 
 def score_request_from_pb(msg: pb.ScoreInputPB) -> ScoreRequest:
     return ScoreRequest(request_id=msg.request_id, prompt_ids=list(msg.prompt_ids),
-                        scored_ids=list(msg.scored_ids), top_logprobs=msg.top_logprobs)
+                        scored_ids=list(msg.scored_ids), top_logprobs=msg.top_logprobs,
+                        adapter_name=msg.adapter_name)
 
 
 def score_result_to_pb(result: ScoreResult) -> pb.ScoreOutputPB:

@@ -22,9 +22,12 @@ class ScoreState:
 
 def score_sequence(req: ScoreRequest) -> Sequence:
     """The prompt and the scored tokens as one sequence that samples a single (discarded) token."""
+    features: list[object] = [ScoreState(len(req.prompt_ids), req.top_logprobs)]
+    if req.adapter is not None:
+        features.append(req.adapter)
     seq = Sequence(req.request_id, req.prompt_ids + req.scored_ids,
                    StopConditions(max_new_tokens=1, ignore_eos=True), arrival_time=req.arrival_time,
-                   features=(ScoreState(len(req.prompt_ids), req.top_logprobs),))
+                   features=features, extra_key=b"" if req.adapter is None else req.adapter.cache_key)
     seq.max_cached_tokens = len(req.prompt_ids) - 1  # logits are needed from there on
     return seq
 

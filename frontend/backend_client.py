@@ -165,11 +165,12 @@ class BackendClient:
             call.cancel()  # no-op when the stream already ended
 
     async def score(self, request_id: str, prompt_ids: list[int], scored_ids: list[int],
-                    top_logprobs: int = 0, timeout_s: float | None = None) -> ScoreOutput:
-        """The backend's ScoreCall: one prefill over prompt + scored. Raises RequestError."""
+                    top_logprobs: int = 0, timeout_s: float | None = None, adapter: str = "") -> ScoreOutput:
+        """The backend's ScoreCall: one prefill over prompt + scored (with a LoRA adapter when given). Raises
+        RequestError."""
         with _fits_the_proto():
             msg = pb.ScoreInputPB(request_id=request_id, prompt_ids=prompt_ids, scored_ids=scored_ids,
-                                  top_logprobs=top_logprobs)
+                                  top_logprobs=top_logprobs, adapter_name=adapter)
         try:
             out = await self._stub.ScoreCall(msg, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:

@@ -117,7 +117,8 @@ class ChatDialect(GenerationDialect[ChatState]):
         prep = job.state.prep
         if prep.prompt_logprobs is not None:
             job.state.prompt_logprobs = prompt_logprob_entries(await self.pipeline.prompt_logprobs(
-                f"{prep.request_id}-prompt", prep.rendered.input_ids, prep.model, prep.prompt_logprobs),
+                f"{prep.request_id}-prompt", prep.rendered.input_ids, prep.model, prep.prompt_logprobs,
+                prep.params.adapter),
                 self.pipeline.tokenizer)
 
     async def whole(self, job: Job[ChatState], events: Events) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from frontend.backend_client import TokenLogprob
 from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import constraint_for
 from frontend.logprobs import prompt_logprob_entries, token_name
+from frontend.lora_routes import adapter_of
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import CompletionRequest
@@ -84,14 +85,15 @@ class CompletionsDialect(GenerationDialect[_Request]):
     async def started(self, job: Job[_Request]) -> None:
         """The echoed prompts' logprobs, and prompt_logprobs (the backend's ScoreCall)."""
         req, model, request_id = job.state.req, job.state.model, job.state.request_id
+        adapter = adapter_of(self.pipeline.cfg, model, req.extra_configs and req.extra_configs.adapter_name)
         if req.echo and req.logprobs is not None:
             for one in job.state.jobs:
                 one.echo_logprobs = await self.pipeline.prompt_logprobs(f"{request_id}-{one.number}-echo", one.ids,
-                                                                        model, req.logprobs or 0)
+                                                                        model, req.logprobs or 0, adapter)
         if req.prompt_logprobs is not None:
             for one in job.state.jobs:
                 one.prompt_logprobs = await self.pipeline.prompt_logprobs(f"{request_id}-{one.number}-prompt",
-                                                                          one.ids, model, req.prompt_logprobs)
+                                                                          one.ids, model, req.prompt_logprobs, adapter)
 
     async def whole(self, job: Job[_Request], events: Events) -> dict[str, Any]:
         return await _complete(self.pipeline, job.state.req, job.state.jobs, job.state.base, events)

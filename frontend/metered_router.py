@@ -60,10 +60,13 @@ class MeteredRouter(Router):
         return out
 
     async def score(self, request_id: str, prompt_ids: list[int], scored_ids: list[int],
-                    model: str | None = None, top_logprobs: int = 0) -> ScoreOutput:
-        """The chosen backend's ScoreCall (no retry: scoring is one short call)."""
-        route = await self.route(model or self.cfg.model_name, prompt_ids + scored_ids)
+                    model: str | None = None, top_logprobs: int = 0, adapter: str = "") -> ScoreOutput:
+        """The chosen backend's ScoreCall (no retry: scoring is one short call); a LoRA adapter runs on its
+        base model's backends, as a generation does."""
+        route = await self.route(self.cfg.model_name if adapter else model or self.cfg.model_name,
+                                 prompt_ids + scored_ids, adapter=adapter)
         timeout = self.cfg.request_timeout_s or None
-        out = await self.client(route.address).score(request_id, prompt_ids, scored_ids, top_logprobs, timeout)
+        out = await self.client(route.address).score(request_id, prompt_ids, scored_ids, top_logprobs, timeout,
+                                                      adapter)
         self.metrics.prompt(out.input_len or len(prompt_ids) + len(scored_ids), out.reuse_len)
         return out

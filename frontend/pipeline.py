@@ -209,15 +209,13 @@ class Pipeline:
             out[token] = value
         return out
 
-    async def prompt_logprobs(self, request_id: str, ids: list[int], model: str | None, top: int
-                              ) -> list[TokenLogprob | None]:
-        """Each prompt token's logprob after the ones before it (the backend's ScoreCall; the first has none)."""
-        if adapter_of(self.cfg, model, None):
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt logprobs (prompt_logprobs, echo with logprobs) "
-                               "are computed by the base model only, not with a LoRA adapter", "model")
+    async def prompt_logprobs(self, request_id: str, ids: list[int], model: str | None, top: int,
+                              adapter: str = "") -> list[TokenLogprob | None]:
+        """Each prompt token's logprob after the ones before it (the backend's ScoreCall; the first has none),
+        with the request's LoRA adapter (adapter_of) when it names one."""
         if len(ids) == 1:
             return [None]
-        score = await self.client.score(request_id, ids[:1], ids[1:], model, top)
+        score = await self.client.score(request_id, ids[:1], ids[1:], model, top, adapter)
         return [None, *score.logprobs]
 
     # --- generate ---

@@ -231,16 +231,18 @@ class GenerateOutputsPB(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., generate_outputs: _Optional[_Iterable[_Union[GenerateOutputPB, _Mapping]]] = ..., error: _Optional[_Union[ErrorDetailsPB, _Mapping]] = ...) -> None: ...
 
 class ScoreInputPB(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "scored_ids", "top_logprobs")
+    __slots__ = ("request_id", "prompt_ids", "scored_ids", "top_logprobs", "adapter_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORED_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     scored_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., scored_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    adapter_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., scored_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., adapter_name: _Optional[str] = ...) -> None: ...
 
 class ScoreOutputPB(_message.Message):
     __slots__ = ("logprobs", "error", "aux_info")

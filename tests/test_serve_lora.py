@@ -92,6 +92,26 @@ def test_adapter_by_model_or_adapter_name_matches_peft(served: Served) -> None:
     assert resp.status_code == 400 and "adapter_name" in resp.text
 
 
+def test_prompt_logprobs_with_an_adapter(served: Served) -> None:
+    """Prompt logprobs (the backend's ScoreCall) with an adapter named by model or extra_configs: PEFT's."""
+    def prompt_logprobs(model: str | None = None, **extra: Any) -> list[float]:
+        body = {"prompt": served.ids, "max_tokens": 1, "prompt_logprobs": 0, "extra_configs": extra}
+        resp = served.http.post("/v1/completions", json=body if model is None else {**body, "model": model})
+        assert resp.status_code == 200, resp.text
+        entries = resp.json()["choices"][0]["prompt_logprobs"]
+        return [e[str(t)]["logprob"] for e, t in zip(entries[1:], served.ids[1:])]
+
+    got = {"by model": prompt_logprobs("attn"), "adapter_name": prompt_logprobs(adapter_name="attn"),
+           "base": prompt_logprobs()}
+    for how, lps in got.items():
+        model = served.tiny.hf_model if how == "base" else served.peft["attn"]
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(input_ids=torch.tensor([served.ids])).logits[0].float(), dim=-1)
+        want = [float(ref[p - 1, served.ids[p]]) for p in range(1, len(served.ids))]
+        assert len(lps) == len(want) and max(abs(a - b) for a, b in zip(lps, want)) < 2e-3, how
+    assert max(abs(a - b) for a, b in zip(got["by model"], got["base"])) > 0.05
+
+
 def test_run_time_load_unload_and_update(served: Served) -> None:
     open_http = httpx.Client(base_url=served.url, timeout=30)
     body = {"lora_name": "all", "lora_path": str(served.lora_root / "all")}

@@ -324,6 +324,14 @@ bool use_avx512(bool on) {
   return before;
 }
 
+// Turns the K-quant kernels' VBMI decode on or off (on only where the CPU has it); returns the previous
+// setting. For tests: both decodes must give the same bits.
+bool use_vbmi(bool on) {
+  const bool before = vbmi_on();
+  vbmi_on() = on && cpu_has_vbmi();
+  return before;
+}
+
 }  // namespace
 
 // Every kernel lets go of the GIL: the backend's asyncio thread (gRPC streaming) runs meanwhile.
@@ -350,6 +358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
+  m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   m.def("mask_rows_", &mask_rows_, "a grammar's token bitmask on each given row, in place", call_guard<release>());
   py::class_<BlockTensors>(m, "BlockTensors",

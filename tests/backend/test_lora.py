@@ -19,6 +19,7 @@ import torch
 from backend import kernels
 from backend.attention import KVCache
 from backend.engine import Engine, GenerationRequest
+from backend.engine_types import ScoreRequest, ScoreResult
 from backend.lora import LoraRegistry
 from backend.lora_weights import AdapterError, LoraAdapter, load_adapter
 from backend.model import LlamaModel
@@ -236,6 +237,29 @@ def test_unload_with_requests_in_flight(setup: Setup) -> None:
     assert tokens == alone
     with pytest.raises(RequestError) as err:
         engine.loras.unload("all")
+    assert err.value.code is ErrorCode.MODEL_NOT_FOUND
+
+
+def test_scoring_with_an_adapter_matches_peft(setup: Setup) -> None:
+    """ScoreCall (prompt logprobs) with an adapter: its logprobs are PEFT's, not the base model's."""
+    model = load_model(setup, "hf-dense")
+    engine = make_engine(model, registry_for(setup, model))
+    ids = prompt(6, 16, model.config.vocab_size)
+    scored: dict[str | None, list[float]] = {}
+    for name in ["all", None]:
+        req = ScoreRequest(f"s-{name}", ids[:4], ids[4:], adapter_name=name or "")
+        engine.validate(req)
+        engine.add(req)
+        results = []
+        while engine.has_work:
+            results.extend(o for o in engine.step() if isinstance(o, ScoreResult))
+        theirs = torch.log_softmax(setup.reference(name, ids), dim=-1)
+        want = [float(theirs[p - 1, ids[p]]) for p in range(4, len(ids))]
+        scored[name] = [s.logprob for s in results[0].logprobs]
+        assert len(scored[name]) == len(want) and max(abs(a - b) for a, b in zip(scored[name], want)) < ATOL, name
+    assert max(abs(a - b) for a, b in zip(scored["all"], scored[None])) > 0.05  # the adapter made a difference
+    with pytest.raises(RequestError) as err:
+        engine.validate(ScoreRequest("s-gone", ids[:4], ids[4:], adapter_name="gone"))
     assert err.value.code is ErrorCode.MODEL_NOT_FOUND
 
 
