@@ -43,13 +43,18 @@ def main() -> None:
     config = load_model_config(path)
     model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True,
                                             block_layout="n16" if module.has_vnni() else "rows", progress=False))
-    ops, spent = model.ops, defaultdict(float)
-    for name in OPS:  # time every op call (instance attributes shadow the class's methods)
+    ops, spent, depth = model.ops, defaultdict(float), [0]
+    for name in OPS:  # time every outermost op call (instance attributes shadow the class's methods; a
+        # stacked weight's linear calls linear per part)
         def timed(*a, _f=getattr(ops, name), _n=name, **kw):  # type: ignore[no-untyped-def]
+            depth[0] += 1
             t = time.perf_counter()
-            out = _f(*a, **kw)
-            spent[_n] += time.perf_counter() - t
-            return out
+            try:
+                return _f(*a, **kw)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[_n] += time.perf_counter() - t
         setattr(ops, name, timed)
     n, nblk = args.tokens, args.tokens // 16 + 2
     cache = KVCache(config.num_layers, nblk, 16, config.num_kv_heads, config.head_dim, torch.float16,
