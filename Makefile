@@ -61,7 +61,8 @@ bench: setup
 	$(PY) benchmarks/engine_throughput.py
 
 # Each bench-NAME runs benchmarks/NAME.py (their figures: docs/performance.md, docs/embeddings.md):
-#   embeddings  kvyard's /v1/embeddings over HTTP vs sentence-transformers in process, all-MiniLM-L6-v2
+#   embeddings  kvyard's /v1/embeddings over HTTP vs sentence-transformers in process vs vLLM's CPU pooling
+#               runner (its own venv, benchmarks/vllm_peer.py), all-MiniLM-L6-v2, interleaved
 #   vision      TTFT of an image and a question on a LLaVA-shaped model, kvyard vs transformers in process
 #   peers       kvyard vs llama.cpp's llama-server (built once into ~/.cache/kvyard) vs transformers, same GGUF
 #   scale       kvyard vs llama-server on a 1.7B-shaped Q4_K_M GGUF (random weights, built once into

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered, attend_prefills
+from backend.attention import AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered, attend_prefills
 from backend.quant import K_KINDS, BlockWeight, QuantWeight, StackedWeight
 from kvyard.model_config import ModelConfig
 
@@ -102,6 +102,8 @@ class KernelOps(TorchOps):
         # Prefill-sized batches over n16 weights through the GEMM (N16_GEMM_ROWS), where that is faster.
         from backend.kernels import int16_prefill_beats_gemm
         self.n16_gemm = not int16_prefill_beats_gemm()
+        # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
+        self.prefill_kernel = kernels.has_avx512()
 
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
         """The C++ FusedDecoder (backend/csrc/decode_step.h) when every matrix is in GGUF blocks: one call
@@ -203,6 +205,8 @@ class KernelOps(TorchOps):
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
             return super().attention(q, cache, layer, meta, window)
         if meta.decode_rows is None:
+            if self.prefill_kernel and len(meta.prefills) == 1 and meta.prefills[0].rows == slice(0, q.shape[0]):
+                return self._prefill(q, cache, layer, meta.prefills[0], window)  # one prompt's chunk: no copy
             out = torch.empty_like(q)
         elif not meta.prefills and meta.decode_rows.shape[0] == q.shape[0]:
             # Every row decodes (the steady state): straight from the paged blocks, no gather.
@@ -213,8 +217,16 @@ class KernelOps(TorchOps):
             out[meta.decode_rows] = self.k.decode_attention(
                 q[meta.decode_rows], cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
                 meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5, window)
-        attend_prefills(q, cache, layer, meta, out, window)
+        if not self.prefill_kernel:
+            attend_prefills(q, cache, layer, meta, out, window)
+        for span in meta.prefills if self.prefill_kernel else ():
+            out[span.rows] = self._prefill(q[span.rows], cache, layer, span, window)
         return out
+
+    def _prefill(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan, window: int) -> torch.Tensor:
+        """One chunk's causal attention over its cached prefix and itself, straight from the paged blocks."""
+        return self.k.prefill_attention(q, cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
+                                        cache.block_size, span.start, q.shape[-1] ** -0.5, window)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

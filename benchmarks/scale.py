@@ -3,7 +3,8 @@ Q4_K_M GGUF (benchmarks/scale_model.py: random weights, quantized by llama.cpp's
 served by both, same workloads, interleaved rounds.
 
     .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama,vllm] [--kvyard-env KEY=VALUE ...]
-                                         [--gguf PATH] [--before CHECKOUT] [--json out.json]
+                                         [--gguf PATH] [--before CHECKOUT] [--workloads single,agg,ttft]
+                                         [--json out.json]
 
 --before runs a second kvyard from another checkout (e.g. `git worktree add --detach /tmp/before <commit>`
 with its own .venv link) as a third server, "before": a change's effect measured in the same rounds.
@@ -50,6 +51,8 @@ def report(samples: dict[str, dict[str, list[float]]]) -> None:
     print(f"{'workload':20} " + " ".join(f"{name:>8}" for name in names) + "   " +
           "   ".join(f"{a}/{b}" for a, b in pairs))
     for label, key in rows:
+        if not all(key in samples[name] for name in names):
+            continue
         cells = [f"{statistics.median(samples[name][key]):8.2f}" for name in names]
         ratios = []
         for a, b in pairs:
@@ -66,12 +69,14 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="another GGUF instead of the 1.7B-shaped Q4_K_M")
     ap.add_argument("--kvyard-env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--before", type=Path, help="another kvyard checkout, served too as 'before'")
+    ap.add_argument("--workloads", default="single,agg,ttft", help="a subset, e.g. single,agg (decode only)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its servers (finally)
     gguf = args.gguf or scale_gguf()
     kvyard_env = {"CHECKPOINT_PATH": str(gguf), **dict(kv.split("=", 1) for kv in args.kvyard_env)}
     only = set(args.only.split(","))
+    workloads = set(args.workloads.split(","))
     samples: dict[str, dict[str, list[float]]] = {}
     extra: dict[str, str] = {"model": f"{gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)"}
     with ExitStack() as stack:
@@ -89,11 +94,14 @@ def main() -> None:
             for name in names if r % 2 == 0 else names[::-1]:
                 (client, model), (ttft_client, ttft_model), _ = servers[name]
                 got = samples.setdefault(name, {})
-                got.setdefault("single", []).append(measure_single(client, model, N_SINGLE, 1 + 10 * r, OUT_TOKENS))
-                got.setdefault("agg", []).append(measure_agg(client, model, CONCURRENCY, 100 + 100 * r, OUT_TOKENS))
-                ttft_ms, prompt_tokens = measure_ttft(ttft_client, ttft_model, N_TTFT)
-                got.setdefault("ttft", []).append(ttft_ms / 1000)   # seconds in this report
-                extra[f"TTFT prompt ({name})"] = f"{prompt_tokens} tokens"
+                if "single" in workloads:
+                    got.setdefault("single", []).append(measure_single(client, model, N_SINGLE, 1 + 10 * r, OUT_TOKENS))
+                if "agg" in workloads:
+                    got.setdefault("agg", []).append(measure_agg(client, model, CONCURRENCY, 100 + 100 * r, OUT_TOKENS))
+                if "ttft" in workloads:
+                    ttft_ms, prompt_tokens = measure_ttft(ttft_client, ttft_model, N_TTFT)
+                    got.setdefault("ttft", []).append(ttft_ms / 1000)   # seconds in this report
+                    extra[f"TTFT prompt ({name})"] = f"{prompt_tokens} tokens"
                 print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
         for name, (_, _, pid) in servers.items():
             rss = tree_rss_mb(pid)

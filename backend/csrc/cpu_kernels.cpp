@@ -12,6 +12,7 @@
 #include "decode_step.h"
 #include "dequant_n16.h"
 #include "layer_ops.h"
+#include "prefill_attention.h"
 #include "qlinear.h"
 #include "sampling.h"
 #include "tensors.h"
@@ -199,6 +200,81 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   return out;
 }
 
+// A prefill chunk's causal attention over the paged cache (its cached prefix and itself), AVX-512 only:
+// q: [T, H, d], the chunk's rows at positions start .. start + T - 1; blocks: [nblk] int64, the sequence's
+// KV blocks in position order, holding its start + T keys; each row sees the last `window` of its keys
+// (0: all). → [T, H, d].
+at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& blocks_in, int64_t block_size, int64_t start, double scale,
+                             int64_t window) {
+  TORCH_CHECK(cpu_has_avx512(), "prefill_attention needs AVX-512");
+  const at::Tensor q = q_in.contiguous();
+  check_cpu_f32(q, "q");
+  check_cache(k_cache, v_cache);
+  const at::Tensor blocks = blocks_in.to(at::kLong).contiguous();
+  TORCH_CHECK(q.dim() == 3 && start >= 0 && window >= 0 && block_size > 0, "bad prefill attention arguments");
+  const int64_t T = q.size(0), H = q.size(1), d = q.size(2), Hkv = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == d && H % Hkv == 0, "q and the cache disagree on heads");
+  TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, "prefill_attention supports head_dim 32, 64, 96 or 128");
+  const int64_t n = start + T, nkb = (n + 15) / 16, group = H / Hkv;
+  TORCH_CHECK(blocks.numel() * block_size >= n, "fewer blocks than keys");
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  std::vector<int64_t> slots(n);
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t b = bp[p / block_size];
+    TORCH_CHECK(b >= 0 && (b + 1) * block_size <= S, "block out of range");
+    slots[p] = b * block_size + p % block_size;
+  }
+  at::Tensor out = at::empty_like(q);
+  if (T == 0) return out;
+  // The KV heads' keys widened to float32, as many heads per round as fit kScratch floats (all of them for
+  // ordinary prompts: two parallel regions per call, not per head; a long prefix takes several rounds).
+  constexpr int64_t kScratch = int64_t{8} << 20;
+  const int64_t ksz = (nkb + 1) * 16 * d, vsz = nkb * 16 * d;  // kt: one zero panel past the last (pairs)
+  const int64_t per_round = std::clamp<int64_t>(kScratch / (ksz + vsz), 1, Hkv);
+  thread_local std::vector<float> kt, vf;  // reused by every call of this thread
+  kt.resize(per_round * ksz);
+  vf.resize(per_round * vsz);
+  float *ktp = kt.data(), *vfp = vf.data();  // by pointer: inside the team's lambdas `kt` would be theirs
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int nt = at::get_num_threads();
+  auto run = [&](auto nv, auto rows) {
+    constexpr int64_t NV = decltype(nv)::value;
+    constexpr int R = decltype(rows)::value;
+    const int64_t chunks = (T * group + R - 1) / R, np = (nkb + 1) * 16;
+    with_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+      for (int64_t h0 = 0; h0 < Hkv; h0 += per_round) {
+        const int64_t hn = std::min(per_round, Hkv - h0);
+        at::parallel_for(0, hn * (nkb + 1), 8, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t h = i / (nkb + 1), j = i % (nkb + 1);
+            widen_keys(kc, vc, slots.data(), n, Hkv, h0 + h, d, j, j + 1, ktp + h * ksz, vfp + h * vsz);
+          }
+        });
+        // Chunk c of each head to thread c % nt (later chunks see more keys: this spreads the triangle
+        // evenly), head after head (a head's widened keys stay in each thread's L2 while it works on them).
+        at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+          alignas(64) float qs[R * NV * 16];
+          std::vector<float> sc(R * np);
+          for (int64_t tid = t0; tid < t1; ++tid)
+            for (int64_t h = 0; h < hn; ++h)
+              for (int64_t c = tid; c < chunks; c += nt)
+                attend_chunk<NV, R>(qp, T, H, group, h0 + h, c, start, window, static_cast<float>(scale),
+                                    ktp + h * ksz, vfp + h * vsz, op, qs, sc.data(), np);
+        });
+      }
+    });
+  };
+  switch (d) {
+    case 32: run(std::integral_constant<int64_t, 2>{}, std::integral_constant<int, 6>{}); break;
+    case 64: run(std::integral_constant<int64_t, 4>{}, std::integral_constant<int, 6>{}); break;
+    case 96: run(std::integral_constant<int64_t, 6>{}, std::integral_constant<int, 6>{}); break;
+    default: run(std::integral_constant<int64_t, 8>{}, std::integral_constant<int, 6>{}); break;
+  }
+  return out;
+}
+
 // logits: [R, V] float32; temps: [R] (0: greedy); u: [R] uniform draws in [0, 1) → [R] int64 token ids.
 at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, const at::Tensor& u_in) {
   const at::Tensor logits = logits_in.contiguous(), temps = temps_in.contiguous(), u = u_in.contiguous();
@@ -248,6 +324,14 @@ bool use_avx512(bool on) {
   return before;
 }
 
+// Turns the K-quant kernels' VBMI decode on or off (on only where the CPU has it); returns the previous
+// setting. For tests: both decodes must give the same bits.
+bool use_vbmi(bool on) {
+  const bool before = vbmi_on();
+  vbmi_on() = on && cpu_has_vbmi();
+  return before;
+}
+
 }  // namespace
 
 // Every kernel lets go of the GIL: the backend's asyncio thread (gRPC streaming) runs meanwhile.
@@ -268,8 +352,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-query attention over paged KV blocks (the last `window` keys)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
+  m.def("prefill_attention", &prefill_attention, "a prefill chunk's causal attention over paged KV blocks (AVX-512)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("blocks"), py::arg("block_size"),
+        py::arg("start"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
+  m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());
   m.def("mask_rows_", &mask_rows_, "a grammar's token bitmask on each given row, in place", call_guard<release>());
   py::class_<BlockTensors>(m, "BlockTensors",

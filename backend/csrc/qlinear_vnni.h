@@ -86,6 +86,8 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
   for (int64_t b = 0; b < nb; ++b) {
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // Unrolled: as a loop, GCC copies every accumulator twice a step (1.1-1.6x at 1-32 rows, Ice Lake).
+#pragma GCC unroll 16
     for (int64_t j = 0; j < 16; ++j) {
       const __m512i w = group_weights<Q4>(codes, b, j);
       for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));

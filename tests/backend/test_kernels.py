@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backend import kernels
-from backend.attention import AttentionMetadata, KVCache, attend_decode_gathered
+from backend.attention import AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered
 from backend.ops import DENSE_ROWS, KernelOps, TorchOps
 from backend.quant import Q4_1_BYTES, Q8_0_BYTES, QuantWeight, from_gguf_blocks
 from kvyard.model_path import embedded_model_path
@@ -202,3 +202,34 @@ def test_kernels_off_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(kernels, "_cached", [K])
     assert isinstance(default_ops(torch.device("cpu"), torch.float32), KernelOps)
     assert type(default_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps
+
+
+@pytest.mark.skipif(K is None or not K.has_avx512(), reason="the prefill attention kernel needs AVX-512")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("window", [0, 24])
+def test_prefill_attention_matches_sdpa(head_dim: int, kv_dtype: torch.dtype, heads: tuple[int, int],
+                                        window: int) -> None:
+    """A prompt's first chunk (causal over itself) and a later chunk over a cached prefix, beside a decode
+    row in the same step, against gather + SDPA (TorchOps) over the same scattered blocks."""
+    torch.manual_seed(head_dim + window)
+    bs, (n_heads, n_kv) = 16, heads
+    cache = KVCache(1, 32, bs, n_kv, head_dim, kv_dtype, torch.device("cpu"))
+    cache.data.normal_()
+    blocks = torch.randperm(32)[:8]
+    first = PrefillSpan(rows=slice(0, 45), key_blocks=blocks[:3], num_keys=45, start=0)
+    later = PrefillSpan(rows=slice(1, 38), key_blocks=blocks, num_keys=120, start=83)  # keys 0..119, mid-block
+    for spans, rows in (([first], 45), ([later], 38)):
+        decode = spans[0] is later  # the later chunk shares its step with a decode row (row 0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), prefills=spans,
+            decode_rows=torch.tensor([0]) if decode else None, decode_blocks=blocks[None, :2] if decode else None,
+            decode_key_mask=(torch.arange(2 * bs) < 20)[None, None, None, :] if decode else None,
+            decode_lens=torch.tensor([20]) if decode else None)
+        q = torch.randn(rows, n_heads, head_dim) * 2
+        want = TorchOps().attention(q, cache, 0, meta, window)
+        got = KernelOps(K).attention(q, cache, 0, meta, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        K.prefill_attention(q, cache.data[0, 0], cache.data[0, 1], blocks + 32, bs, 83, head_dim ** -0.5)

@@ -122,6 +122,21 @@ def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> No
         assert torch.equal(ops.linear(x[:size], w), batched[:size]), size
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 17, 64])
+def test_q6_k_vbmi_decode_gives_the_portable_bits(rows: int) -> None:
+    """Where the CPU has AVX-512 VBMI, Q6_K codes are unpacked with byte permutes (and few rows split their
+    dot products into chains): the same integer dots, so the same bits as the portable decode."""
+    w = k_blocks_from_gguf("q6_k", random_k_raw("q6_k", 48, 768, seed=rows), 768).to_n16()
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    before = K.use_vbmi(True)
+    try:
+        fast = KernelOps(K).linear(x, w)
+        K.use_vbmi(False)
+        assert torch.equal(KernelOps(K).linear(x, w), fast)
+    finally:
+        K.use_vbmi(before)
+
+
 K_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
            "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"}
 
