@@ -14,6 +14,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
@@ -24,6 +25,7 @@ from frontend.config import FrontendConfig
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
                                   parse_frame, score_items, token_item, unknown_model)
 from frontend.lmtp_wait import ModelWait
+from frontend.lora_routes import adapter_models, adapter_of
 from frontend.metered_router import MeteredRouter
 from frontend.pipeline import Budget, Pipeline
 from frontend.routing import model_to_route
@@ -61,13 +63,19 @@ class LmtpService:
         model = model_to_route(self.cfg, name)
         return None if model is None or self.cfg.serves(model) else model
 
+    def adapter(self, model: str | None) -> str:
+        """The LoRA adapter a stream's model names ("" = the base model), as the HTTP dialects resolve it;
+        the backend answers a name that is neither a model nor an adapter with MODEL_NOT_FOUND."""
+        return adapter_of(self.cfg, model, None)
+
     async def model_info(self, name: str | None) -> dict[str, Any]:
         model = self.model(name)
-        if model is not None and model not in await self.client.models():
+        adapter = bool(model) and self.cfg.lora and model in {a["id"] for a in await adapter_models(self.cfg)}
+        if model is not None and not adapter and model not in await self.client.models():
             raise unknown_model(model, self.cfg.model_name)
         info: dict[str, Any] = {"model": model or self.cfg.model_name, "model_type": "kvyard",
                                 "max_seq_len": self.cfg.max_seq_len}
-        if model is None:  # tokenizer facts are known for our own model only
+        if model is None or adapter:  # tokenizer facts are known for our own model (and its adapters) only
             info.update(vocab_size=self.tokenizer.vocab_size, bos_token_id=self.tokenizer.bos_token_id,
                         eos_token_id=self.tokenizer.eos_token_id)
         return info
@@ -164,7 +172,8 @@ class LmtpSession:
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
         requested = frame.max_tokens or DIALECT_DEFAULTS[Dialect.LMTP]["max_new_tokens"]
         svc.pipeline.budget(len(frame.prompt), Budget(requested))   # the context-length check every dialect has
-        model, params = svc.model(frame.model), frame.params(svc.cfg.request_timeout_s)
+        model = svc.model(frame.model)
+        params = replace(frame.params(svc.cfg.request_timeout_s), adapter=svc.adapter(model))
         gen = self._wait(frame.stream_id, model).stream(lambda: svc.client.generate(request_id, frame.prompt, params,
                                                                                     model))
         try:
@@ -187,8 +196,9 @@ class LmtpSession:
     async def _score(self, frame: ScoreFrame) -> None:
         request_id = f"lmtp-{self.conn_id}-{frame.stream_id}"
         model = self.service.model(frame.model)
+        adapter = self.service.adapter(model)
         out = await self._wait(frame.stream_id, model).call(
-            lambda: self.service.client.score(request_id, frame.prompt, frame.scored, model))
+            lambda: self.service.client.score(request_id, frame.prompt, frame.scored, model, 0, adapter))
         if len(out.logprobs) != len(frame.scored):
             raise RequestError(ErrorCode.INTERNAL, f"the backend scored {len(out.logprobs)} of "
                                f"{len(frame.scored)} tokens")

@@ -5,6 +5,7 @@ vLLM and RTP-LLM routes (behind the API key), requests naming an adapter as `mod
 stream in flight (it finishes; the next request is a 404)."""
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from websockets.sync.client import connect
 
 from tests.backend.test_lora import save_adapter
 from tests.support.procs import RoleProcess, free_port_block
@@ -66,6 +68,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         proc.stop()
 
 
+def peft_prompt_logprobs(served: Served, adapter: str | None) -> list[float]:
+    """Each prompt token's logprob after the ones before it, by transformers (+ PEFT with an adapter)."""
+    model = served.tiny.hf_model if adapter is None else served.peft[adapter]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([served.ids])).logits[0].float(), dim=-1)
+    return [float(ref[p - 1, served.ids[p]]) for p in range(1, len(served.ids))]
+
+
 def output_ids(resp: httpx.Response) -> list[int]:
     assert resp.status_code == 200, resp.text
     return [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
@@ -104,12 +114,36 @@ def test_prompt_logprobs_with_an_adapter(served: Served) -> None:
     got = {"by model": prompt_logprobs("attn"), "adapter_name": prompt_logprobs(adapter_name="attn"),
            "base": prompt_logprobs()}
     for how, lps in got.items():
-        model = served.tiny.hf_model if how == "base" else served.peft["attn"]
-        with torch.inference_mode():
-            ref = torch.log_softmax(model(input_ids=torch.tensor([served.ids])).logits[0].float(), dim=-1)
-        want = [float(ref[p - 1, served.ids[p]]) for p in range(1, len(served.ids))]
+        want = peft_prompt_logprobs(served, None if how == "base" else "attn")
         assert len(lps) == len(want) and max(abs(a - b) for a, b in zip(lps, want)) < 2e-3, how
     assert max(abs(a - b) for a, b in zip(got["by model"], got["base"])) > 0.05
+
+
+def test_lmtp_generate_and_score_with_an_adapter(served: Served) -> None:
+    """LMTP (LMQL's WebSocket protocol) names an adapter as its model, as the HTTP dialects do: GENERATE gives
+    PEFT's greedy tokens, SCORE PEFT's logprobs, MODEL_INFO answers for it; an unknown name is a stream's
+    model_not_found error item."""
+    frames = [("GENERATE", {"model": "attn", "prompt": served.ids, "stream_id": 1, "max_tokens": STEPS,
+                            "temperature": 0}),
+              ("SCORE", {"model": "attn", "prompt": served.ids[:1], "scored": served.ids[1:], "stream_id": 2}),
+              ("SCORE", {"model": "nope", "prompt": served.ids[:1], "scored": served.ids[1:], "stream_id": 3}),
+              ("MODEL_INFO", {"model": "attn", "stream_id": 4})]
+    items: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 3: [], 4: []}
+    with connect(f"ws://127.0.0.1:{served.port}/lmtp?api_key={KEY}", open_timeout=30) as ws:
+        for command, payload in frames:
+            ws.send(f"{command} {json.dumps(payload)}")
+        while not all(i and ("error" in i[-1] or i[-1].get("finish_reason") or "model_info" in i[-1])
+                      for i in items.values()):
+            for item in json.loads(ws.recv(timeout=60).partition(" ")[2]):
+                items[item["stream_id"]].append(item)
+    tokens, want = [i["token"] for i in items[1]], served.reference("attn")
+    assert want != served.reference(None) and items[1][-1]["finish_reason"] in ("length", "stop"), items[1]
+    assert tokens == want[:len(tokens)] and (len(tokens) == STEPS or items[1][-1]["finish_reason"] == "stop")
+    lps = [i["logprob"] for i in items[2]]
+    want_lps = peft_prompt_logprobs(served, "attn")
+    assert len(lps) == len(want_lps) and max(abs(a - b) for a, b in zip(lps, want_lps)) < 2e-3, items[2]
+    assert len(items[3]) == 1 and "model_not_found" in items[3][0]["error"], items[3]
+    assert items[4][0]["model_info"]["model"] == "attn", items[4]
 
 
 def test_run_time_load_unload_and_update(served: Served) -> None:
