@@ -206,7 +206,7 @@ class FusedDecoder {
           linear(h_.data(), B, w.qkv, w.qkv_bias, qkv_.data(), nullptr, sc, tid, nt);
 #pragma omp barrier
           mark(tid, QKV);
-          if (loras.any()) lora_expand_all(loras, qkv_.data(), W, l, LORA_QKV, tid, nt);
+          if (loras.any()) lora_expand_rows(loras, qkv_.data(), W, l, LORA_QKV, b0, b1);  // RoPE: same rows
           for (int64_t b = b0; b < b1; ++b) {
             const float* c = cos.data_ptr<float>() + pp[b] * (d_ / 2);
             const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
@@ -228,7 +228,7 @@ class FusedDecoder {
           linear(attn_.data(), B, w.o, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
           mark(tid, O);
-          if (loras.any()) lora_expand_all(loras, x_.data(), D_, l, LORA_O, tid, nt);
+          if (loras.any()) lora_expand_rows(loras, x_.data(), D_, l, LORA_O, b0, b1);  // the norm: same rows
           for (int64_t b = b0; b < b1; ++b) rms_norm_row(x_.data() + b * D_, w.ffn_norm, D_, eps_, h_.data() + b * D_);
 #pragma omp barrier
           mark(tid, NORM);
@@ -244,7 +244,10 @@ class FusedDecoder {
           linear(act_.data(), B, w.down, nullptr, tmp_.data(), x_.data(), sc, tid, nt);
 #pragma omp barrier
           mark(tid, DOWN);
-          if (loras.any()) lora_expand_all(loras, x_.data(), D_, l, LORA_DOWN, tid, nt);
+          if (loras.any()) lora_expand_rows(loras, x_.data(), D_, l, LORA_DOWN, b0, b1);  // the next norm
+        }
+        if (loras.any()) {  // the final norm reads the logits rows, not this thread's
+#pragma omp barrier
         }
         int64_t r0, r1;
         split_range(R, tid, nt, r0, r1);

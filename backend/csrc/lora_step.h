@@ -1,7 +1,8 @@
 // LoRA adapters inside the fused decode step (decode_step.h): each row that uses an adapter gets
 // (x · Aᵀ) · Bᵀ added beside the base projection, with its own adapter's matrices only. Per row and
-// projection: one dot product per rank column (t = A x, split over the team by (row, column)), then
-// y += Bᵀ-rows weighted by t (split by (row, 64 outputs)). A row's sums run in the same order whatever the
+// projection: one dot product per rank column (t = A x, split over the team by (adapter, column)), then
+// y += Bᵀ-rows weighted by t (split by (adapter, 16 outputs), or by the thread's own rows where the next op
+// reads y by those rows, saving a barrier). A row's sums run in the same order whatever the
 // batch or the thread count, so a row's answer does not depend on its neighbours (the mixed batch = alone
 // test). Steps without adapter rows never reach this code, so base steps keep their bits.
 #pragma once
@@ -184,6 +185,39 @@ inline void lora_expand(const StepLoras& s, float* y, int64_t N, int64_t layer, 
         for (int32_t j = j0; j < j1; ++j) acc += s.t[b * s.max_rank + j] * bt[j * N + n];
         y[b * N + n] += acc;
       }
+  }
+}
+
+// This thread's rows [b0, b1) of y[b, n] += Σ_j t[b, j] · Bᵀ[j, n], every output: when the next op reads
+// y by the same rows (RoPE, the norms), no barrier is needed between them.
+inline void lora_expand_rows(const StepLoras& s, float* y, int64_t N, int64_t layer, int target, int64_t b0,
+                             int64_t b1) {
+  constexpr int64_t C = LoraWeights::C;
+  std::vector<int64_t> mine;
+  for (size_t k = 0; k < s.adapters.size(); ++k) {
+    if (s.rank(k, layer, target) == 0) continue;
+    mine.clear();
+    for (int64_t b : s.rows[k])
+      if (b0 <= b && b < b1) mine.push_back(b);
+    if (mine.empty()) continue;
+    const LoraWeights& w = *s.adapters[k];
+    const float* bt = w.bt(layer, target);
+    for (int64_t n0 = 0; n0 < N; n0 += C) {
+      const auto [j0, j1] = w.cols(layer, target, n0 / C);
+      if (j0 >= j1) continue;
+      if (n0 + C <= N) {
+        in_groups(mine, [&]<int G>(const int64_t* rows) {
+          expand_rows<G>(bt, N, n0, j0, j1, rows, s.t.data(), s.max_rank, y);
+        });
+        continue;
+      }
+      for (int64_t b : mine)
+        for (int64_t n = n0; n < N; ++n) {
+          float acc = 0.0f;
+          for (int32_t j = j0; j < j1; ++j) acc += s.t[b * s.max_rank + j] * bt[j * N + n];
+          y[b * N + n] += acc;
+        }
+    }
   }
 }
 
