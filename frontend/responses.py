@@ -113,18 +113,30 @@ class ResponseStore:
             self._items.popitem(last=False)
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or chat parts where it has images (`input_image`, a URL or a
+    data: URI, as chat's image_url parts take them; the image checks are chat's)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image":
+                _refuse_unless(part.get("file_id") is None, f"{where}.content.{j}.file_id",
+                               "uploaded files are not served; send the image as image_url (a URL or a data: URI)")
+                _refuse_unless(isinstance(part.get("image_url"), str), f"{where}.content.{j}.image_url",
+                               "an input_image needs its image_url")
+                image = {"url": part["image_url"], **({"detail": part["detail"]} if "detail" in part else {})}
+                parts.append({"type": "image_url", "image_url": image})
+                continue
             _refuse_unless(kind in ("input_text", "output_text", "text"), where,
-                           f"content parts of type {kind!r} are not supported (text only)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{where}: content must be text or text parts", where)
+                           f"content parts of type {kind!r} are not supported (text and input_image)")
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
+    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{where}: content must be text or content parts", where)
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -138,7 +150,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             _refuse_unless(role in ("user", "system", "developer", "assistant"), where, f"unknown role {role!r}")
-            out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            out.append({"role": role, "content": _content_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id") or new_call_id(), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -263,7 +275,7 @@ class ResponsesDialect(GenerationDialect[_Turn]):
                                    f"{STORE_TTL_S / 3600:g} h, at most {STORE_MAX}, by the frontend that made them)",
                                    "previous_response_id") from None
         creq = chat_request(req, history)
-        prep = await off_loop(self.chat.prepare, creq)
+        prep = await off_loop(self.chat.prepare, creq, await self.chat.images(creq))
         messages = [m.model_dump(exclude_none=True) for m in creq.messages if m.role != "system" or
                     not req.instructions or m is not creq.messages[0]]
 

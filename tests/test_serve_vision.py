@@ -140,3 +140,19 @@ def test_too_many_and_too_large(server: Server) -> None:
         chat(server, data_uri(PNG), data_uri(PNG), data_uri(PNG))
     with pytest.raises(openai.BadRequestError, match="larger than 100000"):
         chat(server, f"{server.images_url}/big.png")
+
+
+def test_responses_api_input_image_answers_as_chat_does(server: Server) -> None:
+    image = png_bytes(80, 60, seed=4)
+    content = [{"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": data_uri(image)}]
+    resp = server.client.responses.create(model=server.model, input=[{"role": "user", "content": content}],
+                                          temperature=0, max_output_tokens=STEPS)  # type: ignore[list-item]
+    as_chat = server.client.chat.completions.create(model=server.model, messages=messages(data_uri(image)),
+                                                    temperature=0, max_tokens=STEPS)  # type: ignore[arg-type]
+    assert resp.output_text == as_chat.choices[0].message.content
+    assert resp.usage is not None and resp.usage.input_tokens == as_chat.usage.prompt_tokens  # type: ignore[union-attr]
+    for part, needle in [({"type": "input_image", "file_id": "file-1"}, "uploaded files are not served"),
+                         ({"type": "input_image", "image_url": data_uri(b"garbage")}, "not a readable image")]:
+        with pytest.raises(openai.BadRequestError, match=needle):
+            server.client.responses.create(model=server.model, max_output_tokens=2,
+                                           input=[{"role": "user", "content": [part]}])  # type: ignore[list-item]
