@@ -70,15 +70,51 @@ def test_parse_gives_a_valid_object_on_every_prompt(client: openai.OpenAI) -> No
     assert len({p.name for p in parsed[:20]}) > 5  # twenty prompts, not one canned answer
 
 
+_FILLERS = ["", '"', '":0', ':0', '0', '"":0', 'ull', 'll', 'l', 'rue', 'ue', 'e', 'alse', 'lse', 'se']
+
+
+def is_json_object_prefix(text: str) -> bool:
+    """Whether text is the start of a JSON object: some filler for a cut key, value or literal, then the open
+    strings and brackets closed, makes it parse (checked without the server's grammar)."""
+    for filler in _FILLERS:
+        done, stack, in_string, escaped = text + filler, [], False, False
+        for ch in done:
+            if in_string:
+                escaped, in_string = (not escaped and ch == "\\"), in_string and (escaped or ch != '"')
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                stack.append("}" if ch == "{" else "]")
+            elif ch in "}]" and stack:
+                stack.pop()
+        try:
+            if isinstance(json.loads(done + ('"' if in_string else "") + "".join(reversed(stack))), dict):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def test_json_object_prefix_checker() -> None:
+    for text in ['{"a": "x', '{"a"', '{"a": tr', '{"a": [1, 2', '{"a": {"b": 1.5,', '{', '{"a": "\\"q']:
+        assert is_json_object_prefix(text), text
+    for text in ['Sure! {"a": 1}', '["a"', '{"a" 1', '{"a": 1}}', '{a: 1']:
+        assert not is_json_object_prefix(text), text
+
+
 def test_json_object_always_parses(client: openai.OpenAI) -> None:
-    def ask(topic: str, temperature: float) -> str:
+    """Every answer that ends is a JSON object, and every greedy one ends within its budget; a sampled answer may
+    run out of tokens (a 135M model at temperature 1 can spell one key for 120 tokens: which seed does depends
+    on the kernels' last bits), and then it is still a JSON object cut short, never free text."""
+    def ask(topic: str, temperature: float) -> tuple[str, str]:
         resp = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Give the name and colour of {topic} as JSON."}],
             response_format={"type": "json_object"}, temperature=temperature, max_tokens=120, seed=7)
-        assert resp.choices[0].finish_reason == "stop", resp.choices[0].message.content
-        return resp.choices[0].message.content or ""
-    texts = concurrently(ask, [(t, temp) for t in ("an apple", "the sky", "a banana") for temp in (0.0, 1.0)])
-    assert all(isinstance(json.loads(text), dict) for text in texts)
+        return resp.choices[0].finish_reason, resp.choices[0].message.content or ""
+    cases = [(t, temp) for t in ("an apple", "the sky", "a banana") for temp in (0.0, 1.0)]
+    for (_, temp), (finish, text) in zip(cases, concurrently(ask, cases)):
+        assert finish in ("stop", "length") and (finish == "stop" or temp > 0), (finish, text)
+        assert isinstance(json.loads(text), dict) if finish == "stop" else is_json_object_prefix(text), text
 
 
 def test_required_and_named_tool_choice_force_valid_calls(client: openai.OpenAI) -> None:
