@@ -14,7 +14,7 @@ from backend.decoder_pooling import DecoderPoolingModel
 from backend.engine_types import PoolingRequest, PoolItem, PoolTask
 from backend.pooling import run_task
 from backend.pooling_engine import PoolingEngine
-from backend.step_threads import EXPLORE_EVERY, ONE_THREAD_TOKENS, StepThreads
+from backend.step_threads import EXPLORE_EVERY, EXPLORE_MAX, ONE_THREAD_TOKENS, StepThreads
 from kvyard.pooling_model import ModelKind, load_pooling_spec
 from tests.backend.test_encoder import SENTENCES, _batch, _tokenizer, _values
 from tests.support.tiny_decoder_poolers import QUERY_PROMPT, tiny_decoder_pooler
@@ -126,8 +126,9 @@ def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest
 
 
 def test_large_steps_run_on_the_thread_count_measured_faster() -> None:
-    """Each count is tried once (all threads first), then the faster runs, the other tried every
-    EXPLORE_EVERY large steps; a count that turns slow loses its place."""
+    """Each count is tried once (all threads first), then the faster runs, the other tried after
+    EXPLORE_EVERY large steps, the wait doubling after each try it loses (up to EXPLORE_MAX) and reset when
+    it wins; a count that turns slow loses its place."""
     chooser = StepThreads(2)
     big = ONE_THREAD_TOKENS + 1
     assert chooser.choose(ONE_THREAD_TOKENS) == 1 and StepThreads(1).choose(10 * big) == 1
@@ -140,7 +141,12 @@ def test_large_steps_run_on_the_thread_count_measured_faster() -> None:
         return picks
 
     n = EXPLORE_EVERY
-    # a busy machine: one thread is faster; all threads again only every EXPLORE_EVERY large steps
-    assert run({1: 1.0, 2: 3.0}, 2 * n) == [2] + [1] * (n - 2) + [2] + [1] * (n - 1) + [2]
-    # the machine quietens: the next try of all threads wins and they stay, one thread tried in turn
-    assert run({1: 1.0, 2: 0.2}, 2 * n) == [1] * (n - 1) + [2] * n + [1]
+    # a busy machine: one thread is faster; all threads tried again after n large steps, then after 2n
+    assert run({1: 1.0, 2: 3.0}, 3 * n) == [2] + [1] * (n - 2) + [2] + [1] * (2 * n - 1) + [2]
+    # the machine quietens: the next try of all threads (after 4n) wins and they stay, one thread tried after n
+    assert run({1: 1.0, 2: 0.2}, 4 * n) == [1] * (4 * n - 1) + [2]
+    assert run({1: 1.0, 2: 0.2}, 2 * n) == [2] * (n - 1) + [1] + [2] * n
+    # however long one count keeps losing, it is tried again within EXPLORE_MAX large steps
+    picks = run({1: 1.0, 2: 0.2}, 4 * EXPLORE_MAX)
+    tries = [i for i, t in enumerate(picks) if t == 1]
+    assert [b - a for a, b in zip(tries, tries[1:])] == [4 * n] + [EXPLORE_MAX] * 3
