@@ -28,6 +28,7 @@ from typing import IO
 
 import httpx
 
+from launcher.cluster_probe import healthy, routable
 from launcher.restarts import RestartPolicy, Restarts
 from launcher.usage import USAGE_ERROR, UsageError
 from kvyard.cluster_auth import is_loopback, new_token, read_cluster_token
@@ -262,8 +263,8 @@ class LocalCluster:
                           f"waiting for {', '.join(p.name for p in pending) or 'the master to see every backend'}",
                           file=sys.stderr, flush=True)
                     return False
-                pending = [p for p in pending if not _ok(client, p.health_url)]
-                if not pending and expected <= _routable(client, self.layout.master_address):
+                pending = [p for p in pending if not healthy(client, p.health_url)]
+                if not pending and expected <= routable(client, self.layout.master_address):
                     return True
                 time.sleep(0.5)
         return False
@@ -308,7 +309,7 @@ class LocalCluster:
                         self._start(part)
                         self.recovering.add(part)
                 for part in list(self.recovering):
-                    if self.procs[part].poll() is None and _ok(client, part.health_url):
+                    if self.procs[part].poll() is None and healthy(client, part.health_url):
                         self.recovering.discard(part)
                         print(f"kvyard: {part.name} is serving again", file=sys.stderr, flush=True)
                 if not self._can_serve():
@@ -372,21 +373,6 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     _kill_group(proc)
                     proc.wait()
-
-
-def _ok(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(url).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _routable(client: httpx.Client, master: str) -> set[str]:
-    try:
-        view = client.get(f"http://{master}/backends").json()
-        return {b["name"] for b in view["backends"] if b["healthy"]}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return set()
 
 
 def _pump(name: str, stream: IO[bytes]) -> None:
