@@ -7,13 +7,16 @@ model tests with DEVICE=cuda):
 - the same in bfloat16 (what DEVICE=cuda serves by default), teacher-forced over prompt and continuation;
 - LoRA adapters beside the base in one batch against PEFT (float32);
 - a BERT encoder's pooled embeddings against transformers (float32);
-- a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32).
+- a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32);
+- `kvyard serve` with DEVICE=cuda and its defaults (bfloat16) answering the official openai client.
 
 KVYARD_TEST_DEVICE=cpu runs the file on the CPU (a dry run where no GPU is)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import openai
 
 import pytest
 import torch
@@ -38,7 +41,8 @@ from tests.backend.test_vision_qwen import Served, assert_close
 from tests.backend.test_vision_qwen import engine_run as vision_run
 from tests.backend.test_vision_qwen import hf_greedy as vision_greedy
 from tests.support.tiny_encoders import tiny_encoder
-from tests.support.tiny_models import EXACT_TYPES, hf_greedy
+from tests.support.procs import RoleProcess, free_port_block
+from tests.support.tiny_models import EXACT_TYPES, hf_greedy, save_hf_dir, tiny_model
 from tests.support.tiny_qwen_vl import save_qwen_vl_dir, tiny_qwen_vl
 from tests.support.tiny_vision import png_bytes
 
@@ -152,3 +156,26 @@ def test_qwen_vl_image_prompt_matches_transformers(tmp_path: Path) -> None:
     ours, our_logits, _ = vision_run(served.engine(), "cold", ids, [served.image(data)])
     assert_close([x.float().cpu() for x in our_logits], their_logits, "cold")
     assert ours == theirs
+
+
+def test_served_with_its_defaults(tmp_path: Path) -> None:
+    """A user's `DEVICE=cuda kvyard serve`: bfloat16 weights and cache on the GPU, chat and streaming answered."""
+    path = save_hf_dir(tiny_model("qwen2", tie=True), tmp_path / "tiny-qwen2")
+    port = free_port_block()
+    proc = RoleProcess({"CHECKPOINT_PATH": str(path), "START_PORT": str(port), "KV_CACHE_MB": "64",
+                        "DEVICE": DEVICE.type}, tmp_path / "serve.log")
+    try:
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
+        want = "float32" if DEVICE.type == "cpu" else "bfloat16"
+        proc.wait_for_log(f"activations, on {DEVICE.type} in {want}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        kwargs = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                  "temperature": 0, "extra_body": {"ignore_eos": True}}
+        body = client.chat.completions.create(**kwargs)
+        assert body.usage.completion_tokens == 8 and body.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                           if c.choices)
+        assert streamed == body.choices[0].message.content
+    finally:
+        proc.stop()
