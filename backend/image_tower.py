@@ -71,6 +71,12 @@ class ImageTower:
         return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
 
 
+def quick_gelu_(h: torch.Tensor) -> torch.Tensor:
+    """h·σ(1.702·h) in place, as silu(1.702·h) / 1.702: no new tensor (written as h * sigmoid(1.702 * h),
+    the three fresh [1025, 1536] tensors of a CLIP layer cost 5x the arithmetic in page faults)."""
+    return F.silu(h.mul_(1.702), inplace=True).div_(1.702)
+
+
 def read_image_side(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                     unused: Callable[[str], bool], needed: list[str]) -> dict[str, torch.Tensor]:
     """The checkpoint's vision.* and projector.* tensors but the unused; ValueError naming one missing."""

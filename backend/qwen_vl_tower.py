@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.image_tower import ImageTower, read_image_side
+from backend.image_tower import ImageTower, quick_gelu_, read_image_side
 from backend.model import default_ops
 from kvyard.model_config import ModelConfig
 from kvyard.qwen_vl_config import QwenVisionConfig
@@ -124,7 +124,7 @@ class QwenVisionTower(ImageTower):
         if self.config.family == "qwen2_5_vl":
             return self._linear(self.ops.silu_mul(self._linear(x, p + "gate_up")), p + "down_proj")
         h = self._linear(x, p + "fc1")
-        h = h * torch.sigmoid(1.702 * h) if self.config.hidden_act == "quick_gelu" else F.gelu(h)
+        h = quick_gelu_(h) if self.config.hidden_act == "quick_gelu" else F.gelu(h)
         return self._linear(h, p + "fc2")
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
