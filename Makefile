@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora clean
+.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,13 @@ test-dashboard: setup
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	$(PY) -m pytest -q tests/launcher/test_local_cluster.py
 
+# On a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the engine (float32 and bfloat16), LoRA,
+# the encoder and Qwen2.5-VL on the GPU against transformers, then served models with the backend on the GPU.
+CUDA_SERVE_TESTS = tests/test_serve_families.py tests/test_serve_qwen_vl.py
+test-cuda: setup
+	$(PY) -m pytest -q -m cuda tests/backend
+	DEVICE=cuda DTYPE=float32 $(PY) -m pytest -q $(CUDA_SERVE_TESTS)
+
 # Schema fuzzing of the frontend's HTTP API (thousands of cases; make test runs a few hundred): no 5xx.
 fuzz: setup
 	KVYARD_FUZZ_EXAMPLES=150 $(PY) -m pytest -q -s tests/frontend/test_fuzz.py
@@ -79,6 +86,10 @@ $(addprefix bench-,$(BENCHES)): bench-%: setup
 # ~/.cache/kvyard, never into .venv) over the same two backends, with and without KV pressure.
 bench-routing: setup
 	$(PY) benchmarks/master_routing.py
+
+# The engine on a CUDA GPU (bfloat16, a 1.7B-shaped random model) vs transformers' generate on the same GPU.
+bench-cuda: setup
+	$(PY) benchmarks/cuda_engine.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

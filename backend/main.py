@@ -64,8 +64,8 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                         model_cfg.max_position_embeddings)
     model = LlamaModel(model_cfg, weights, max_positions=max_model_len)
     loaded, load_peak = resident_mb(), peak_resident_mb()
-    log.info("weights: %.0f MB as %s, %s, %s activations", model.weight_bytes() / 2**20, cfg.weight_format,
-             type(model.ops).__name__, cfg.activations)
+    log.info("weights: %.0f MB as %s, %s, %s activations, on %s in %s", model.weight_bytes() / 2**20,
+             cfg.weight_format, type(model.ops).__name__, cfg.activations, model.device.type, cfg.dtype)
     kv_dtype = getattr(torch, cfg.kv_cache_dtype)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
                                         model_cfg.head_dim, kv_dtype)

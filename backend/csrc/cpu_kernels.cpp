@@ -11,6 +11,7 @@
 
 #include "decode_step.h"
 #include "dequant_n16.h"
+#include "encoder_attention.h"
 #include "layer_ops.h"
 #include "prefill_attention.h"
 #include "qlinear.h"
@@ -355,6 +356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prefill chunk's causal attention over paged KV blocks (AVX-512)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("blocks"), py::arg("block_size"),
         py::arg("start"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
+  m.def("encoder_attention", &encoder_attention, "an encoder layer's attention over packed sequences (AVX-512)",
+        py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
