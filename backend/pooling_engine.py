@@ -20,7 +20,7 @@ from backend.engine_types import (CacheStatus, GenerationRequest, KVLayout, Pool
                                   PoolingResult, Pooled, PoolTask, ScoreRequest)
 from backend.pooling import run_task
 from backend.step_stats import StepStats
-from backend.step_threads import StepThreads
+from backend.step_threads import SMALL_STEP_TOKENS, StepThreads
 from backend.validation import check_token_ids
 from kvyard.aux_info import AuxInfo
 from kvyard.errors import ErrorCode, RequestError
@@ -65,7 +65,9 @@ class PoolingEngine:
         self._pending: deque[tuple[_Running, int]] = deque()  # (request, item index), FIFO
         self._running = 0
         self._version = 0
-        self._threads = StepThreads(torch.get_num_threads()) if model.device.type == "cpu" else None
+        # backend/step_threads.py: small steps and large ones each on the thread count measured cheaper
+        threads = torch.get_num_threads()
+        self._threads = (StepThreads(threads, first=1), StepThreads(threads)) if model.device.type == "cpu" else None
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(block_size=self.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
@@ -179,13 +181,15 @@ class PoolingEngine:
         if self._threads is None:
             return run_task(self.model, task, ids.to(device), type_ids.to(device), mask.to(device))
         before = torch.get_num_threads()
-        threads = self._threads.choose(ids.numel())  # backend/step_threads.py: one, or all when that is faster
+        large = ids.numel() > SMALL_STEP_TOKENS
+        chooser = self._threads[large]
+        threads = chooser.choose()
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         try:
             return run_task(self.model, task, ids, type_ids, mask)
-        finally:
-            self._threads.measured(threads, ids.numel(), time.perf_counter() - t0)
+        finally:  # small steps compared per step (mostly streaming the weights), large ones per padded token
+            chooser.measured(threads, (time.perf_counter() - t0) / (ids.numel() if large else 1))
             torch.set_num_threads(before)
 
     # ---- load reports (any thread) ----------------------------------------------------------

@@ -14,7 +14,7 @@ from backend.decoder_pooling import DecoderPoolingModel
 from backend.engine_types import PoolingRequest, PoolItem, PoolTask
 from backend.pooling import run_task
 from backend.pooling_engine import PoolingEngine
-from backend.step_threads import EXPLORE_EVERY, EXPLORE_MAX, ONE_THREAD_TOKENS, StepThreads
+from backend.step_threads import EXPLORE_EVERY, EXPLORE_MAX, SMALL_STEP_TOKENS, StepThreads
 from kvyard.pooling_model import ModelKind, load_pooling_spec
 from tests.backend.test_encoder import SENTENCES, _batch, _tokenizer, _values
 from tests.support.tiny_decoder_poolers import QUERY_PROMPT, tiny_decoder_pooler
@@ -101,9 +101,11 @@ def test_qwen3_causal_lm_logits_match_transformers(tmp_path: Path) -> None:
     assert torch.allclose(ours, theirs, atol=ATOL), (ours - theirs).abs().max()
 
 
-def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of at most ONE_THREAD_TOKENS padded tokens runs on one torch thread, the first larger one on
-    all; the engine thread's count is restored after each."""
+def test_small_and_large_steps_choose_their_thread_counts_apart(qwen3_embedder: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step of at most SMALL_STEP_TOKENS padded tokens runs on one torch thread, the first larger
+    one on all, the second small one on all (its chooser's first try of them); the engine thread's count is
+    restored after each."""
     import backend.pooling_engine as pooling_engine
     threads: list[int] = []
 
@@ -116,28 +118,27 @@ def test_small_steps_run_on_one_thread(qwen3_embedder: Path, monkeypatch: pytest
     torch.set_num_threads(2)
     engine = PoolingEngine(DecoderPoolingModel(load_pooling_spec(qwen3_embedder), torch.float32, CPU), "emb", 8, 4096)
     try:
-        for n in (5, ONE_THREAD_TOKENS + 1):
+        for n in (5, SMALL_STEP_TOKENS + 1, 5):
             engine.add(PoolingRequest(f"r{n}", [PoolItem(list(range(3, 3 + n)))], PoolTask.EMBED))
             assert len(engine.step()[0].outputs) == 1
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert threads == [1, 2]
+    assert threads == [1, 2, 2]
 
 
 def test_large_steps_run_on_the_thread_count_measured_faster() -> None:
     """Each count is tried once (all threads first), then the faster runs, the other tried after
     EXPLORE_EVERY large steps, the wait doubling after each try it loses (up to EXPLORE_MAX) and reset when
-    it wins; a count that turns slow loses its place."""
+    it wins; a count that turns slow loses its place. (The chooser of small steps tries one thread first.)"""
     chooser = StepThreads(2)
-    big = ONE_THREAD_TOKENS + 1
-    assert chooser.choose(ONE_THREAD_TOKENS) == 1 and StepThreads(1).choose(10 * big) == 1
+    assert StepThreads(2, first=1).choose() == 1 and StepThreads(1).choose() == 1
 
     def run(seconds: dict[int, float], steps: int) -> list[int]:
         picks = []
         for _ in range(steps):
-            picks.append(chooser.choose(big))
-            chooser.measured(picks[-1], big, seconds[picks[-1]])
+            picks.append(chooser.choose())
+            chooser.measured(picks[-1], seconds[picks[-1]])
         return picks
 
     n = EXPLORE_EVERY
