@@ -28,6 +28,8 @@ class ImageInput:
                                      # Qwen-VL: its patches [h·w, 3·t·p·p]
     embeds: torch.Tensor | None = None  # [placeholders, D] from a VIT process (VIT_ADDRESSES): no tower runs here
     grid: tuple[int, int, int] | None = None  # Qwen-VL: (t, h, w) patches, which M-RoPE's positions need
+    file: bytes | None = None        # the file, where the gRPC edge skipped preprocessing because the tower's
+                                     # cache held the digest (the engine preprocesses it if evicted since)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Image bytes → the tower's pixel tensor, as the checkpoint's preprocessor_config.json says (CLIP's steps:
 RGB, resize the shorter side, center crop, rescale, normalise; Qwen-VL's: resize to multiples of 28 pixels
 within its pixel budget, rescale, normalise, cut into patches), with Pillow. Runs at the gRPC edge, off the
-engine thread; a picture Pillow cannot read is the request's error."""
+engine thread; a picture Pillow cannot read is the request's error. An image whose embedding the tower
+already holds is only hashed and its size read from the header (Qwen-VL's grid): no decode, no patches."""
 from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Set
 
 import numpy as np
 import torch
@@ -55,36 +57,54 @@ def _normalise(img: Image.Image, rescale: float, mean: tuple[float, ...], std: t
     return (x - torch.tensor(mean, dtype=torch.float32)[:, None, None]) / torch.tensor(std, dtype=torch.float32)[:, None, None]
 
 
-def qwen_patches(img: Image.Image, v: QwenVisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Qwen-VL: the image resized to its grid, normalised and cut into patches [h·w, 3·t·p·p] (in 2×2
-    merge blocks, row-major, each patch's frame repeated t times: a still image is a clip of t equal
-    frames), and the (t, h, w) grid."""
-    t, gh, gw = v.grid(img.width, img.height)
+def qwen_patches(img: Image.Image, v: QwenVisionConfig, grid: tuple[int, int, int]) -> torch.Tensor:
+    """Qwen-VL: the image resized to its (t, h, w) grid, normalised and cut into patches [h·w, 3·t·p·p] (in
+    2×2 merge blocks, row-major, each patch's frame repeated t times: a still image is a clip of t equal
+    frames)."""
+    t, gh, gw = grid
     p, m, pre = v.patch_size, v.merge_size, v.preprocess
     if (img.width, img.height) != (gw * p, gh * p):
         img = img.resize((gw * p, gh * p), resample=Image.Resampling(pre.resample))
     x = _normalise(img, pre.rescale, pre.mean, pre.std)                            # [3, gh·p, gw·p]
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, p, p]
     x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, v.temporal_patch_size, -1, -1)
-    return x.reshape(gh * gw, 3 * v.temporal_patch_size * p * p), (t, gh, gw)
+    return x.reshape(gh * gw, 3 * v.temporal_patch_size * p * p)
 
 
-def prompt_images(files: list[bytes], vision: ImageSide | None) -> list[ImageInput]:
+def image_size(data: bytes, what: str = "image") -> tuple[int, int]:
+    """(width, height) from the file's header alone (nothing decoded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{what}: not a readable image ({exc})", what) from None
+
+
+def prompt_images(files: list[bytes], vision: ImageSide | None, cached: Set[bytes] = frozenset()) -> list[ImageInput]:
     """A request's image files → the engine's ImageInputs (decoded and preprocessed here, at the gRPC edge,
-    in a worker thread: the engine thread only runs the tower)."""
+    in a worker thread: the engine thread only runs the tower). cached: digests the tower holds (a hint:
+    ImageTower.known), whose files are not preprocessed."""
     if not files:
         return []
     if vision is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "this model takes no images (a text-only model)", "images")
-    return [image_input(data, vision, f"images[{i}]") for i, data in enumerate(files)]
+    return [image_input(data, vision, f"images[{i}]", cached) for i, data in enumerate(files)]
 
 
-def image_input(data: bytes, vision: ImageSide, what: str = "image") -> ImageInput:
+def image_input(data: bytes, vision: ImageSide, what: str = "image", cached: Set[bytes] = frozenset()) -> ImageInput:
+    digest = hashlib.sha256(data).digest()
+    if digest in cached:  # the same bytes decoded fine before; M-RoPE needs only the grid, from the size
+        grid = _grid(vision, image_size(data, what), what) if isinstance(vision, QwenVisionConfig) else None
+        return ImageInput(digest, None, grid=grid, file=data)
     img = decode_image(data, what)
     if isinstance(vision, QwenVisionConfig):
-        try:
-            patches, grid = qwen_patches(img, vision)
-        except ValueError as exc:  # too long and thin to resize
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{what}: {exc}", what) from None
-        return ImageInput(hashlib.sha256(data).digest(), patches, grid=grid)
-    return ImageInput(hashlib.sha256(data).digest(), pixels(img, vision.preprocess))
+        grid = _grid(vision, img.size, what)
+        return ImageInput(digest, qwen_patches(img, vision, grid), grid=grid)
+    return ImageInput(digest, pixels(img, vision.preprocess))
+
+
+def _grid(vision: QwenVisionConfig, size: tuple[int, int], what: str) -> tuple[int, int, int]:
+    try:
+        return vision.grid(*size)
+    except ValueError as exc:  # too long and thin to resize
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{what}: {exc}", what) from None

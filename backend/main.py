@@ -186,6 +186,7 @@ async def serve_backend(cfg: BackendConfig) -> None:
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address, grammars)
     servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it
     servicer.vision = engine_loop.engine.vision if isinstance(engine_loop.engine, Engine) else None
+    servicer.tower = engine_loop.engine.tower if isinstance(engine_loop.engine, Engine) else None
     if cfg.vit_addresses and servicer.vision is not None:  # the images go there; no tower was loaded here
         runner = engine_loop.engine.runner  # type: ignore[union-attr]
         servicer.vit = VitClient(cfg.vit_addresses, cfg.cluster_token, servicer.vision, runner.model.config.hidden_size,

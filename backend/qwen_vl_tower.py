@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.image_tower import ImageTower, read_image_side
+from backend.image_tower import ImageTower, quick_gelu_, read_image_side
+from backend.model import default_ops
 from kvyard.model_config import ModelConfig
 from kvyard.qwen_vl_config import QwenVisionConfig
 
@@ -25,6 +26,17 @@ class QwenVisionTower(ImageTower):
 
     config: QwenVisionConfig
 
+    def __init__(self, config: QwenVisionConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__(config, weights, dtype)
+        device = next(iter(weights.values())).device
+        self.ops = default_ops(device, dtype)  # the language model's RMSNorm and SiLU·up (C++ for float32 CPU)
+        if config.family == "qwen2_5_vl":  # gate and up in one GEMM, as the language model's gate_up
+            for i in range(config.num_layers):
+                p = f"vision.blocks.{i}.mlp."
+                for k in ("weight", "bias"):
+                    weights[f"{p}gate_up.{k}"] = torch.cat([weights.pop(f"{p}gate_proj.{k}"),
+                                                            weights.pop(f"{p}up_proj.{k}")])
+
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
         if grid is None:
             raise ValueError("a Qwen-VL image needs its patch grid")
@@ -36,8 +48,11 @@ class QwenVisionTower(ImageTower):
         c, w = self.config, self.w
         proj = w["vision.patch_embed.proj.weight"]
         x = F.linear(patches.to(device=proj.device, dtype=self.dtype), proj.reshape(proj.shape[0], -1))  # [N, C]
-        cos, sin = self._rotary(grid, x.device)                                  # [N, d] each
-        windows = self._windows(grid, x.device) if c.window_size else None
+        cos, sin = self._rotary(grid, x.device)                                  # [N, 1, 1, d] each
+        windows = None
+        if c.window_size:  # patches in window order once (as the model does), so a window is a slice
+            order, merged_order, windows = self._window_order(grid, x.device)
+            x, cos, sin = x[order], cos[order], sin[order]
         for i in range(c.num_layers):
             p = f"vision.blocks.{i}."
             groups = None if i in c.full_attention_layers else windows
@@ -45,7 +60,12 @@ class QwenVisionTower(ImageTower):
             x = x + self._mlp(self._norm(x, p + "norm2"), p + "mlp.")
         x = self._norm(x, "vision.merger.ln_q").reshape(-1, c.hidden_size * c.merge_size ** 2)  # [N/4, 4C]
         x = F.gelu(self._linear(x, "vision.merger.mlp.0"))
-        return self._linear(x, "vision.merger.mlp.2")                            # [N/4, D]
+        x = self._linear(x, "vision.merger.mlp.2")                               # [N/4, D]
+        if windows is None:
+            return x
+        out = torch.empty_like(x)
+        out[merged_order] = x                                                    # back to merge-block order
+        return out
 
     def _rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each patch's row and column rotate half the head's frequencies each, in merge-block order."""
@@ -57,12 +77,18 @@ class QwenVisionTower(ImageTower):
         inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(0, d // 2, 2, dtype=torch.float) / (d // 2)))  # [d/4]
         angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)            # [N, d/2]
         angles = torch.cat([angles, angles], dim=-1).to(device)                                     # [N, d]
-        return angles.cos(), angles.sin()
+        # _rope's sin carries rotate-half's sign: x·cos + swap_halves(x)·(-sin | sin)
+        sin = angles.sin()
+        sin[:, :d // 2].neg_()
+        return angles.cos()[:, None, None], sin[:, None, None]
 
-    def _windows(self, grid: tuple[int, int, int], device: torch.device) -> list[torch.Tensor]:
+    def _window_order(self, grid: tuple[int, int, int], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """Qwen2.5-VL's windows (window_size pixels square, counted in merged tokens from the top left; those
-        at the right and bottom edges cut short): token indices [k, L] for each group of k windows of L
-        tokens, so a windowed layer attends within each window in one call per group."""
+        at the right and bottom edges cut short) as an order of the patches in which each window is a run,
+        windows of one length next to each other: (the patches' order [N], the merged tokens' [N/4], and
+        (k windows, L patches each) per run of equal windows), so a windowed layer attends within each
+        window by one call per run over a view, with no gather."""
         t, gh, gw = grid
         m = self.config.merge_size
         side = self.config.window_size // m // self.config.patch_size  # merged tokens per window side
@@ -70,50 +96,49 @@ class QwenVisionTower(ImageTower):
         across = -(-lw // side)                                        # windows per row of windows
         unit = (torch.arange(lh)[:, None] // side * across + torch.arange(lw)[None, :] // side).flatten()
         unit = (torch.arange(t)[:, None] * (-(-lh // side) * across) + unit[None, :]).flatten()  # window of each merged token
-        order = torch.argsort(unit, stable=True)
-        by_length: dict[int, list[torch.Tensor]] = {}
-        for units in torch.split(order, torch.bincount(unit).tolist()):
-            if units.numel():  # a merged token's m² patches are consecutive
-                tokens = (units[:, None] * m * m + torch.arange(m * m)[None, :]).flatten()
-                by_length.setdefault(tokens.numel(), []).append(tokens)
-        return [torch.stack(group).to(device) for group in by_length.values()]
+        counts = torch.bincount(unit)                                  # merged tokens per window
+        merged_order = torch.argsort(counts[unit] * counts.numel() + unit, stable=True)
+        runs = [(int((counts == n).sum()), int(n) * m * m) for n in counts.unique().tolist() if n]
+        order = (merged_order[:, None] * m * m + torch.arange(m * m)[None, :]).flatten()  # a merged token's m² patches
+        return order.to(device), merged_order.to(device), runs
 
     def _attention(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
-                   windows: list[torch.Tensor] | None) -> torch.Tensor:
-        """Bidirectional attention over the whole image, or within each window (windows: _windows's groups)."""
+                   windows: list[tuple[int, int]] | None) -> torch.Tensor:
+        """Bidirectional attention over the whole image, or within each window (x in _window_order's order)."""
         n, width = x.shape
-        q, k, v = self._linear(x, p + "qkv").view(n, 3, self.config.num_heads, -1).unbind(1)  # [N, H, d] each
-        q, k = (_rope(a, cos, sin) for a in (q, k))
+        qkv = self._linear(x, p + "qkv").view(n, 3, self.config.num_heads, -1)   # [N, 3, H, d]
+        (q, k), v = _rope(qkv[:, :2], cos, sin).unbind(1), qkv[:, 2]          # [N, H, d] each
         if windows is None:  # 4-D: a 3-D input takes SDPA's math path on the CPU (~4x slower at 1024 patches)
             out = F.scaled_dot_product_attention(*(a.transpose(0, 1)[None] for a in (q, k, v)))[0]  # [H, N, d]
             return self._linear(out.transpose(0, 1).reshape(n, width), p + "proj")
-        out = torch.empty_like(q)
-        for idx in windows:                                                   # idx: [k, L] token indices
-            o = F.scaled_dot_product_attention(*(a[idx].transpose(1, 2) for a in (q, k, v)))  # [k, H, L, d]
-            out[idx] = o.transpose(1, 2)
-        return self._linear(out.reshape(n, width), p + "proj")
+        parts, start = [], 0
+        for count, length in windows:                                       # count windows of `length` patches
+            run = slice(start, start + count * length)
+            o = F.scaled_dot_product_attention(*(a[run].view(count, length, *a.shape[1:]).transpose(1, 2)
+                                                 for a in (q, k, v)))       # [count, H, length, d]
+            parts.append(o.transpose(1, 2).reshape(count * length, width))
+            start = run.stop
+        return self._linear(parts[0] if len(parts) == 1 else torch.cat(parts), p + "proj")
 
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         if self.config.family == "qwen2_5_vl":
-            return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")
+            return self._linear(self.ops.silu_mul(self._linear(x, p + "gate_up")), p + "down_proj")
         h = self._linear(x, p + "fc1")
-        h = h * torch.sigmoid(1.702 * h) if self.config.hidden_act == "quick_gelu" else F.gelu(h)
+        h = quick_gelu_(h) if self.config.hidden_act == "quick_gelu" else F.gelu(h)
         return self._linear(h, p + "fc2")
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if self.config.family == "qwen2_5_vl":  # RMSNorm, computed in float32
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _NORM_EPS)
-            return self.w[name + ".weight"] * h.to(x.dtype)
+            return self.ops.rms_norm(x, self.w[name + ".weight"], _NORM_EPS)
         return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], _NORM_EPS)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, d] rotated in float32 (pairs i, i + d/2); cos, sin [N, d]."""
+    """x [N, ..., d] rotated in float32 (pairs i, i + d/2); cos, sin [N, 1, 1, d] (sin signed: _rotary)."""
     h = x.float()
     half = h.shape[-1] // 2
-    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
-    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    swapped = torch.cat([h[..., half:], h[..., :half]], dim=-1)
+    return torch.addcmul(h * cos, swapped, sin).to(x.dtype)
 
 
 def load_qwen_tower(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> QwenVisionTower:

@@ -15,6 +15,7 @@ from backend.pd_transfer import DecodeChannels, prefill_then_hand_over, remote_d
 from backend.task_log import TaskInfo, TaskLog
 from backend.engine_types import ImageInput
 from backend.image_preprocess import prompt_images
+from backend.image_tower import ImageTower
 from backend.vit_client import VitClient
 from backend.pb_convert import (cache_status_to_pb, outputs_to_pb, pooling_request_from_pb, pooling_result_to_pb,
                                 request_from_pb, score_request_from_pb, score_result_to_pb, worker_status_to_pb)
@@ -40,6 +41,7 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
         self.tasks = TaskLog()                # running and finished calls, for /worker_status
         self.vision: ImageSide | None = None  # a vision model's image side: decodes its requests' images
         self.vit: VitClient | None = None        # VIT_ADDRESSES: a VIT process embeds them instead of our tower
+        self.tower: ImageTower | None = None     # our tower (the engine thread's): its `known` digests skip preprocessing
 
     async def GenerateStreamCall(self, request: pb.GenerateInputPB, context: grpc.aio.ServicerContext):
         """Each call is a task of /worker_status while it runs, then one of its finished tasks."""
@@ -94,7 +96,8 @@ class ModelRpcServicer(pb_grpc.ModelRpcServiceServicer):
                                "image prompt's KV from a PREFILL backend, not the images", "images")
         if self.vit is not None and self.vision is not None:
             return await self.vit.prompt_images(request.request_id, files)
-        return await asyncio.to_thread(prompt_images, files, self.vision)
+        cached = self.tower.known if self.tower is not None else frozenset()
+        return await asyncio.to_thread(prompt_images, files, self.vision, cached)
 
     async def RemoteDecode(self, request_iterator: AsyncIterator[pb.KVTransferPB],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RemoteDecodeReplyPB]:

@@ -61,11 +61,11 @@ def attach_images(seqs: Seq[Sequence], images: list[ImageInput], vision: ImageSi
     for (start, _), im in zip(spans, images):
         if im.embeds is not None:
             rows.append((start, im.embeds))
-        elif tower is None or im.pixels is None:
+        elif tower is None or (im.pixels is None and im.file is None):
             raise RequestError(ErrorCode.INTERNAL, "an image reached the engine with neither embeddings nor "
                                "a tower to run on its pixels")
         else:
-            rows.append((start, tower.embed(im.digest, im.pixels, im.grid)))
+            rows.append((start, tower.embed(im.digest, im.pixels, im.grid, im.file)))
     feature = ImageEmbeds(tuple(rows))
     for seq in seqs:
         seq.features = (*seq.features, feature)

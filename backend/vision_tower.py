@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.image_tower import ImageTower, read_image_side
+from backend.image_tower import ImageTower, quick_gelu_, read_image_side
 from backend.qwen_vl_tower import load_qwen_tower
 from kvyard.model_config import ModelConfig
 from kvyard.qwen_vl_config import QwenVisionConfig
@@ -23,6 +23,13 @@ class VisionTower(ImageTower):
     """CLIP + projector; engine thread only."""
 
     config: VisionConfig
+
+    def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__(config, weights, dtype)
+        for i in range(config.num_layers):  # q, k and v in one GEMM
+            p = f"vision.encoder.layers.{i}.self_attn."
+            for k in ("weight", "bias"):
+                weights[f"{p}qkv.{k}"] = torch.cat([weights.pop(f"{p}{m}_proj.{k}") for m in "qkv"])
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None) -> torch.Tensor:
         return self.forward(pixel_values[None])[0]
@@ -42,7 +49,7 @@ class VisionTower(ImageTower):
             p = f"vision.encoder.layers.{i}."
             x = x + self._attention(self._norm(x, p + "layer_norm1"), p + "self_attn.")
             h = self._linear(self._norm(x, p + "layer_norm2"), p + "mlp.fc1")
-            h = h * torch.sigmoid(1.702 * h) if c.hidden_act == "quick_gelu" else F.gelu(h)
+            h = quick_gelu_(h) if c.hidden_act == "quick_gelu" else F.gelu(h)
             x = x + self._linear(h, p + "mlp.fc2")
         if not c.keep_cls:
             x = x[:, 1:]
@@ -51,8 +58,7 @@ class VisionTower(ImageTower):
     def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
         b, n, width = x.shape
         heads = self.config.num_heads
-        q, k, v = (self._linear(x, p + name).view(b, n, heads, -1).transpose(1, 2)
-                   for name in ("q_proj", "k_proj", "v_proj"))                   # [B, H, N, d]
+        q, k, v = self._linear(x, p + "qkv").view(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, N, d] each
         out = F.scaled_dot_product_attention(q, k, v)                            # bidirectional
         return self._linear(out.transpose(1, 2).reshape(b, n, width), p + "out_proj")
 

@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from backend.engine_types import ImageInput
-from backend.image_preprocess import decode_image
+from backend.image_preprocess import image_size
 from backend.pb_convert import embedding_from_pb
 from backend.image_tower import EMBED_CACHE_BYTES
 from kvyard.cluster_auth import client_interceptors
@@ -74,7 +74,7 @@ class VitClient:
             return [(None, vision.num_image_tokens)] * len(files)
         out: list[tuple[tuple[int, int, int] | None, int]] = []
         for i, data in enumerate(files):
-            width, height = decode_image(data, f"images[{i}]").size
+            width, height = image_size(data, f"images[{i}]")  # the header: a bad file is the VIT's 400
             try:
                 out.append((vision.grid(width, height), vision.num_tokens(width, height)))
             except ValueError as exc:

@@ -69,7 +69,8 @@ class VitServicer(pb_grpc.ModelRpcServiceServicer):
 
     async def _embed_call(self, request: pb.EmbedImagesInputPB) -> pb.EmbedImagesOutputPB:
         try:
-            images = await asyncio.to_thread(prompt_images, [im.data for im in request.images], self.tower.config)
+            images = await asyncio.to_thread(prompt_images, [im.data for im in request.images], self.tower.config,
+                                             self.tower.known)
             self.waiting_images += len(images)
             try:
                 start = time.monotonic()
@@ -85,8 +86,7 @@ class VitServicer(pb_grpc.ModelRpcServiceServicer):
     def _embed(self, images: list[ImageInput]) -> list[torch.Tensor]:
         out = []
         for im in images:
-            assert im.pixels is not None
-            out.append(self.tower.embed(im.digest, im.pixels, im.grid))
+            out.append(self.tower.embed(im.digest, im.pixels, im.grid, im.file))
         return out
 
     async def GetWorkerStatus(self, request: pb.WorkerStatusRequestPB,

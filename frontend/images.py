@@ -11,6 +11,7 @@ import hashlib
 import io
 import ipaddress
 import socket
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,15 +65,39 @@ class LoadedImage:
     height: int
 
 
-async def load_images(sources: list[tuple[str, str]], limits: ImageLimits) -> list[LoadedImage]:
+class CheckedImages:
+    """The sizes of the images checked lately, by digest (LRU): the same file again is only hashed, not
+    decoded. Owned by the frontend's event loop (Pipeline)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._sizes: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+
+    def check(self, part: str, data: bytes) -> LoadedImage:
+        digest = hashlib.sha256(data).digest()
+        size = self._sizes.get(digest)
+        if size is not None:
+            self._sizes.move_to_end(digest)
+            return LoadedImage(data, digest, *size)
+        image = check_image(part, data, digest)
+        self._sizes[digest] = (image.width, image.height)
+        if len(self._sizes) > self.capacity:
+            self._sizes.popitem(last=False)
+        return image
+
+
+async def load_images(sources: list[tuple[str, str]], limits: ImageLimits,
+                      checked: CheckedImages | None = None) -> list[LoadedImage]:
     """sources: (the request part, e.g. "messages[0].content[1]", its URL) in prompt order."""
     if len(sources) > limits.max_count:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{len(sources)} images; at most {limits.max_count} per "
                            "request", sources[limits.max_count][0])
-    return list(await asyncio.gather(*(_load(part, url, limits) for part, url in sources)))
+    files = await asyncio.gather(*(_load(part, url, limits) for part, url in sources))
+    check = checked.check if checked is not None else check_image
+    return [check(part, data) for (part, _), data in zip(sources, files)]
 
 
-async def _load(part: str, url: str, limits: ImageLimits) -> LoadedImage:
+async def _load(part: str, url: str, limits: ImageLimits) -> bytes:
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         data = _data_uri(part, url, limits)
@@ -85,10 +110,10 @@ async def _load(part: str, url: str, limits: ImageLimits) -> LoadedImage:
         data = _local_file(part, url, limits)
     else:
         raise _bad(part, "an image must be a data: URI, an http(s) URL or a local file path")
-    return check_image(part, data)
+    return data
 
 
-def check_image(part: str, data: bytes) -> LoadedImage:
+def check_image(part: str, data: bytes, digest: bytes | None = None) -> LoadedImage:
     """The bytes decode as a picture of a sane size (decoded fully: a truncated file fails here, not later)."""
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -98,7 +123,7 @@ def check_image(part: str, data: bytes) -> LoadedImage:
             width, height = img.width, img.height
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise _bad(part, f"not a readable image ({type(exc).__name__}: {exc})") from None
-    return LoadedImage(data, hashlib.sha256(data).digest(), width, height)
+    return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height)
 
 
 def _data_uri(part: str, url: str, limits: ImageLimits) -> bytes:

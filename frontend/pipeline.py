@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.config import FrontendConfig
-from frontend.images import LoadedImage, load_images, with_images
+from frontend.images import CheckedImages, LoadedImage, load_images, with_images
 from frontend.protocol import SamplingRequest
 from frontend.lora_routes import adapter_of
 from frontend.routing import Router, model_to_route
@@ -67,6 +67,7 @@ class Pipeline:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.client = client
+        self.checked = CheckedImages()  # images decoded lately: the same file again is only hashed
 
     # --- prepare ---
 
@@ -83,7 +84,7 @@ class Pipeline:
         if sources and self.cfg.vision is None:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{sources[0][0]}: this model takes no images (a "
                                "text-only model)", sources[0][0])
-        return await load_images(sources, self.cfg.images)
+        return await load_images(sources, self.cfg.images, self.checked)
 
     @property
     def image_placeholder(self) -> str:

@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from frontend.images import ImageLimits, load_images
+from frontend import images
+from frontend.images import CheckedImages, ImageLimits, load_images
 from kvyard.errors import ErrorCode, RequestError
 from tests.support.image_server import BIG, PNG, image_server
 
@@ -54,6 +55,19 @@ def test_data_uri() -> None:
     refused("data:text/plain;base64,aGk=", "data:image/")
     refused(data_uri(BIG), "larger than 50000 bytes")
     refused("ftp://example.com/x.png", "data: URI, an http(s) URL or a local file")
+
+
+def test_an_image_seen_lately_is_only_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = CheckedImages(capacity=1)
+    first = asyncio.run(load_images([(PART, data_uri(PNG))], limits(), checked))[0]
+    monkeypatch.setattr(images, "check_image", lambda *a: pytest.fail("decoded an image seen lately"))
+    again = asyncio.run(load_images([(PART, data_uri(PNG))], limits(), checked))[0]
+    assert again == first and (again.width, again.height) == (40, 30)
+    monkeypatch.undo()
+    refused_twice = data_uri(PNG[: len(PNG) // 2])  # a refused file is not remembered: refused again
+    for _ in range(2):
+        with pytest.raises(RequestError, match="not a readable image"):
+            asyncio.run(load_images([(PART, refused_twice)], limits(), checked))
 
 
 def test_loopback_fetch_on_the_allow_list(server: str) -> None:
