@@ -6,7 +6,7 @@ over HTTP, same model (the embedded all-MiniLM-L6-v2), same dtype (float32), sam
 
 Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard and vLLM as one HTTP request
 per batch, sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch.
-The three are interleaved batch by batch (see interleaved()). Latency: the p50 of 50 requests of one short
+The three are interleaved batch by batch, each timed call after 0.3 s of idle (see interleaved()). Latency: the p50 of 50 requests of one short
 sentence each. kvyard runs as PDFUSION's embedding backend + frontend (the chat backend is a mock: no
 weights); vLLM as benchmarks/vllm_peer.py starts it (its own venv). kvyard and sentence-transformers get the
 same torch thread count, vLLM its OpenMP threads bound to every core. Each system's vectors are checked
@@ -102,9 +102,14 @@ def st_embedder(batch: int, threads: int) -> Iterator[Embed]:
     yield embed  # type: ignore[misc]
 
 
+SETTLE_S = 0.3
+
+
 def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> dict[str, tuple[float, float]]:
     """Each batch (then each one-sentence request) goes to every system in turn, the order rotating, so a
-    burst of load elsewhere on the machine lands on all of them alike. → name: (sentences/s, p50 ms)."""
+    burst of load elsewhere on the machine lands on all of them alike. → name: (sentences/s, p50 ms).
+    Before each timed call the machine idles SETTLE_S (untimed): the system that ran before may still hold the
+    cores (OpenMP threads spin-wait after a parallel region), which would be charged to the next one."""
     names = list(embedders)
     for name in names:  # warm-up
         for _ in range(3):
@@ -112,12 +117,14 @@ def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> di
     spent = dict.fromkeys(names, 0.0)
     for k, i in enumerate(range(0, len(texts), batch)):
         for name in names[k % len(names):] + names[:k % len(names)]:
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             embedders[name](texts[i:i + batch])
             spent[name] += time.perf_counter() - t
     lat: dict[str, list[float]] = {n: [] for n in names}
     for k in range(50):
         for name in names[k % len(names):] + names[:k % len(names)]:
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             embedders[name](["A short sentence."])
             lat[name].append(time.perf_counter() - t)
