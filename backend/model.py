@@ -31,9 +31,9 @@ def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
 def column_major_linears(weights: dict[str, Weight]) -> None:
     """The layers' dense matrices W [N, K] stored as W^T, contiguous (still seen as W: same shape, strides
     (1, N)): torch's float32 CPU GEMM computes x·W^T for a few rows (a prefill's uncached tail after a prefix
-    hit, small decode batches) ~1.2-1.3x faster from this layout and a whole prefill no slower (measured
-    on a 2-core AVX-512 Xeon, 576-wide 30-layer model: 9-row tail 85 → 69 ms, 281-row prefill 534 → 438 ms,
-    2 threads, a shared machine)."""
+    hit, small decode batches) faster from this layout. Measured in process on a shared 2-core AVX-512 Xeon,
+    576-wide 30-layer model, 2 threads: a 9-row tail 84-89 → 56-70 ms, a 281-row prefill 534 → 438 ms, 512
+    rows 704 → 643 ms, but 1049 rows 1485-1685 → 1586-1718 ms (2-7% slower; 1 thread 2373 → 2500 ms)."""
     for name, w in weights.items():
         if name.startswith("layers.") and isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous():
             weights[name] = w.t().contiguous().t()
