@@ -6,11 +6,11 @@ over HTTP, same model (the embedded all-MiniLM-L6-v2), same dtype (float32), sam
 
 Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard and vLLM as one HTTP request
 per batch, sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch.
-The three are interleaved batch by batch, each timed call after 0.3 s of idle (see interleaved()). Latency: the p50 of 50 requests of one short
-sentence each. kvyard runs as PDFUSION's embedding backend + frontend (the chat backend is a mock: no
-weights); vLLM as benchmarks/vllm_peer.py starts it (its own venv). kvyard and sentence-transformers get the
-same torch thread count, vLLM its OpenMP threads bound to every core. Each system's vectors are checked
-against sentence-transformers' (the lowest cosine is printed).
+The three are interleaved batch by batch, each timed call once the machine idles (see settle()). Latency: the
+p50 of 50 requests of one short sentence each. kvyard runs as PDFUSION's embedding backend + frontend (the chat
+backend is a mock: no weights); vLLM as benchmarks/vllm_peer.py starts it (its own venv). kvyard and
+sentence-transformers get the same torch thread count, vLLM its OpenMP threads bound to every core. Each
+system's vectors are checked against sentence-transformers' (the lowest cosine is printed).
 """
 from __future__ import annotations
 
@@ -102,14 +102,26 @@ def st_embedder(batch: int, threads: int) -> Iterator[Embed]:
     yield embed  # type: ignore[misc]
 
 
-SETTLE_S = 0.3
+def settle(idle_below: float = 0.1, window_s: float = 0.1, cap_s: float = 3.0) -> None:
+    """Wait (untimed) until the machine idles: the system that ran before may still hold a core. vLLM's
+    worker measured one core busy for ~1 s after each request; OpenMP threads spin-wait after a parallel
+    region. Either would be charged to the next system."""
+    def busy_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return ticks[0] + ticks[1] + ticks[2], sum(ticks)
+    deadline = time.monotonic() + cap_s
+    while time.monotonic() < deadline:
+        (b0, t0), _ = busy_total(), time.sleep(window_s)
+        b1, t1 = busy_total()
+        if (b1 - b0) <= idle_below * max(1, t1 - t0):
+            return
 
 
 def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> dict[str, tuple[float, float]]:
     """Each batch (then each one-sentence request) goes to every system in turn, the order rotating, so a
     burst of load elsewhere on the machine lands on all of them alike. → name: (sentences/s, p50 ms).
-    Before each timed call the machine idles SETTLE_S (untimed): the system that ran before may still hold the
-    cores (OpenMP threads spin-wait after a parallel region), which would be charged to the next one."""
+    Before each timed call the machine settles (see settle())."""
     names = list(embedders)
     for name in names:  # warm-up
         for _ in range(3):
@@ -117,14 +129,14 @@ def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> di
     spent = dict.fromkeys(names, 0.0)
     for k, i in enumerate(range(0, len(texts), batch)):
         for name in names[k % len(names):] + names[:k % len(names)]:
-            time.sleep(SETTLE_S)
+            settle()
             t = time.perf_counter()
             embedders[name](texts[i:i + batch])
             spent[name] += time.perf_counter() - t
     lat: dict[str, list[float]] = {n: [] for n in names}
     for k in range(50):
         for name in names[k % len(names):] + names[:k % len(names)]:
-            time.sleep(SETTLE_S)
+            settle()
             t = time.perf_counter()
             embedders[name](["A short sentence."])
             lat[name].append(time.perf_counter() - t)
