@@ -37,6 +37,7 @@ from kvyard.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = torch.device("cuda")
 PROMPT, TTFT_PROMPT, STREAMS = 128, 940, 32
+SMOLLM2_1_7B = {"layers": 24, "hidden": 2048, "heads": 32, "ffn": 8192}
 
 
 def sync() -> None:
@@ -104,12 +105,8 @@ def run_transformers(model: torch.nn.Module, batch: list[list[int]], out: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--ffn", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=int, default=128)
+    for name, default in {**SMOLLM2_1_7B, "rounds": 3, "out": 128}.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     global DEVICE
