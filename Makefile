@@ -47,7 +47,7 @@ test-dashboard: setup
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the engine (float32 and bfloat16), LoRA,
 # the encoder and Qwen2.5-VL on the GPU against transformers, then served models with the backend on the GPU.
-CUDA_SERVE_TESTS = tests/test_serve_families.py tests/test_serve_qwen_vl.py
+CUDA_SERVE_TESTS = tests/test_serve_families.py tests/test_serve_qwen_vl.py tests/test_serve_lora.py tests/test_serve_vision.py tests/test_serve_vit.py
 test-cuda: setup
 	$(PY) -m pytest -q -m cuda tests/backend
 	DEVICE=cuda DTYPE=float32 $(PY) -m pytest -q $(CUDA_SERVE_TESTS)
