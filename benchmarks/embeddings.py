@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from role_procs import ProcessGroup, wait_healthy  # noqa: E402
+from role_procs import ProcessGroup, settle, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(__import__("role_procs").REPO))
 from kvyard.pooling_model import EMBEDDED_EMBEDDING_NAME, embedded_embedding_path  # noqa: E402
@@ -100,22 +100,6 @@ def st_embedder(batch: int, threads: int) -> Iterator[Embed]:
         out = model.encode(texts, batch_size=batch)
         return out.tolist() if vectors else None
     yield embed  # type: ignore[misc]
-
-
-def settle(idle_below: float = 0.1, window_s: float = 0.1, cap_s: float = 3.0) -> None:
-    """Wait (untimed) until the machine idles: the system that ran before may still hold a core. vLLM's
-    worker measured one core busy for ~1 s after each request; OpenMP threads spin-wait after a parallel
-    region. Either would be charged to the next system."""
-    def busy_total() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return ticks[0] + ticks[1] + ticks[2], sum(ticks)
-    deadline = time.monotonic() + cap_s
-    while time.monotonic() < deadline:
-        (b0, t0), _ = busy_total(), time.sleep(window_s)
-        b1, t1 = busy_total()
-        if (b1 - b0) <= idle_below * max(1, t1 - t0):
-            return
 
 
 def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> dict[str, tuple[float, float]]:

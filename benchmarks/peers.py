@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peer_servers import CACHE, kvyard_server, llama_server, tree_rss_mb  # noqa: E402
+from role_procs import settle  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
 OUT_TOKENS = 96
@@ -216,6 +217,7 @@ def main() -> None:
         names = list(servers)
         for r in range(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
+                settle()  # the server before may still hold a core (vLLM's worker: ~1 s after a request)
                 (client, model), (ttft_client, ttft_model), _ = servers[name]
                 got = samples.setdefault(name, {})
                 got.setdefault("single", []).append(measure_single(client, model, n_single, 1 + 10 * r))

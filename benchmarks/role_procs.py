@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -13,7 +14,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.support.procs import stop_groups, wait_healthy  # noqa: E402  (the tests' helpers, shared)
 
-__all__ = ["ProcessGroup", "REPO", "stop_groups", "wait_healthy"]
+__all__ = ["ProcessGroup", "REPO", "settle", "stop_groups", "wait_healthy"]
 
 
 class ProcessGroup:
@@ -41,3 +42,19 @@ class ProcessGroup:
         stop_groups(self.procs, grace_s)
         self.procs.clear()
         self.names.clear()
+
+
+def settle(idle_below: float = 0.1, window_s: float = 0.1, cap_s: float = 3.0) -> None:
+    """Wait (untimed) until the machine idles: the system that ran before may still hold a core. vLLM's
+    worker measured one core busy for ~1 s after each request; OpenMP threads spin-wait after a parallel
+    region. Either would be charged to the next system."""
+    def busy_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return ticks[0] + ticks[1] + ticks[2], sum(ticks)
+    deadline = time.monotonic() + cap_s
+    while time.monotonic() < deadline:
+        (b0, t0), _ = busy_total(), time.sleep(window_s)
+        b1, t1 = busy_total()
+        if (b1 - b0) <= idle_below * max(1, t1 - t0):
+            return

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peer_servers import kvyard_server, tree_rss_mb  # noqa: E402
+from role_procs import settle  # noqa: E402
 from peers import (client_for, kvyard_settings_line, measure_agg, measure_single, measure_ttft,  # noqa: E402
                    start_servers)
 from scale_model import scale_gguf  # noqa: E402
@@ -92,6 +93,7 @@ def main() -> None:
         names = list(servers)
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
+                settle()  # the server before may still hold a core (vLLM's worker: ~1 s after a request)
                 (client, model), (ttft_client, ttft_model), _ = servers[name]
                 got = samples.setdefault(name, {})
                 if "single" in workloads:
