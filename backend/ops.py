@@ -217,10 +217,11 @@ class KernelOps(TorchOps):
             out[meta.decode_rows] = self.k.decode_attention(
                 q[meta.decode_rows], cache.data[layer, 0], cache.data[layer, 1], meta.decode_blocks,
                 meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5, window)
-        if not self.prefill_kernel:
+        if self.prefill_kernel:
+            for span in meta.prefills:
+                out[span.rows] = self._prefill(q[span.rows], cache, layer, span, window)
+        else:
             attend_prefills(q, cache, layer, meta, out, window)
-        for span in meta.prefills if self.prefill_kernel else ():
-            out[span.rows] = self._prefill(q[span.rows], cache, layer, span, window)
         return out
 
     def _prefill(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan, window: int) -> torch.Tensor:
