@@ -47,14 +47,14 @@ inline void scores_pass512(const float* q, const T* kc, const int64_t* slots, in
   }
 }
 
-// out[g] = Σ_p w[g][p] V_p for GC heads over keys [0, n): every V row once, all GC heads against it.
+// out[g] += Σ_p w[g][p] V_p for GC heads over keys [0, n): every V row once, all GC heads against it.
 template <int64_t NV, int GC, typename T>
 inline void values_pass512(const float* w, int64_t np, const T* vc, const int64_t* slots, int64_t n, int64_t Hkv,
                            int64_t kvh, float* out) {
   constexpr int64_t d = NV * 16;
   __m512 acc[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int64_t i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(out + g * d + 16 * i);
   for (int64_t p = 0; p < n; ++p) {
     const T* v = vc + (slots[p] * Hkv + kvh) * d;
     __m512 wg[GC];

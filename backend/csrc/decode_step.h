@@ -217,11 +217,13 @@ class FusedDecoder {
 #pragma omp barrier
           mark(tid, ROPE_STORE);
           int64_t i0, i1;
-          split_range(B * Hkv_, tid, nt, i0, i1);
+          const HeadItems items(B, Hkv_, nt);
+          split_range(items.count(B), tid, nt, i0, i1);
           const DecodeHeads heads{q_.data(), attn_.data(), H_, d_, scale_};
           const auto kv = paged_kv<T>(kc, vc, tp, nblk, block_size, Hkv_);
           for (int64_t i = i0; i < i1; ++i)
-            attend(heads, kv, i / Hkv_, i % Hkv_, lp[i / Hkv_], windows_[l], sc.attention);
+            attend(heads, kv, items.row(i), items.first(i), items.last(i), lp[items.row(i)], windows_[l],
+                   sc.attention);
 #pragma omp barrier
           mark(tid, ATTENTION);
           if (loras.any()) lora_shrink(loras, attn_.data(), H_ * d_, l, LORA_O, tid, nt);

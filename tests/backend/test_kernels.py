@@ -195,6 +195,30 @@ def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: t
         K.decode_attention(q, cache.data[0, 0], cache.data[0, 1], table + 64, lens, bs, head_dim ** -0.5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 24])
+def test_decode_attention_row_alone_equals_its_batch(kv_dtype: torch.dtype, window: int, isa: str) -> None:
+    """A row decoding alone has its KV heads split into ranges (work items for the threads); in a batch
+    of 8 each row is one item over all its heads. Either way each head's sums run in the same order: the
+    same bits, and gather + SDPA's answer. 12 KV heads of 64 (no grouping, as SmolLM2-1.7B's 32)."""
+    torch.manual_seed(7)
+    bs, n_heads, head_dim = 16, 12, 64
+    cache = KVCache(1, 112, bs, n_heads, head_dim, kv_dtype, torch.device("cpu"))
+    cache.data.normal_()
+    lens = torch.tensor([1, 9, 16, 40, 77, 130, 200, 31])
+    table = torch.randperm(112)[:8 * 13].view(8, 13)
+    q = torch.randn(len(lens), n_heads, head_dim) * 3
+    batch = K.decode_attention(q, cache.data[0, 0], cache.data[0, 1], table, lens, bs, head_dim ** -0.5, window)
+    for b in range(len(lens)):
+        alone = K.decode_attention(q[b:b + 1], cache.data[0, 0], cache.data[0, 1], table[b:b + 1], lens[b:b + 1],
+                                   bs, head_dim ** -0.5, window)
+        assert torch.equal(alone[0], batch[b]), b
+    mask = (torch.arange(13 * bs)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
+                             decode_blocks=table, decode_key_mask=mask, decode_lens=lens, prefills=[])
+    torch.testing.assert_close(batch, attend_decode_gathered(q, cache, 0, meta, window), rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_off_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     from backend.model import default_ops
     monkeypatch.setattr(kernels, "_cached", [None])
