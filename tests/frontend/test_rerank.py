@@ -42,8 +42,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tupl
     (url_r, procs_r), (url_c, procs_c) = _serve(reranker, logs, "reranker"), _serve(classifier, logs, "classifier")
     procs = procs_r + procs_c
     try:
-        for url in (url_r, url_c):
-            procs[0].wait_healthy(f"{url}/health", timeout_s=180)
+        for url, frontend in ((url_r, procs_r[-1]), (url_c, procs_c[-1])):
+            frontend.wait_healthy(f"{url}/health", timeout_s=180)  # its own process: an exit fails at once, with its log
         yield {"reranker": (url_r, reranker), "classifier": (url_c, classifier)}
     finally:
         for p in procs:
