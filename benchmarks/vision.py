@@ -2,7 +2,7 @@
 realistic widths: a 12-layer ViT-S/14 tower, 1024 image tokens, a 135M-parameter Llama), kvyard over HTTP
 (the real PDFUSION cluster, the openai-style chat route, the image as a data: URI) against transformers'
 LlavaForConditionalGeneration.generate in process (its CLIP image processor included), both float32 on the
-same machine and thread count, in the same run. --family qwen2_5_vl: the same widths as a Qwen2.5-VL (a
+same machine and thread count, in the same run, each timed call once the machine idles (role_procs.settle). --family qwen2_5_vl: the same widths as a Qwen2.5-VL (a
 12-layer windowed tower, 256 image tokens after the 2×2 merge, Qwen2 with M-RoPE) against
 Qwen2_5_VLForConditionalGeneration (its Qwen2-VL image processor included). Then the same image again: kvyard's embedding cache and
 prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from role_procs import REPO, ProcessGroup, wait_healthy  # noqa: E402
+from role_procs import REPO, ProcessGroup, settle, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from kvyard.ports import free_port_block  # noqa: E402
@@ -63,6 +63,7 @@ def bench_kvyard(path: Path, images: list[bytes], threads: int) -> tuple[list[fl
             client.post("/v1/chat/completions", json=chat_body(png_bytes(SIDE, SIDE, seed=999))).raise_for_status()
             for image in images:
                 for times in (first, again):
+                    settle()  # each timed call once the machine idles (the last one's threads may still spin)
                     t = time.perf_counter()
                     r = client.post("/v1/chat/completions", json=chat_body(image))
                     r.raise_for_status()
@@ -116,6 +117,7 @@ def bench_transformers_qwen(path: Path, images: list[bytes], threads: int) -> li
                                              + QUESTION}], tokenize=False, add_generation_prompt=True)
     out = []
     for image in [png_bytes(SIDE, SIDE, seed=999), *images]:
+        settle()
         t = time.perf_counter()
         inputs = processor(images=[decode_image(image)], return_tensors="pt")
         n = int(inputs["image_grid_thw"].prod()) // 4
@@ -144,6 +146,7 @@ def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[fl
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     out = []
     for image in [png_bytes(SIDE, SIDE, seed=999), *images]:
+        settle()
         t = time.perf_counter()
         pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
