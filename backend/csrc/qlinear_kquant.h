@@ -99,6 +99,8 @@ inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t*
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sb = b / SUPER;
+    prefetch_ahead<R>(codes + (b + kAhead) * (KIND == BlockKind::Q4_K ? 256 : 384), KIND == BlockKind::Q4_K ? 256 : 384);
+    if (b % 2 == 0) prefetch_ahead<R>(sub + (b + kAhead) * 32, 64);
     if constexpr (KIND == BlockKind::Q4_K) {
       __m512i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
@@ -163,6 +165,8 @@ inline void group_rows16_q6k_vbmi(const uint8_t* codes, const half_t* d, const u
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* cb = codes + b * 384;
     const int32_t* xb = xq + b * 16;
+    prefetch_ahead<R>(cb + kAhead * 384, 384);
+    if (b % 2 == 0) prefetch_ahead<R>(sub + (b + kAhead) * 32, 64);
     __m512i dot[2][C][R];
     for (int h = 0; h < 2; ++h)
       for (int c = 0; c < C; ++c)

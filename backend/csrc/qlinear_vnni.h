@@ -77,6 +77,17 @@ inline __m512i group_weights(const uint8_t* codes, int64_t b, int64_t j) {
   }
 }
 
+// Up to 8 token rows stream the weights at memory speed: each block asks for the bytes kAhead blocks further
+// on (its codes, and its scales every other block), so more of a core's memory reads are in flight than the
+// hardware prefetcher keeps (the 1.7B's one-row step 78 -> 57-64 ms, 8 rows 184 -> 169 ms; 12-row chunks,
+// bound by arithmetic, gain nothing). Past a matrix's end the hint reads nothing (prefetches do not fault).
+constexpr int64_t kAhead = 8;
+template <int R>
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  if constexpr (R <= 8)
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 // y[r, 0..15] for R token rows of x (rows of ldq words and lds scales) against one group of 16 rows.
 template <bool Q4, int R>
 inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mins, int64_t nb, const int32_t* xq,
@@ -84,6 +95,9 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_ahead<R>(codes + (b + kAhead) * (Q4 ? 256 : 512), Q4 ? 256 : 512);
+    if (b % 2 == 0) prefetch_ahead<R>(d + (b + kAhead) * 16, 64);
+    if (Q4 && b % 2 == 0) prefetch_ahead<R>(mins + (b + kAhead) * 16, 64);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     // Unrolled: as a loop, GCC copies every accumulator twice a step (1.1-1.6x at 1-32 rows, Ice Lake).
