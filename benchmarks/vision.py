@@ -2,10 +2,10 @@
 realistic widths: a 12-layer ViT-S/14 tower, 1024 image tokens, a 135M-parameter Llama), kvyard over HTTP
 (the real PDFUSION cluster, the openai-style chat route, the image as a data: URI) against transformers'
 LlavaForConditionalGeneration.generate in process (its CLIP image processor included), both float32 on the
-same machine and thread count, in the same run, each timed call once the machine idles (role_procs.settle). --family qwen2_5_vl: the same widths as a Qwen2.5-VL (a
-12-layer windowed tower, 256 image tokens after the 2×2 merge, Qwen2 with M-RoPE) against
-Qwen2_5_VLForConditionalGeneration (its Qwen2-VL image processor included). Then the same image again: kvyard's embedding cache and
-prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
+same machine and thread count, in the same run, each timed call once the machine idles (role_procs.settle).
+--family qwen2_5_vl: the same widths as a Qwen2.5-VL (a 12-layer windowed tower, 256 image tokens after the
+2×2 merge, Qwen2 with M-RoPE) against Qwen2_5_VLForConditionalGeneration (its Qwen2-VL image processor
+included). Then the same image again: kvyard's embedding cache and prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
 projector only) and a backend (the whole model, KV_CACHE_MB=16) on the same checkpoint and prints each
 one's peak resident memory after loading.
 

@@ -193,7 +193,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   with_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
     const auto kv = paged_kv(kc, vc, tp, nblk, block_size, Hkv);
     const HeadItems items(B, Hkv, at::get_num_threads());
-    at::parallel_for(0, items.count(B), 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, items.count(), 1, [&](int64_t i0, int64_t i1) {
       AttentionScratch s;
       for (int64_t i = i0; i < i1; ++i)
         attend(heads, kv, items.row(i), items.first(i), items.last(i), lp[items.row(i)], window, s);

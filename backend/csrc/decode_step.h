@@ -218,7 +218,7 @@ class FusedDecoder {
           mark(tid, ROPE_STORE);
           int64_t i0, i1;
           const HeadItems items(B, Hkv_, nt);
-          split_range(items.count(B), tid, nt, i0, i1);
+          split_range(items.count(), tid, nt, i0, i1);
           const DecodeHeads heads{q_.data(), attn_.data(), H_, d_, scale_};
           const auto kv = paged_kv<T>(kc, vc, tp, nblk, block_size, Hkv_);
           for (int64_t i = i0; i < i1; ++i)

@@ -203,9 +203,10 @@ struct DecodeHeads {
 // Decode attention's work items: row b's KV heads split into `split` ranges (item i: row i / split, range
 // i % split), enough items for every thread to have a few when few rows decode, whole rows otherwise.
 struct HeadItems {
-  int64_t split, Hkv;
-  HeadItems(int64_t B, int64_t hkv, int64_t threads) : split(std::clamp<int64_t>((2 * threads + B - 1) / B, 1, hkv)), Hkv(hkv) {}
-  int64_t count(int64_t B) const { return B * split; }
+  int64_t rows, Hkv, split;
+  HeadItems(int64_t B, int64_t hkv, int64_t threads)
+      : rows(B), Hkv(hkv), split(std::clamp<int64_t>((2 * threads + B - 1) / B, 1, hkv)) {}
+  int64_t count() const { return rows * split; }
   int64_t row(int64_t i) const { return i / split; }
   int64_t first(int64_t i) const { return i % split * Hkv / split; }
   int64_t last(int64_t i) const { return (i % split + 1) * Hkv / split; }

@@ -97,9 +97,10 @@ inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t*
                            const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384;  // a block's codes for the 16 rows
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sb = b / SUPER;
-    prefetch_ahead<R>(codes + (b + kAhead) * (KIND == BlockKind::Q4_K ? 256 : 384), KIND == BlockKind::Q4_K ? 256 : 384);
+    prefetch_ahead<R>(codes + (b + kAhead) * code_bytes, code_bytes);
     if (b % 2 == 0) prefetch_ahead<R>(sub + (b + kAhead) * 32, 64);
     if constexpr (KIND == BlockKind::Q4_K) {
       __m512i dot[R];

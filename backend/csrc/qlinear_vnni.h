@@ -94,8 +94,9 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
                          const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t code_bytes = Q4 ? 256 : 512;  // a block's codes for the 16 rows
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_ahead<R>(codes + (b + kAhead) * (Q4 ? 256 : 512), Q4 ? 256 : 512);
+    prefetch_ahead<R>(codes + (b + kAhead) * code_bytes, code_bytes);
     if (b % 2 == 0) prefetch_ahead<R>(d + (b + kAhead) * 16, 64);
     if (Q4 && b % 2 == 0) prefetch_ahead<R>(mins + (b + kAhead) * 16, 64);
     __m512i dot[R];
