@@ -1,6 +1,7 @@
 """BackendConfig: built once from the environment by the role launcher, then passed down."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from kvyard.ports import backend_grpc_port, backend_http_port, start_port
 from kvyard.roles import Role, parse_role
 from kvyard.tokenizer import TextTokenizer
 
-
+log = logging.getLogger("kvyard.backend")
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -28,6 +29,7 @@ class BackendConfig:
     kv_cache_dtype: str          # KV_CACHE_DTYPE: "float16" for the CPU kernels by default, else dtype
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     activations: str             # ACTIVATIONS: what the GGUF-block linears multiply by, "int16" or "float32"
+    prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in (kernels.PREFILL_GEMMS)
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once
@@ -83,7 +85,8 @@ class BackendConfig:
             device=device,
             dtype=dtype,
             weight_format=weight_format,
-            activations=_activations(env, weight_format),
+            activations=(activations := _activations(env, weight_format)),
+            prefill_gemm=_prefill_gemm(env, activations),
             kv_cache_dtype=_kv_cache_dtype(env, dtype, weight_format),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
@@ -174,6 +177,23 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
     if choice == "int16" and not vnni:
         raise ValueError("ACTIVATIONS=int16 needs a CPU with AVX-512 VNNI; this one runs float32 activations")
     return "int16" if choice == "int16" or (choice == "auto" and vnni) else "float32"
+
+
+def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
+    """auto: kernels.default_prefill_gemm() (bfloat16 through AMX where the CPU has it, else float32 on
+    exactly dequantized tiles). Only prefill chunks (ops.N16_GEMM_ROWS rows or more) over int16-activation
+    weights read it; decode steps keep the int16 kernels and their batch-invariant bits."""
+    from backend import kernels
+    choice = env_choice(env, "PREFILL_GEMM", "auto", ("auto", *kernels.PREFILL_GEMMS))
+    if choice not in ("auto", "float32") and activations != "int16":
+        raise ValueError(f"PREFILL_GEMM={choice} applies to int16 activations (ACTIVATIONS=int16, AVX-512 VNNI); "
+                         f"this backend runs {activations} activations")
+    if choice == "bfloat16" and not kernels.cpu_has_native_bf16():
+        log.warning("PREFILL_GEMM=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16: oneDNN emulates it, "
+                    "several times slower than float32")
+    if activations != "int16":
+        return "float32"  # float32-activation blocks: prefill chunks dequantize to float32 and call the GEMM
+    return kernels.default_prefill_gemm() if choice == "auto" else choice
 
 
 def _default_device() -> str:

@@ -4,6 +4,7 @@
 the model then uses the pure-PyTorch path, which is also the reference in tests."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -30,11 +31,12 @@ def _source_digest() -> str:
 _cached: list[ModuleType | None] = []
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def cpu_supports_avx2() -> bool:
@@ -42,11 +44,20 @@ def cpu_supports_avx2() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def int16_prefill_beats_gemm() -> bool:
-    """Whether prefill-sized batches over n16 weights should stay on the int16 kernels: on Intel CPUs with
-    AMX (whose int16 kernels measured ~300 GFLOP/s against the float32 GEMM's 259, docs/performance.md);
-    elsewhere (AVX-512 VNNI without AMX) the float32 GEMM on dequantized tiles measured 1.3-1.9x faster."""
-    return "amx_tile" in cpu_flags()
+PREFILL_GEMMS = ("int16", "float32", "bfloat16")
+
+
+def default_prefill_gemm() -> str:
+    """What prefill-sized batches over n16 weights (int16 activations) multiply in by default: bfloat16
+    through oneDNN where the CPU has AMX-BF16 (tile multiply-adds; the issue's AMX Xeon ran torch.matmul
+    bf16 at 977 GFLOP/s, its int16 kernels ~300 and the float32 GEMM 259: docs/performance.md);
+    elsewhere float32 on exactly dequantized tiles (AVX-512 VNNI without AMX: 1.3-1.9x the int16 kernels)."""
+    return "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether bfloat16 matrix products run in hardware here (AMX-BF16 or AVX512-BF16), not emulated."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def load(verbose: bool = False) -> ModuleType | None:

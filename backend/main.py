@@ -24,7 +24,7 @@ from backend.http_server import create_backend_http_app
 from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.lora import LoraRegistry
-from backend.model import LlamaModel
+from backend.model import LlamaModel, default_ops
 from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
 from backend.registration import register_forever
@@ -62,10 +62,13 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
                            block_layout="n16" if cfg.activations == "int16" else "rows")
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
-    model = LlamaModel(model_cfg, weights, max_positions=max_model_len)
+    ops = default_ops(device, torch.float32, cfg.prefill_gemm) if cfg.weight_format == "gguf" else None
+    model = LlamaModel(model_cfg, weights, ops=ops, max_positions=max_model_len)
     loaded, load_peak = resident_mb(), peak_resident_mb()
-    log.info("weights: %.0f MB as %s, %s, %s activations, on %s in %s", model.weight_bytes() / 2**20,
-             cfg.weight_format, type(model.ops).__name__, cfg.activations, model.device.type, cfg.dtype)
+    log.info("weights: %.0f MB as %s, %s, %s activations%s, on %s in %s", model.weight_bytes() / 2**20,
+             cfg.weight_format, type(model.ops).__name__, cfg.activations,
+             f" (prefill chunks: {cfg.prefill_gemm} GEMM)" if cfg.activations == "int16" else "",
+             model.device.type, cfg.dtype)
     kv_dtype = getattr(torch, cfg.kv_cache_dtype)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
                                         model_cfg.head_dim, kv_dtype)

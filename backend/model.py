@@ -18,13 +18,14 @@ from kvyard.model_config import ModelConfig, RopeScaling
 log = logging.getLogger("kvyard.backend")
 
 
-def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """The C++ kernels for float32 on a CPU that has them; plain PyTorch everywhere else (CUDA, bf16)."""
+def default_ops(device: torch.device, dtype: torch.dtype, prefill_gemm: str = "auto") -> TorchOps:
+    """The C++ kernels for float32 on a CPU that has them; plain PyTorch everywhere else (CUDA, bf16).
+    prefill_gemm: KernelOps' (BackendConfig.prefill_gemm)."""
     if device.type == "cpu" and dtype == torch.float32:
         from backend import kernels
         module = kernels.load()
         if module is not None:
-            return KernelOps(module)
+            return KernelOps(module, prefill_gemm)
     return TorchOps()
 
 

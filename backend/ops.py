@@ -27,9 +27,9 @@ Weight = torch.Tensor | BlockWeight
 DENSE_ROWS = 64
 DENSE_MAX_NUMEL = 8 << 20
 # From this many rows a linear over "n16" blocks dequantizes tiles of the weight (exactly, float32) and
-# calls the GEMM instead of the int16 kernel (prefill chunks), on CPUs where that is faster
-# (kernels.int16_prefill_beats_gemm). Measured on an Intel Xeon with AVX-512 VNNI but no AMX or AVX512-BF16,
-# 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K) to 1.9x (Q6_K) the kernel's rate, and exact
+# calls the GEMM instead of the int16 kernel (prefill chunks), in the dtype PREFILL_GEMM picks
+# (kernels.default_prefill_gemm: bfloat16 where the CPU has AMX-BF16, else float32). Measured on an Intel
+# Xeon with AVX-512 VNNI but no AMX or AVX512-BF16, 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K) to 1.9x (Q6_K) the kernel's rate, and exact
 # float32 activations. Decode batches (at most 64 rows, the fused step) never reach it: they keep the
 # int16 kernels and their batch-invariant bits.
 N16_GEMM_ROWS = 256
@@ -38,6 +38,24 @@ N16_GEMM_ROWS = 256
 # other head size (Llama-family checkpoints with 16, 80 or 100 exist) runs attention in PyTorch, op by
 # op; the linears, norms and RoPE stay in the kernels.
 KERNEL_HEAD_DIMS = frozenset({32, 64, 96, 128})
+
+
+def bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (float32) with both operands rounded to bfloat16, the products summed and returned in float32:
+    oneDNN's bf16 "fpmath mode" where the CPU multiplies bfloat16 (AMX-BF16, AVX512-BF16); elsewhere the
+    same numbers computed from explicitly rounded copies (slowly: PREFILL_GEMM=bfloat16 forced, tests).
+    A bfloat16 result would round every output to 8 significant bits: measured on the embedded 135M's
+    prefill, top-1 agreement 0.979 that way against 0.995 with float32 results."""
+    from backend.kernels import cpu_has_native_bf16
+    if not cpu_has_native_bf16():
+        return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()
+    knob = torch.backends.mkldnn.matmul
+    before = knob.fp32_precision
+    knob.fp32_precision = "bf16"
+    try:
+        return a @ b
+    finally:
+        knob.fp32_precision = before
 
 
 class TorchOps:
@@ -94,15 +112,18 @@ class TorchOps:
 class KernelOps(TorchOps):
     """The C++ kernels (float32 on the CPU); QuantWeight or dense float32 weights."""
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: ModuleType, prefill_gemm: str = "auto") -> None:
+        """prefill_gemm: what prefill chunks over n16 weights multiply in (kernels.PREFILL_GEMMS; auto:
+        kernels.default_prefill_gemm(), BackendConfig's PREFILL_GEMM)."""
         self.k = kernels
         # One dense weight at a time, reused by every layer: a fresh 10+ MB buffer per matmul costs
         # more in page faults than the decode itself.
         self._dense = torch.empty(0)
-        # Prefill-sized batches over n16 weights through the GEMM (N16_GEMM_ROWS), where that is faster.
-        from backend.kernels import int16_prefill_beats_gemm
-        self.n16_gemm = not int16_prefill_beats_gemm()
-        # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
+        # Prefill-sized batches over n16 weights through the GEMM (N16_GEMM_ROWS) in this dtype; None: the
+        # int16 kernels at every size.
+        from backend.kernels import default_prefill_gemm
+        choice = default_prefill_gemm() if prefill_gemm == "auto" else prefill_gemm
+        self.n16_gemm: torch.dtype | None = None if choice == "int16" else getattr(torch, choice)        # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
         self.prefill_kernel = kernels.has_avx512()
 
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:
@@ -159,7 +180,7 @@ class KernelOps(TorchOps):
             dense = self._dense[:n * k].view(n, k)
             self.k.dequantize_into(w.qs, w.d, _mins(w), dense, w.kind == "q4_1")
             return super().linear(x, dense, bias, residual)
-        if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm:
+        if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm is not None:
             return self._gemm_n16(x, w, bias, residual)
         if w.kind in K_KINDS:
             return self.k.kquant_linear(x, w.qs, w.d, w.m, bias, residual)
@@ -170,20 +191,22 @@ class KernelOps(TorchOps):
     def _gemm_n16(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
                   residual: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T through torch's GEMM, W dequantized (exactly) a tile of output rows at a time into one
-        reused float32 scratch of at most DENSE_MAX_NUMEL weights."""
+        reused float32 scratch of at most DENSE_MAX_NUMEL weights; in float32 or, for bfloat16, with both
+        operands rounded to bfloat16 (bf16_matmul)."""
         n, k = w.shape
         tile = max(16, min(n, DENSE_MAX_NUMEL // k) // 16 * 16)
         if self._dense.numel() < tile * k:
             self._dense = torch.empty(tile * k)
+        matmul = bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul
         y = torch.empty(x.shape[0], n) if tile < n else None
         for n0 in range(0, n, tile):
             n1 = min(n, n0 + tile)
             wt = self._dense[:(n1 - n0) * k].view(k, n1 - n0)
             self.k.dequantize_n16_t(w.qs, w.d, _mins(w), wt, n0 // 16, n1 // 16, w.kind == "q4_1")
             if y is None:
-                y = x @ wt
+                y = matmul(x, wt)
             else:
-                y[:, n0:n1] = x @ wt
+                y[:, n0:n1] = matmul(x, wt)
         assert y is not None
         if bias is not None:
             y += bias

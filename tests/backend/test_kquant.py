@@ -100,7 +100,7 @@ def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     x = torch.randn(N16_GEMM_ROWS + 5, k, generator=gen)
     bias, residual = torch.randn(n, generator=gen), torch.randn(x.shape[0], n, generator=gen)
     ops = KernelOps(K)
-    ops.n16_gemm = True
+    ops.n16_gemm = torch.float32
     tile = torch.empty(k, 32)
     K.dequantize_n16_t(w.qs, w.d, w.m if w.m is not None else w.d, tile, 2, 4, kind == "q4_1")
     assert torch.equal(tile, dense[32:64].T)  # the reference dequantization, bit for bit
@@ -110,6 +110,57 @@ def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
         mp.setattr(ops_module, "DENSE_MAX_NUMEL", 40 * k)  # tiles of 32 rows: three of them
         got = ops.linear(x, w, bias, residual)
     assert ((got.double() - want).abs() <= rounding).all()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
+def test_prefill_gemm_choice_picks_the_multiply(kind: str) -> None:
+    """PREFILL_GEMM's three choices over the same n16 weight and prefill-sized batch: int16 gives the int16
+    kernel's bits (what a short batch gets), float32 the exact product within float32 rounding, bfloat16
+    the product of x and W rounded to bfloat16 (8 significant bits: within ~1% of the product's magnitude),
+    never the kernel's bits."""
+    n, k = 64, 512
+    if kind in ("q4_k", "q6_k"):
+        w = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=5), k).to_n16()
+    else:
+        w = random_blocks(kind, n, k, seed=5).to_n16()
+    dense = w.dequantize()
+    x = torch.randn(N16_GEMM_ROWS + 3, k, generator=torch.Generator().manual_seed(5))
+    kernel_rows = torch.cat([KernelOps(K, "int16").linear(x[i:i + 64], w) for i in range(0, len(x), 64)])
+    assert torch.equal(KernelOps(K, "int16").linear(x, w), kernel_rows)
+    want = x.double() @ dense.double().T
+    scale = x.abs().double() @ dense.abs().double().T  # what rounding each operand's digits can move
+    f32 = KernelOps(K, "float32").linear(x, w).double()
+    assert ((f32 - want).abs() <= 1e-6 * scale + 1e-6).all()
+    bf16_ops = KernelOps(K, "bfloat16")
+    assert bf16_ops.n16_gemm == torch.bfloat16
+    bf16 = bf16_ops.linear(x, w).double()
+    err = (bf16 - want).abs()
+    assert (err <= 2 ** -7 * scale + 2 ** -8 * want.abs()).all(), float((err / scale).max())
+    assert ((err > 1e-5 * scale).float().mean() > 0.5).item()  # it rounded: not the float32 path renamed
+    assert not torch.equal(bf16.float(), kernel_rows)
+
+
+def test_bf16_matmul_asks_onednn_for_bf16_math_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with bfloat16 units the float32 operands go to oneDNN under its bf16 math mode (it rounds
+    them itself, sums and returns float32); the mode is put back after. Elsewhere: rounded copies."""
+    seen: list[str] = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if "matmul" in getattr(func, "__name__", ""):
+                seen.append(torch.backends.mkldnn.matmul.fp32_precision)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    a, b = torch.randn(8, 64), torch.randn(64, 16)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: True)
+    ops_module.bf16_matmul(a.as_subclass(Spy), b)
+    assert seen == ["bf16"] and torch.backends.mkldnn.matmul.fp32_precision == before
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: False)
+    got = ops_module.bf16_matmul(a, b)
+    assert torch.allclose(got.double(), a.bfloat16().double() @ b.bfloat16().double(), atol=1e-4)
+    assert got.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])

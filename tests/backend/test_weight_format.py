@@ -56,3 +56,21 @@ def test_kv_cache_dtype_follows_the_kernels() -> None:
     assert cfg(WEIGHT_FORMAT="dense", KV_CACHE_DTYPE="float16").kv_cache_dtype == "float16"
     with pytest.raises(ValueError, match="KV_CACHE_DTYPE"):
         cfg(KV_CACHE_DTYPE="int8")
+
+
+@pytest.mark.skipif(kernels.load() is None or not kernels.load().has_vnni(), reason="needs AVX-512 VNNI (int16)")
+def test_prefill_gemm_resolves_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREFILL_GEMM=auto: bfloat16 where the CPU has AMX-BF16, float32 on other int16-activation CPUs;
+    explicit choices kept; one that cannot apply (float32 activations multiply no int16) refused."""
+    no_amx, amx = frozenset({"avx512_vnni"}), frozenset({"avx512_vnni", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: no_amx)
+    assert cfg().prefill_gemm == "float32"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: amx)
+    assert cfg().prefill_gemm == "bfloat16"
+    assert cfg(PREFILL_GEMM="int16").prefill_gemm == "int16"
+    assert cfg(PREFILL_GEMM="float32").prefill_gemm == "float32"
+    assert cfg(ACTIVATIONS="float32").prefill_gemm == "float32"  # its chunks dequantize to float32 anyway
+    with pytest.raises(ValueError, match="PREFILL_GEMM=bfloat16 applies to int16 activations"):
+        cfg(ACTIVATIONS="float32", PREFILL_GEMM="bfloat16")
+    with pytest.raises(ValueError, match="PREFILL_GEMM"):
+        cfg(PREFILL_GEMM="int8")
