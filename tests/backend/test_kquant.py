@@ -85,16 +85,20 @@ def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
     assert ((got - want).abs() <= bound).all(), float((got - want).abs().max())
 
 
+def random_n16(kind: str, n: int, k: int, seed: int) -> QuantWeight:
+    """A random [n, k] matrix of any served block kind, in the n16 layout."""
+    if kind in ("q4_k", "q6_k"):
+        return k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=seed), k).to_n16()
+    return random_blocks(kind, n, k, seed=seed).to_n16()
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q6_k"])
 def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     """From N16_GEMM_ROWS rows (where the CPU prefers it) the n16 weight is dequantized tile by tile into
     W^T and multiplied by torch's GEMM: float32 activations, so within float32 rounding of the exact product
     (several tiles: DENSE_MAX_NUMEL made small)."""
     n, k = 96, 512
-    if kind in ("q4_k", "q6_k"):
-        w = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=3), k).to_n16()
-    else:
-        w = random_blocks(kind, n, k, seed=3).to_n16()
+    w = random_n16(kind, n, k, seed=3)
     dense = w.dequantize()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(N16_GEMM_ROWS + 5, k, generator=gen)
@@ -119,10 +123,7 @@ def test_prefill_gemm_choice_picks_the_multiply(kind: str) -> None:
     the product of x and W rounded to bfloat16 (8 significant bits: within ~1% of the product's magnitude),
     never the kernel's bits."""
     n, k = 64, 512
-    if kind in ("q4_k", "q6_k"):
-        w = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=5), k).to_n16()
-    else:
-        w = random_blocks(kind, n, k, seed=5).to_n16()
+    w = random_n16(kind, n, k, seed=5)
     dense = w.dequantize()
     x = torch.randn(N16_GEMM_ROWS + 3, k, generator=torch.Generator().manual_seed(5))
     kernel_rows = torch.cat([KernelOps(K, "int16").linear(x[i:i + 64], w) for i in range(0, len(x), 64)])
