@@ -106,6 +106,8 @@ async def _load(part: str, url: str, limits: ImageLimits) -> bytes:
             data = await asyncio.wait_for(_fetch(part, url, limits), limits.fetch_timeout_s)
         except asyncio.TimeoutError:
             raise _bad(part, f"fetching {url} took longer than {limits.fetch_timeout_s:g} s") from None
+        except httpx.HTTPError as exc:  # refused, reset, cut short, a bad TLS or content encoding: the URL's fault
+            raise _bad(part, f"{url}: cannot fetch it ({type(exc).__name__}: {exc})") from None
     elif scheme == "file" or url.startswith("/"):
         data = _local_file(part, url, limits)
     else:
@@ -142,12 +144,15 @@ def _local_file(part: str, url: str, limits: ImageLimits) -> bytes:
     if limits.file_root is None:
         raise _bad(part, "local image files are not served here (the operator sets IMAGE_FILE_ROOT)")
     raw = unquote(urlsplit(url).path) if url.lower().startswith("file:") else url
-    path = Path(raw).resolve()
-    if not path.is_relative_to(limits.file_root) or not path.is_file():
-        raise _bad(part, "no such image file under IMAGE_FILE_ROOT")
-    if path.stat().st_size > limits.max_bytes:
-        raise _bad(part, f"the image is larger than {limits.max_bytes} bytes (IMAGE_MAX_BYTES)")
-    return path.read_bytes()
+    try:  # ValueError: a NUL in the path; OSError: a file it may not read
+        path = Path(raw).resolve()
+        if not path.is_relative_to(limits.file_root) or not path.is_file():
+            raise _bad(part, "no such image file under IMAGE_FILE_ROOT")
+        if path.stat().st_size > limits.max_bytes:
+            raise _bad(part, f"the image is larger than {limits.max_bytes} bytes (IMAGE_MAX_BYTES)")
+        return path.read_bytes()
+    except (ValueError, OSError) as exc:
+        raise _bad(part, f"no such image file under IMAGE_FILE_ROOT ({type(exc).__name__})") from None
 
 
 async def _fetch(part: str, url: str, limits: ImageLimits) -> bytes:
@@ -156,10 +161,15 @@ async def _fetch(part: str, url: str, limits: ImageLimits) -> bytes:
     async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False) as client:
         for _ in range(_MAX_REDIRECTS + 1):
             parts = urlsplit(url)
+            if parts.scheme not in ("http", "https"):  # a redirect's target is checked as the URL was
+                raise _bad(part, f"{url}: only http and https URLs are fetched")
             host = parts.hostname
             if not host:
                 raise _bad(part, f"{url}: no host")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+            except ValueError:
+                raise _bad(part, f"{url}: the port is not a number from 0 to 65535") from None
             address = await _allowed_address(part, host, port, limits)
             netloc = f"[{address}]" if ":" in address else address
             target = parts._replace(netloc=f"{netloc}:{port}").geturl()

@@ -127,8 +127,15 @@ def test_rtp_llm_urls(server: Server) -> None:
     (data_uri(b"garbage"), "messages[0].content[1]", "not a readable image"),
     ("http://10.1.2.3/x.png", "messages[0].content[1]", "internal address"),
     ("/etc/passwd", "messages[0].content[1]", "no such image file under IMAGE_FILE_ROOT"),
+    # each of these was a 500 before: a URL that cannot be fetched is the client's, never an internal error
+    ("http://127.0.0.1:1/x.png", "messages[0].content[1]", "cannot fetch it (ConnectError"),
+    ("http://127.0.0.1:99999/x.png", "messages[0].content[1]", "the port is not a number"),
+    ("{images}/short.png", "messages[0].content[1]", "cannot fetch it (RemoteProtocolError"),
+    ("{images}/redirect-ftp", "messages[0].content[1]", "only http and https URLs are fetched"),
+    ("{root}/\x00cat.png", "messages[0].content[1]", "no such image file under IMAGE_FILE_ROOT"),
 ])
 def test_bad_images_are_400s_naming_the_part(server: Server, url: str, param: str, needle: str) -> None:
+    url = url.format(images=server.images_url, root=server.file_root)
     with pytest.raises(openai.BadRequestError) as info:
         chat(server, url)
     error = info.value.body
