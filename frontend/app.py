@@ -112,7 +112,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                 req = ChatCompletionRequest.model_validate(body)
             except ValidationError as exc:  # the same 400 as a route's own body validation
                 raise RequestValidationError(exc.errors()) from exc
-            rendered = await off_loop(chat.render, req)
+            rendered = await chat.tokens(req)  # images too: the ids a request is billed
             return {"token_ids": rendered.input_ids, "prompt": rendered.prompt}
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

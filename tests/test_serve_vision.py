@@ -113,6 +113,21 @@ def test_render_shows_the_placeholders(server: Server) -> None:
     assert [u.startswith("data:image/png;base64,") for u in body["input_urls"]] == [True, True]
 
 
+def test_tokenize_counts_each_image_as_the_request_is_billed(server: Server) -> None:
+    """/tokenize of a chat with an image part: the ids the request sends (the image's whole run of
+    placeholders, as usage counts them), and a bad image is the same 400 as in chat. It used to give one
+    placeholder per image without looking at the image."""
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages(data_uri(PNG))}, timeout=30)
+    assert r.status_code == 200, r.text
+    ids = r.json()["token_ids"]
+    assert ids.count(server.tiny.image_token_id) == server.tiny.image_tokens
+    resp = server.client.chat.completions.create(model=server.model, messages=messages(data_uri(PNG)),  # type: ignore[arg-type]
+                                                 max_tokens=1)
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages(data_uri(b"garbage"))}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]", r.text
+
+
 def test_rtp_llm_urls(server: Server) -> None:
     r = httpx.post(f"{server.url}/", json={"prompt": QUESTION, "urls": [data_uri(PNG)],
                                           "generate_config": {"max_new_tokens": 3, "return_input_ids": True}},
