@@ -42,7 +42,8 @@ def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: Tas
         app.include_router(lora_routes(loras))
 
     async def worker_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
-        since = version_arg(body, FINISHED_VERSION_KEYS)
+        # the seed's WorkerStatusRequest carries the cache version too; this answer's cache_status has no keys
+        since = version_arg(body, FINISHED_VERSION_KEYS, CACHE_VERSION_KEYS)
         return worker_status_view(engine_loop.worker_status(), tasks, facts, since)
 
     async def cache_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
