@@ -123,7 +123,9 @@ def check_image(part: str, data: bytes, digest: bytes | None = None) -> LoadedIm
                 raise _bad(part, f"{img.width}x{img.height} pixels is more than {MAX_PIXELS} allowed")
             img.load()
             width, height = img.width, img.height
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+    except UnidentifiedImageError:  # its message names a BytesIO object, nothing the client sent
+        raise _bad(part, "not a readable image (not a picture format Pillow reads)") from None
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise _bad(part, f"not a readable image ({type(exc).__name__}: {exc})") from None
     return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height)
 

@@ -155,6 +155,7 @@ def test_bad_images_are_400s_naming_the_part(server: Server, url: str, param: st
         chat(server, url)
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+    assert "object at 0x" not in error["message"], error  # no Python reprs of the server's own objects
 
 
 def test_too_many_and_too_large(server: Server) -> None:
