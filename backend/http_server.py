@@ -16,6 +16,7 @@ from backend.lora import LoraRegistry
 from backend.lora_routes import lora_routes
 from backend.task_log import TaskLog
 from kvyard.cluster_auth import install_cluster_auth
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.logs import set_process_log_level
@@ -59,6 +60,11 @@ def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: Tas
     @app.post("/set_log_level")
     async def set_log_level(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         return {"status": "ok", "log_level": set_process_log_level(body.get("log_level"))}
+
+    @app.post("/update_eplb_config")  # the seed's backend route: refused with the frontend's reason
+    async def update_eplb_config(body: dict[str, Any] | None = Body(default=None)) -> None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "POST /update_eplb_config is not supported: kvyard serves "
+                           "no mixture-of-experts model, so it has no expert load balancing to configure")
 
     async def health() -> Any:
         if engine_loop.alive:

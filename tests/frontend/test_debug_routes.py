@@ -103,6 +103,10 @@ def test_without_a_paired_backend_the_debug_routes_are_503(tokenizer: TextTokeni
         assert level["processes"]["frontend"] == "ok" and "does not answer" in level["processes"]["backend"]
 
 
-def test_eplb_update_is_refused_with_a_reason(http: httpx.Client) -> None:
+def test_eplb_update_is_refused_with_a_reason(http: httpx.Client, mock: MockBackendThread) -> None:
     resp = http.post("/update_eplb_config", json={"mode": "ALL"})
     assert resp.status_code == 400 and "not supported" in resp.json()["error"]["message"], resp.text
+    # the backend's own port too (the seed lists it among the backend's routes): it was a 404 "Not Found"
+    backend = f"http://127.0.0.1:{mock.port - 1 + 5}/update_eplb_config"
+    resp = httpx.post(backend, json={"mode": "ALL"}, timeout=10)
+    assert resp.status_code == 400 and "mixture-of-experts" in resp.json()["error"]["message"], resp.text
