@@ -63,6 +63,7 @@ class LoadedImage:
     digest: bytes        # SHA-256 of data: the embedding cache's and the block keys' name for it
     width: int
     height: int
+    part: str = ""       # the request part it came from (messages[0].content[1], urls[0]): errors name it
 
 
 class CheckedImages:
@@ -78,7 +79,7 @@ class CheckedImages:
         size = self._sizes.get(digest)
         if size is not None:
             self._sizes.move_to_end(digest)
-            return LoadedImage(data, digest, *size)
+            return LoadedImage(data, digest, *size, part)
         image = check_image(part, data, digest)
         self._sizes[digest] = (image.width, image.height)
         if len(self._sizes) > self.capacity:
@@ -127,7 +128,7 @@ def check_image(part: str, data: bytes, digest: bytes | None = None) -> LoadedIm
         raise _bad(part, "not a readable image (not a picture format Pillow reads)") from None
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise _bad(part, f"not a readable image ({type(exc).__name__}: {exc})") from None
-    return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height)
+    return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height, part)
 
 
 def _data_uri(part: str, url: str, limits: ImageLimits) -> bytes:
@@ -257,7 +258,8 @@ def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision:
             try:
                 ids.extend([t] * vision.num_tokens(image.width, image.height))
             except ValueError as exc:  # Qwen-VL: too long and thin a picture to resize
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), param) from None
+                where = image.part or param
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{where}: {exc}", where) from None
         else:
             ids.append(t)
     return replace(rendered, input_ids=ids)
