@@ -241,15 +241,16 @@ def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision:
     """Each image's one placeholder token, as the template wrote it, becomes the model's run of them
     (LLaVA: one per patch feature; Qwen-VL: one per 2×2 patches at the image's resized size); the prompt
     text keeps one placeholder per image (/v1/chat/render)."""
-    if not images:
+    if not images and (vision is None or vision.image_token_id not in rendered.input_ids):
         return rendered
     if vision is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "this model takes no images (a text-only model)", param)
     token = vision.image_token_id
     found = rendered.input_ids.count(token)
-    if found != len(images):
+    if found != len(images):  # also a placeholder typed into the text, with no image for it
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prompt has {found} image placeholder(s) for "
-                           f"{len(images)} image(s)", param)
+                           f"{len(images)} image(s); a placeholder written in the text counts too (send each "
+                           "picture as an image part, or urls on POST /)", param)
     ids: list[int] = []
     pending = iter(images)
     for t in rendered.input_ids:

@@ -158,6 +158,21 @@ def test_bad_images_are_400s_naming_the_part(server: Server, url: str, param: st
     assert "object at 0x" not in error["message"], error  # no Python reprs of the server's own objects
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"What does {IMAGE_TOKEN} mean?"}],
+                              "max_tokens": 2}, "messages"),
+    ("/v1/completions", {"prompt": f"What does {IMAGE_TOKEN} mean?", "max_tokens": 2}, "prompt"),
+    ("/", {"prompt": f"What does {IMAGE_TOKEN} mean?", "generate_config": {"max_new_tokens": 2}}, "prompt"),
+])
+def test_a_placeholder_in_the_text_without_an_image_is_a_400_naming_the_field(server: Server, path: str,
+                                                                             body: dict[str, Any], param: str) -> None:
+    """It reached the backend, whose 400 had no param and spoke of '1 image placeholder tokens at position
+    13: not a multiple of 16'."""
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "1 image placeholder(s) for 0 image(s)" in r.json()["error"]["message"], r.text
+
+
 def test_too_many_and_too_large(server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="3 images; at most 2"):
         chat(server, data_uri(PNG), data_uri(PNG), data_uri(PNG))
