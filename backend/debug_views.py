@@ -24,8 +24,13 @@ class BackendFacts:
     max_concurrency: int = 0     # MAX_NUM_SEQS: sequences it runs at once
 
 
-def version_arg(body: dict[str, Any] | None, keys: tuple[str, ...]) -> int:
-    """The version a poller last saw (-1: none), under either spelling; a non-integer is a 400 naming it."""
+def version_arg(body: dict[str, Any] | None, keys: tuple[str, ...], known: tuple[str, ...] = ()) -> int:
+    """The version a poller last saw (-1: none), under either spelling; a non-integer is a 400 naming it, as
+    is a key neither `keys` nor `known` (the route's other request fields) holds."""
+    unknown = sorted(set(body or {}) - {*keys, *known})
+    if unknown:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]} "
+                           f"(this route takes {', '.join(keys + known)})", unknown[0])
     for key in keys:
         value = (body or {}).get(key)
         if value is None:

@@ -16,6 +16,7 @@ from backend.lora import LoraRegistry
 from backend.lora_routes import lora_routes
 from backend.task_log import TaskLog
 from kvyard.cluster_auth import install_cluster_auth
+from kvyard.errors import ErrorCode, RequestError
 from kvyard.http_errors import install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.logs import set_process_log_level
@@ -42,7 +43,8 @@ def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: Tas
         app.include_router(lora_routes(loras))
 
     async def worker_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
-        since = version_arg(body, FINISHED_VERSION_KEYS)
+        # the seed's WorkerStatusRequest carries the cache version too; this answer's cache_status has no keys
+        since = version_arg(body, FINISHED_VERSION_KEYS, CACHE_VERSION_KEYS)
         return worker_status_view(engine_loop.worker_status(), tasks, facts, since)
 
     async def cache_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
@@ -58,6 +60,11 @@ def create_backend_http_app(engine_loop: EngineLoop, token: str = "", tasks: Tas
     @app.post("/set_log_level")
     async def set_log_level(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         return {"status": "ok", "log_level": set_process_log_level(body.get("log_level"))}
+
+    @app.post("/update_eplb_config")  # the seed's backend route: refused with the frontend's reason
+    async def update_eplb_config(body: dict[str, Any] | None = Body(default=None)) -> None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "POST /update_eplb_config is not supported: kvyard serves "
+                           "no mixture-of-experts model, so it has no expert load balancing to configure")
 
     async def health() -> Any:
         if engine_loop.alive:

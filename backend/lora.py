@@ -55,22 +55,34 @@ class LoraRegistry:
     def load(self, name: str, path: str, start_up: bool = False) -> AdapterInfo:
         """Reads the adapter (raises AdapterError) and serves it under `name`, replacing one of that name.
         start_up: the operator's LORA_MODULES, which may lie outside LORA_ROOT."""
+        return self.install([self.read(name, path, start_up)])[0]
+
+    def read(self, name: str, path: str, start_up: bool = False) -> LoraAdapter:
+        """Reads and checks the adapter (raises AdapterError) without serving it yet (install)."""
         if not name or name.strip() != name or "/" in name:
             raise AdapterError(f"adapter name {name!r}: give a non-empty name without spaces at its ends or '/'")
-        where = self._check_path(path, start_up)
-        t0 = time.monotonic()
-        adapter = load_adapter(name, where, self.config, self.dtype, self.device)
+        return load_adapter(name, self._check_path(path, start_up), self.config, self.dtype, self.device)
+
+    def install(self, adapters: Sequence[LoraAdapter], unload: Sequence[str] = ()) -> list[AdapterInfo]:
+        """Serves adapters already read, each under its name (replacing one of that name), and drops the names
+        in `unload`, in one step: requests see the set before or after, never half of it (RTP-LLM's /update)."""
         created = int(time.time())
         with self._lock:
-            self._adapters.pop(name, None)
-            self._adapters[name] = (adapter, created)
+            for name in unload:
+                self._adapters.pop(name, None)
+            for adapter in adapters:
+                self._adapters.pop(adapter.name, None)
+                self._adapters[adapter.name] = (adapter, created)
             evicted = []
             while self.max_adapters and len(self._adapters) > self.max_adapters:
                 evicted.append(self._adapters.popitem(last=False)[0])
-        log.info("LoRA adapter %r loaded from %s: rank %d on %s, %.1f MB, %.0f ms%s", name, where, adapter.rank,
-                 ",".join(adapter.targets), adapter.nbytes() / 2**20, (time.monotonic() - t0) * 1e3,
-                 f"; evicted {evicted} (least recently used)" if evicted else "")
-        return AdapterInfo(name, str(where), adapter.rank, created)
+        for adapter in adapters:
+            log.info("LoRA adapter %r loaded from %s: rank %d on %s, %.1f MB", adapter.name, adapter.path,
+                     adapter.rank, ",".join(adapter.targets), adapter.nbytes() / 2**20)
+        if unload or evicted:
+            log.info("LoRA adapters unloaded: %s%s", list(unload), f"; evicted {evicted} (least recently used)"
+                     if evicted else "")
+        return [AdapterInfo(a.name, a.path, a.rank, created) for a in adapters]
 
     def unload(self, name: str) -> None:
         """Raises RequestError(MODEL_NOT_FOUND) when no adapter has that name."""
@@ -96,10 +108,17 @@ class LoraRegistry:
         with self._lock:
             return list(self._adapters)
 
+    def resolved_path(self, path: str) -> Path:
+        """The directory a path names (what AdapterInfo.path holds); AdapterError for one that cannot be."""
+        try:
+            return Path(path).expanduser().resolve()
+        except (ValueError, RuntimeError):  # a NUL byte; a symlink loop
+            raise AdapterError(f"adapter path {path!r} is not a directory") from None
+
     def _check_path(self, path: str, start_up: bool) -> Path:
         if not path or "://" in path:
             raise AdapterError(f"adapter path {path!r}: give a local directory (remote paths are not fetched)")
-        where = Path(path).expanduser().resolve()
+        where = self.resolved_path(path)
         if not start_up and self.allowed_root is not None and not where.is_relative_to(self.allowed_root):
             raise AdapterError(f"adapter path {path!r} is outside LORA_ROOT ({self.allowed_root})")
         if not where.is_dir():

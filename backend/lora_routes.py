@@ -34,6 +34,14 @@ def _str_field(body: dict[str, Any], key: str) -> str:
     return value
 
 
+def _known_fields(body: dict[str, Any], known: set[str]) -> None:
+    """Any other key is a 400 naming it, as on every request body (never accepted and ignored)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]}",
+                           unknown[0])
+
+
 def _runtime_path(registry: LoraRegistry, path: str) -> str:
     if registry.allowed_root is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "loading adapters at run time is off: the operator sets "
@@ -53,7 +61,8 @@ async def load(registry: LoraRegistry, name: str, path: str) -> dict[str, Any]:
 
 async def apply_peft_info(registry: LoraRegistry, peft_info: Any) -> dict[str, Any]:
     """RTP-LLM's `peft_info: {"lora_info": {name: path}}`: the whole set of adapters to serve. Names not held
-    (or held from another path) are loaded, held names it leaves out are unloaded."""
+    (or held from another path) are read first, all of them; then they are served and held names it leaves
+    out unloaded, in one step. An adapter that cannot be read changes nothing (the 400 names it)."""
     if not isinstance(peft_info, dict) or set(peft_info) - {"lora_info"}:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "peft_info must be {\"lora_info\": {name: path}}",
                            "peft_info")
@@ -62,14 +71,17 @@ async def apply_peft_info(registry: LoraRegistry, peft_info: Any) -> dict[str, A
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "peft_info.lora_info must map adapter names to paths",
                            "peft_info")
     held = {i.name: i.path for i in registry.infos()}
-    loaded = []
+    adapters = []
     for name, path in wanted.items():
-        if held.get(name) != str(Path(path).expanduser().resolve()):
-            loaded.append((await load(registry, name, path))["adapter"])
+        try:
+            if held.get(name) != str(registry.resolved_path(path)):
+                adapters.append(await asyncio.to_thread(registry.read, name, _runtime_path(registry, path)))
+        except AdapterError as exc:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"peft_info.lora_info[{name!r}]: {exc}; nothing was "
+                               "changed", "peft_info") from None
     removed = [name for name in held if name not in wanted]
-    for name in removed:
-        registry.unload(name)
-    return {"status": "ok", "loaded": loaded, "unloaded": removed}
+    loaded = registry.install(adapters, removed)
+    return {"status": "ok", "loaded": [adapter_json(i) for i in loaded], "unloaded": removed}
 
 
 def lora_routes(registry: LoraRegistry) -> APIRouter:
@@ -77,10 +89,17 @@ def lora_routes(registry: LoraRegistry) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter")
     async def load_adapter(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        return await load(registry, _str_field(body, "lora_name"), _str_field(body, "lora_path"))
+        _known_fields(body, {"lora_name", "lora_path", "load_inplace"})
+        name = _str_field(body, "lora_name")
+        # vLLM's load_inplace: false refuses a name already held; kvyard replaces it otherwise (absent or true)
+        if body.get("load_inplace") is False and name in registry.names():
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the LoRA adapter {name!r} is already loaded; give "
+                               "load_inplace: true to replace it", "load_inplace")
+        return await load(registry, name, _str_field(body, "lora_path"))
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        _known_fields(body, {"lora_name"})  # vLLM's lora_int_id too: kvyard names adapters, it numbers none
         name = _str_field(body, "lora_name")
         registry.unload(name)
         return {"status": "ok", "unloaded": name}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -88,8 +89,8 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise AdapterError(f"{file}: r must be a positive integer, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise AdapterError(f"{file}: lora_alpha must be a positive number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha <= sys.float_info.max:
+        raise AdapterError(f"{file}: lora_alpha must be a positive finite number, got {alpha!r}")
     targets = cfg.get("target_modules")
     if targets == "all-linear":
         targets = list(TARGETS)
@@ -124,6 +125,8 @@ def load_adapter(name: str, path: Path, config: ModelConfig, dtype: torch.dtype,
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if not 0 <= layer < config.num_layers:
             raise AdapterError(f"{file}: {key!r} names layer {layer}; the model has {config.num_layers}")
+        if not torch.isfinite(t).all():  # every answer with the adapter would fail at sampling
+            raise AdapterError(f"{file}: tensor {key!r} holds NaN or infinite values")
         parts.setdefault((layer, module), {})[ab] = t.to(torch.float32)
     mats = _fuse(parts, config, r, alpha / r, str(file))
     if not mats:

@@ -20,7 +20,7 @@ from fastapi import Body, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from backend.config import BackendConfig
-from backend.debug_views import FINISHED_VERSION_KEYS, BackendFacts, version_arg, worker_status_view
+from backend.debug_views import CACHE_VERSION_KEYS, FINISHED_VERSION_KEYS, BackendFacts, version_arg, worker_status_view
 from backend.engine_types import ImageInput
 from backend.grpc_server import set_serving, start_grpc_server
 from backend.image_preprocess import prompt_images
@@ -112,7 +112,8 @@ def health_app(servicer: VitServicer, facts: BackendFacts) -> FastAPI:
         return PlainTextResponse("ok")
 
     async def worker_status(body: dict[str, Any] | None = Body(default=None)) -> dict[str, Any]:
-        view = worker_status_view(servicer.status(), servicer.tasks, facts, version_arg(body, FINISHED_VERSION_KEYS))
+        since = version_arg(body, FINISHED_VERSION_KEYS, CACHE_VERSION_KEYS)
+        view = worker_status_view(servicer.status(), servicer.tasks, facts, since)
         return {**view, "cache_status": None}  # no prefix cache
 
     for path in ("/health", "/status", "/"):

@@ -43,6 +43,14 @@ from kvyard.tokenizer import TextTokenizer
 from renderers import get_renderer
 
 
+def _known_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
+    """A key the route does not take is a 400 naming it (docs/api.md#request-fields), never ignored."""
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]}",
+                           unknown[0])
+
+
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admission | None = None) -> FastAPI:
     tokenizer = tokenizer.bounded(cfg.max_seq_len)  # huge texts refused by size before tokenizing
     metrics = FrontendMetrics(cfg.model_name)
@@ -94,6 +102,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        _known_fields(body, ("prompt", "return_offsets_mapping", "parse_special"))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "'prompt' must be a string", "prompt")
@@ -112,8 +121,10 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                 req = ChatCompletionRequest.model_validate(body)
             except ValidationError as exc:  # the same 400 as a route's own body validation
                 raise RequestValidationError(exc.errors()) from exc
-            rendered = await off_loop(chat.render, req)
+            rendered = await chat.tokens(req)  # images too: the ids a request is billed
             return {"token_ids": rendered.input_ids, "prompt": rendered.prompt}
+        _known_fields(body, ("prompt", "parse_special", "model"))
+        pipeline.check_model(body.get("model"))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "give 'prompt' (a string) or 'messages'", "prompt")

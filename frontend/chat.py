@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from frontend.backend_client import BackendOutput
 from frontend.dialect import Events, GenerationDialect, Job
 from frontend.guided import chat_constraint, check
-from frontend.images import LoadedImage
+from frontend.images import LoadedImage, with_images
 from frontend.off_loop import off_loop
 from frontend.pipeline import Budget, Pipeline, PreparedRequest
 from frontend.protocol import ChatCompletionRequest, ImagePart
@@ -59,6 +59,12 @@ class ChatDialect(GenerationDialect[ChatState]):
                                    "the model sees every image at its one, full resolution (use 'auto' or 'high')",
                                    f"{where}.image_url.detail")
         return await self.pipeline.images([(where, url.url) for where, url in parts])
+
+    async def tokens(self, req: ChatCompletionRequest) -> RenderedPrompt:
+        """The prompt's ids as this request would send them, each image part its run of placeholders
+        (/tokenize: the count a request is billed)."""
+        images = await self.images(req)
+        return with_images(await off_loop(self.render, req), images, self.pipeline.cfg.vision, "messages")
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
         placeholder = self.pipeline.image_placeholder  # each image part: the model's image token

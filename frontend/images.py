@@ -63,6 +63,7 @@ class LoadedImage:
     digest: bytes        # SHA-256 of data: the embedding cache's and the block keys' name for it
     width: int
     height: int
+    part: str = ""       # the request part it came from (messages[0].content[1], urls[0]): errors name it
 
 
 class CheckedImages:
@@ -78,7 +79,7 @@ class CheckedImages:
         size = self._sizes.get(digest)
         if size is not None:
             self._sizes.move_to_end(digest)
-            return LoadedImage(data, digest, *size)
+            return LoadedImage(data, digest, *size, part)
         image = check_image(part, data, digest)
         self._sizes[digest] = (image.width, image.height)
         if len(self._sizes) > self.capacity:
@@ -106,6 +107,8 @@ async def _load(part: str, url: str, limits: ImageLimits) -> bytes:
             data = await asyncio.wait_for(_fetch(part, url, limits), limits.fetch_timeout_s)
         except asyncio.TimeoutError:
             raise _bad(part, f"fetching {url} took longer than {limits.fetch_timeout_s:g} s") from None
+        except httpx.HTTPError as exc:  # refused, reset, cut short, a bad TLS or content encoding: the URL's fault
+            raise _bad(part, f"{url}: cannot fetch it ({type(exc).__name__}: {exc})") from None
     elif scheme == "file" or url.startswith("/"):
         data = _local_file(part, url, limits)
     else:
@@ -121,9 +124,11 @@ def check_image(part: str, data: bytes, digest: bytes | None = None) -> LoadedIm
                 raise _bad(part, f"{img.width}x{img.height} pixels is more than {MAX_PIXELS} allowed")
             img.load()
             width, height = img.width, img.height
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+    except UnidentifiedImageError:  # its message names a BytesIO object, nothing the client sent
+        raise _bad(part, "not a readable image (not a picture format Pillow reads)") from None
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise _bad(part, f"not a readable image ({type(exc).__name__}: {exc})") from None
-    return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height)
+    return LoadedImage(data, digest or hashlib.sha256(data).digest(), width, height, part)
 
 
 def _data_uri(part: str, url: str, limits: ImageLimits) -> bytes:
@@ -142,12 +147,15 @@ def _local_file(part: str, url: str, limits: ImageLimits) -> bytes:
     if limits.file_root is None:
         raise _bad(part, "local image files are not served here (the operator sets IMAGE_FILE_ROOT)")
     raw = unquote(urlsplit(url).path) if url.lower().startswith("file:") else url
-    path = Path(raw).resolve()
-    if not path.is_relative_to(limits.file_root) or not path.is_file():
-        raise _bad(part, "no such image file under IMAGE_FILE_ROOT")
-    if path.stat().st_size > limits.max_bytes:
-        raise _bad(part, f"the image is larger than {limits.max_bytes} bytes (IMAGE_MAX_BYTES)")
-    return path.read_bytes()
+    try:  # ValueError: a NUL in the path; OSError: a file it may not read
+        path = Path(raw).resolve()
+        if not path.is_relative_to(limits.file_root) or not path.is_file():
+            raise _bad(part, "no such image file under IMAGE_FILE_ROOT")
+        if path.stat().st_size > limits.max_bytes:
+            raise _bad(part, f"the image is larger than {limits.max_bytes} bytes (IMAGE_MAX_BYTES)")
+        return path.read_bytes()
+    except (ValueError, OSError) as exc:
+        raise _bad(part, f"no such image file under IMAGE_FILE_ROOT ({type(exc).__name__})") from None
 
 
 async def _fetch(part: str, url: str, limits: ImageLimits) -> bytes:
@@ -156,10 +164,15 @@ async def _fetch(part: str, url: str, limits: ImageLimits) -> bytes:
     async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False) as client:
         for _ in range(_MAX_REDIRECTS + 1):
             parts = urlsplit(url)
+            if parts.scheme not in ("http", "https"):  # a redirect's target is checked as the URL was
+                raise _bad(part, f"{url}: only http and https URLs are fetched")
             host = parts.hostname
             if not host:
                 raise _bad(part, f"{url}: no host")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+            except ValueError:
+                raise _bad(part, f"{url}: the port is not a number from 0 to 65535") from None
             address = await _allowed_address(part, host, port, limits)
             netloc = f"[{address}]" if ":" in address else address
             target = parts._replace(netloc=f"{netloc}:{port}").geturl()
@@ -228,15 +241,16 @@ def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision:
     """Each image's one placeholder token, as the template wrote it, becomes the model's run of them
     (LLaVA: one per patch feature; Qwen-VL: one per 2×2 patches at the image's resized size); the prompt
     text keeps one placeholder per image (/v1/chat/render)."""
-    if not images:
+    if not images and (vision is None or vision.image_token_id not in rendered.input_ids):
         return rendered
     if vision is None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, "this model takes no images (a text-only model)", param)
     token = vision.image_token_id
     found = rendered.input_ids.count(token)
-    if found != len(images):
+    if found != len(images):  # also a placeholder typed into the text, with no image for it
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"the prompt has {found} image placeholder(s) for "
-                           f"{len(images)} image(s)", param)
+                           f"{len(images)} image(s); a placeholder written in the text counts too (send each "
+                           "picture as an image part, or urls on POST /)", param)
     ids: list[int] = []
     pending = iter(images)
     for t in rendered.input_ids:
@@ -245,7 +259,8 @@ def with_images(rendered: RenderedPrompt, images: Sequence[LoadedImage], vision:
             try:
                 ids.extend([t] * vision.num_tokens(image.width, image.height))
             except ValueError as exc:  # Qwen-VL: too long and thin a picture to resize
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc), param) from None
+                where = image.part or param
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{where}: {exc}", where) from None
         else:
             ids.append(t)
     return replace(rendered, input_ids=ids)

@@ -41,11 +41,28 @@ async def adapter_models(cfg: FrontendConfig) -> list[dict[str, Any]]:
         return []
 
 
+def _refuse_served_names(cfg: FrontendConfig, body: dict[str, Any] | None) -> None:
+    """An adapter named as a model this frontend serves could never be asked for (`model` naming it is
+    the base model), so loading one under that name is a 400, not an adapter silently out of reach."""
+    body = body or {}
+    names = [body.get("lora_name")]
+    peft = body.get("peft_info")
+    if isinstance(peft, dict) and isinstance(peft.get("lora_info"), dict):
+        names += list(peft["lora_info"])
+    for name in names:
+        if isinstance(name, str) and cfg.serves(name):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"adapter name {name!r} is a model served here, so a "
+                               "request naming it gets that model, never the adapter: choose another name",
+                               "lora_name")
+
+
 def lora_routes(cfg: FrontendConfig) -> APIRouter:
     router = APIRouter()
 
     def forward(path: str, method: str = "POST") -> Any:
         async def forwarded(body: dict[str, Any] | None = Body(default=None)) -> JSONResponse:
+            if path != "/v1/unload_lora_adapter":
+                _refuse_served_names(cfg, body)
             resp = await call_paired(cfg, path, body, method, LOAD_TIMEOUT_S)
             return JSONResponse(backend_json(resp), resp.status_code)
         return forwarded

@@ -20,10 +20,20 @@ def _refuse_unless(ok: bool, field: str, why: str) -> None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {why}", field)
 
 
-def _streams_deltas(extra: GenerateConfig | None) -> None:
-    if extra is not None and extra.return_incremental is False:
+def _streams_deltas(extra: GenerateConfig | None, stream: bool) -> None:
+    """The GenerateConfig keys of POST /'s answer: chat and completions answer by their own fields, so a key
+    asking for something else is a 400 naming it, never ignored."""
+    if extra is None:
+        return
+    if extra.return_incremental is False:
         raise ValueError("extra_configs.return_incremental=false is for POST /: chat and completions stream only "
                          "the new text")
+    _refuse_unless(extra.is_streaming in (None, stream), "extra_configs.is_streaming",
+                   f"is {extra.is_streaming} but stream is {stream}: chat and completions stream by the request's "
+                   "stream field")
+    for key in ("return_output_ids", "return_input_ids"):
+        _refuse_unless(not getattr(extra, key), f"extra_configs.{key}",
+                       "is for POST /: chat and completions do not return ids (chat's debug_info: true does)")
 
 
 class StreamOptions(_Lenient):
@@ -231,7 +241,7 @@ class ChatCompletionRequest(SamplingRequest, RtpRequestFields):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        _streams_deltas(self.extra_configs)
+        _streams_deltas(self.extra_configs, self.stream)
         _refuse_unless(self.best_of is None or self.best_of == self.n, "best_of",
                        "chat returns every choice it makes: best_of must equal n (rank candidates with completions)")
         if self.continue_final_message:
@@ -288,7 +298,7 @@ class CompletionRequest(SamplingRequest, RtpRequestFields):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
-        _streams_deltas(self.extra_configs)
+        _streams_deltas(self.extra_configs, self.stream)
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.n_probs is not None and self.logprobs is None:

@@ -72,7 +72,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     [min_pixels, max_pixels], the aspect ratio kept as near as rounding allows. ValueError for an image
     more than 200 times longer than wide."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"a {width}x{height} image: the aspect ratio must be under 200")
+        raise ValueError(f"a {width}x{height} image is more than 200 times longer than wide (its aspect ratio "
+                         "must be at most 200)")
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)

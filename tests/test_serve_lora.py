@@ -146,6 +146,50 @@ def test_lmtp_generate_and_score_with_an_adapter(served: Served) -> None:
     assert items[4][0]["model_info"]["model"] == "attn", items[4]
 
 
+def test_bad_adapters_and_bodies_are_400s_that_change_nothing(served: Served) -> None:
+    """Each of these was accepted or a 500 before: an adapter whose lora_alpha or weights are NaN loaded
+    and then failed every request naming it (500 at sampling); a NUL in lora_path was a 500; unknown
+    fields were ignored; an /update whose third adapter could not be read left the first two loaded and
+    answered 400; an adapter named as the base model loaded out of reach."""
+    from safetensors.torch import load_file, save_file
+    attn = served.lora_root / "attn"
+    nan_alpha, nan_weights = served.lora_root / "nan-alpha", served.lora_root / "nan-weights"
+    for bad in (nan_alpha, nan_weights):
+        shutil.copytree(attn, bad)
+    config = json.loads((attn / "adapter_config.json").read_text())
+    (nan_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+    tensors = load_file(str(attn / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, str(nan_weights / "adapter_model.safetensors"))
+    before = served.http.get("/v1/lora_adapters").json()["data"]
+    base = served.http.get("/v1/models").json()["data"][0]["id"]
+
+    def refused(path: str, body: dict[str, Any], needle: str, param: str | None = None) -> None:
+        resp = served.http.post(path, json=body)
+        assert resp.status_code == 400 and needle in resp.json()["error"]["message"], resp.text
+        assert param is None or resp.json()["error"]["param"] == param, resp.text
+
+    refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(nan_alpha)}, "lora_alpha must be a positive finite")
+    refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(nan_weights)}, "NaN or infinite")
+    refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": f"{attn}\x00"}, "is not a directory")
+    refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(attn), "base_model_name": "m"},
+            "Unrecognized request argument", "base_model_name")
+    refused("/v1/load_lora_adapter", {"lora_name": "attn", "lora_path": str(attn), "load_inplace": False},
+            "already loaded", "load_inplace")
+    refused("/v1/load_lora_adapter", {"lora_name": base, "lora_path": str(attn)}, "is a model served here")
+    refused("/v1/unload_lora_adapter", {"lora_name": "attn", "lora_int_id": 1}, "Unrecognized request argument",
+            "lora_int_id")
+    wanted = {"fresh": str(served.lora_root / "all"), "broken": str(nan_alpha)}
+    refused("/update", {"peft_info": {"lora_info": wanted}}, "nothing was changed")
+    refused("/update", {"peft_info": {"lora_info": {"attn": f"{attn}\x00"}}}, "is not a directory")
+    assert served.http.get("/v1/lora_adapters").json()["data"] == before
+    resp = served.http.post("/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": str(attn),
+                                                           "load_inplace": True})
+    assert resp.status_code == 200, resp.text
+    assert output_ids(served.generate("attn")) == served.reference("attn")
+
+
 def test_run_time_load_unload_and_update(served: Served) -> None:
     open_http = httpx.Client(base_url=served.url, timeout=30)
     body = {"lora_name": "all", "lora_path": str(served.lora_root / "all")}

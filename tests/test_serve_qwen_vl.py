@@ -98,3 +98,19 @@ def test_openai_client_image_part_matches_transformers_then_hits_the_cache(serve
                                           "generate_config": {"max_new_tokens": 2, "return_input_ids": True}}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["input_ids"][0].count(pad) == 15
+
+
+@pytest.mark.parametrize("width,height,ok", [(1, 200, True), (1, 201, False), (3000, 14, False)])
+def test_a_too_thin_picture_is_a_400_naming_its_part(server: Server, width: int, height: int, ok: bool) -> None:
+    """Past 200:1 Qwen-VL's resize has no answer: a 400 whose param is the image part (it named
+    "messages", and said "under 200" while 200 itself is taken)."""
+    body = {"messages": messages(png_bytes(width, height)), "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    if ok:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]", r.text
+    assert "more than 200 times longer than wide" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/", json={"prompt": "?", "urls": [messages(png_bytes(width, height))[0]["content"][0]
+                                                                   ["image_url"]["url"]]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "urls[0]", r.text

@@ -113,6 +113,21 @@ def test_render_shows_the_placeholders(server: Server) -> None:
     assert [u.startswith("data:image/png;base64,") for u in body["input_urls"]] == [True, True]
 
 
+def test_tokenize_counts_each_image_as_the_request_is_billed(server: Server) -> None:
+    """/tokenize of a chat with an image part: the ids the request sends (the image's whole run of
+    placeholders, as usage counts them), and a bad image is the same 400 as in chat. It used to give one
+    placeholder per image without looking at the image."""
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages(data_uri(PNG))}, timeout=30)
+    assert r.status_code == 200, r.text
+    ids = r.json()["token_ids"]
+    assert ids.count(server.tiny.image_token_id) == server.tiny.image_tokens
+    resp = server.client.chat.completions.create(model=server.model, messages=messages(data_uri(PNG)),  # type: ignore[arg-type]
+                                                 max_tokens=1)
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages(data_uri(b"garbage"))}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]", r.text
+
+
 def test_rtp_llm_urls(server: Server) -> None:
     r = httpx.post(f"{server.url}/", json={"prompt": QUESTION, "urls": [data_uri(PNG)],
                                           "generate_config": {"max_new_tokens": 3, "return_input_ids": True}},
@@ -127,12 +142,35 @@ def test_rtp_llm_urls(server: Server) -> None:
     (data_uri(b"garbage"), "messages[0].content[1]", "not a readable image"),
     ("http://10.1.2.3/x.png", "messages[0].content[1]", "internal address"),
     ("/etc/passwd", "messages[0].content[1]", "no such image file under IMAGE_FILE_ROOT"),
+    # each of these was a 500 before: a URL that cannot be fetched is the client's, never an internal error
+    ("http://127.0.0.1:1/x.png", "messages[0].content[1]", "cannot fetch it (ConnectError"),
+    ("http://127.0.0.1:99999/x.png", "messages[0].content[1]", "the port is not a number"),
+    ("{images}/short.png", "messages[0].content[1]", "cannot fetch it (RemoteProtocolError"),
+    ("{images}/redirect-ftp", "messages[0].content[1]", "only http and https URLs are fetched"),
+    ("{root}/\x00cat.png", "messages[0].content[1]", "no such image file under IMAGE_FILE_ROOT"),
 ])
 def test_bad_images_are_400s_naming_the_part(server: Server, url: str, param: str, needle: str) -> None:
+    url = url.format(images=server.images_url, root=server.file_root)
     with pytest.raises(openai.BadRequestError) as info:
         chat(server, url)
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+    assert "object at 0x" not in error["message"], error  # no Python reprs of the server's own objects
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"What does {IMAGE_TOKEN} mean?"}],
+                              "max_tokens": 2}, "messages"),
+    ("/v1/completions", {"prompt": f"What does {IMAGE_TOKEN} mean?", "max_tokens": 2}, "prompt"),
+    ("/", {"prompt": f"What does {IMAGE_TOKEN} mean?", "generate_config": {"max_new_tokens": 2}}, "prompt"),
+])
+def test_a_placeholder_in_the_text_without_an_image_is_a_400_naming_the_field(server: Server, path: str,
+                                                                             body: dict[str, Any], param: str) -> None:
+    """It reached the backend, whose 400 had no param and spoke of '1 image placeholder tokens at position
+    13: not a multiple of 16'."""
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "1 image placeholder(s) for 0 image(s)" in r.json()["error"]["message"], r.text
 
 
 def test_too_many_and_too_large(server: Server) -> None:

@@ -67,6 +67,15 @@ def test_cache_status_in_the_seeds_shape(http: httpx.Client, path: str, key: str
     assert http.post(path, json={key: 1.5}).status_code == 400
 
 
+@pytest.mark.parametrize("path", ["/cache_status", "/rtp_llm/cache_status", "/worker_status", "/rtp_llm/worker_status"])
+def test_unknown_debug_request_fields_are_a_400_naming_them(http: httpx.Client, path: str) -> None:
+    """They were answered as if absent (a misspelt version key silently meant 'everything')."""
+    resp = http.post(path, json={"latest_version": 3})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "latest_version", resp.text
+    if "worker" in path:  # the seed's WorkerStatusRequest: both versions
+        assert http.post(path, json={"lastest_cache_version": -1, "latest_finised_version": -1}).status_code == 200
+
+
 def test_set_log_level_changes_the_frontend_and_its_backend(http: httpx.Client) -> None:
     resp = http.post("/set_log_level", json={"log_level": "TRACE"})
     assert resp.status_code == 200, resp.text
@@ -94,6 +103,10 @@ def test_without_a_paired_backend_the_debug_routes_are_503(tokenizer: TextTokeni
         assert level["processes"]["frontend"] == "ok" and "does not answer" in level["processes"]["backend"]
 
 
-def test_eplb_update_is_refused_with_a_reason(http: httpx.Client) -> None:
+def test_eplb_update_is_refused_with_a_reason(http: httpx.Client, mock: MockBackendThread) -> None:
     resp = http.post("/update_eplb_config", json={"mode": "ALL"})
     assert resp.status_code == 400 and "not supported" in resp.json()["error"]["message"], resp.text
+    # the backend's own port too (the seed lists it among the backend's routes): it was a 404 "Not Found"
+    backend = f"http://127.0.0.1:{mock.port - 1 + 5}/update_eplb_config"
+    resp = httpx.post(backend, json={"mode": "ALL"}, timeout=10)
+    assert resp.status_code == 400 and "mixture-of-experts" in resp.json()["error"]["message"], resp.text

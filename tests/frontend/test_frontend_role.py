@@ -166,6 +166,20 @@ def test_tokenize_prompt_and_messages(http: httpx.Client, tokenizer: TextTokeniz
     assert body["prompt"] == rendered["input_prompt"]
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, "return_token_strs"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": False}, "add_special_tokens"),
+    ("/tokenizer/encode", {"prompt": "Hi", "return_offset_mapping": True}, "return_offset_mapping"),
+])
+def test_tokenize_refuses_fields_it_does_not_take(http: httpx.Client, path: str, body: dict[str, object],
+                                                  param: str) -> None:
+    """They were answered as if absent (a misspelt return_offsets_mapping gave no offsets, silently)."""
+    resp = http.post(path, json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    resp = http.post("/tokenize", json={"prompt": "Hi", "model": "gpt-9"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+
+
 def test_render_equals_template(http: httpx.Client, tokenizer: TextTokenizer) -> None:
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U 日本"},
                 {"role": "assistant", "content": "A"}, {"role": "user", "content": [{"type": "text", "text": "V"}]}]

@@ -117,6 +117,21 @@ def test_neutral_values_of_those_keys_are_taken(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json={**CHAT, "extra_configs": neutral}).status_code == 200
 
 
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "Hi", "max_tokens": 4})])
+@pytest.mark.parametrize("key,value", [("is_streaming", True), ("return_output_ids", True), ("return_input_ids", True)])
+def test_post_slash_answer_keys_are_refused_on_chat_and_completions(http: httpx.Client, path: str, body: dict[str, object],
+                                                                    key: str, value: object) -> None:
+    """POST /'s answer keys in extra_configs: they were accepted and ignored (a non-streamed answer for
+    is_streaming: true, no ids for return_output_ids); now a 400 naming the key. A value the request does
+    anyway is taken."""
+    resp = http.post(path, json={**body, "extra_configs": {key: value}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == f"extra_configs.{key}", resp.text
+    neutral = {"is_streaming": False, "return_output_ids": False, "return_input_ids": False}
+    assert http.post(path, json={**body, "extra_configs": neutral}).status_code == 200
+    streamed = http.post(path, json={**body, "stream": True, "extra_configs": {"is_streaming": True}})
+    assert streamed.status_code == 200 and sse_data(streamed.text)[-1] == "[DONE]"
+
+
 def test_return_incremental(http: httpx.Client) -> None:
     """POST /: as `incremental` (each event only the new text); chat streams deltas anyway, so false is a 400."""
     body = {"prompt": "Hi", "generate_config": {"max_new_tokens": 4, "is_streaming": True, "return_incremental": True}}

@@ -1,5 +1,6 @@
 """A loopback HTTP server for image-fetch tests: /ok.png (a PNG), /page (text/html), /big.png (a PNG larger
-than the tests' cap), /slow.png (answers after 5 s), /redirect-private (to a private address), /missing (404)."""
+than the tests' cap), /slow.png (answers after 5 s), /redirect-private (to a private address), /redirect-ftp (to
+an ftp: URL), /short.png (a body shorter than its Content-Length), /missing (404)."""
 from __future__ import annotations
 
 import threading
@@ -27,6 +28,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", "http://10.1.2.3/x.png")
             self.end_headers()
+            return
+        if self.path == "/redirect-ftp":
+            self.send_response(302)
+            self.send_header("Location", "ftp://127.0.0.1/x.png")
+            self.end_headers()
+            return
+        if self.path == "/short.png":  # the connection closes with 100 bytes missing
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(PNG) + 100))
+            self.end_headers()
+            self.wfile.write(PNG)
             return
         if self.path not in routes:
             self.send_response(404)
