@@ -39,6 +39,10 @@ _REFUSED = (
     ("fan_in_fan_out", (False, None), "transposed (Conv1D) weights (fan_in_fan_out)"),
     ("lora_bias", (False, None), "a bias on lora_B (lora_bias)"),
     ("trainable_token_indices", (None, [], {}), "trained token embeddings (trainable_token_indices)"),
+    # PiSSA, OLoRA, CorDA and LoftQ start from a changed base model: saved unconverted, the adapter only
+    # answers right over that base (PEFT converts it to a plain LoRA, init_lora_weights true, on request).
+    ("init_lora_weights", (True, False, None, "gaussian", "eva", "orthogonal"),
+     "an adapter over a changed base model (init_lora_weights PiSSA / OLoRA / CorDA / LoftQ, not converted)"),
 )
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

@@ -290,7 +290,8 @@ def test_lru_bound(setup: Setup) -> None:
     ({"use_rslora": True}, "use_rslora"), ({"use_dora": True}, "use_dora"), ({"bias": "all"}, "bias"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
     ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"), ({"peft_type": "IA3"}, "IA3"),
-    ({"r": 0}, "r must be"), ({"r": 4}, "do not fit r=4"),
+    ({"r": 0}, "r must be"), ({"r": 4}, "do not fit r=4"), ({"init_lora_weights": "pissa"}, "PiSSA"),
+    ({"init_lora_weights": "olora"}, "init_lora_weights"), ({"init_lora_weights": "loftq"}, "not converted"),
 ])
 def test_refused_configs(setup: Setup, tmp_path: Path, change: dict[str, Any], needle: str) -> None:
     src = setup.paths["attn"]
