@@ -2,8 +2,9 @@
 registered. A dialect translates its request in (`parse` → a Job: the pipeline's PreparedRequests) and its
 wire format out (`whole` / `events`, or its own `respond`); `run` does the steps every dialect shares, in
 one order: parse → the constraint's check → an admission slot per sequence → `started` (work that needs
-the slots: prompt logprobs) → Pipeline.generate_many → respond. Registering a dialect (Routes.add) adds its
-paths, the admission middleware's list of generation paths, and its streaming answer to the OpenAPI doc."""
+the slots: prompt logprobs) → Pipeline.generate_many → a stream's first event (what fails before it keeps its
+HTTP status) → respond. Registering a dialect (Routes.add) adds its paths, the admission middleware's list of
+generation paths, and its streaming answer to the OpenAPI doc."""
 from __future__ import annotations
 
 import inspect
@@ -18,7 +19,7 @@ from frontend.guided import check
 from frontend.openapi_doc import SSE_RESPONSE
 from frontend.pipeline import ChoiceEvent, Pipeline, PreparedRequest
 from frontend.protocol import GuidedDecoding
-from frontend.respond import OPENAI_SSE, SseFraming, respond
+from frontend.respond import OPENAI_SSE, SseFraming, first_come, respond
 from kvyard.constraint import Constraint
 
 S = TypeVar("S")
@@ -77,7 +78,10 @@ async def run(dialect: GenerationDialect[Any], req: Any, request: Request) -> Re
         await check(job.constraint, job.fields)
     request.app.state.admission.hold(request.scope, job.slots())
     await dialect.started(job)
-    return await dialect.respond(request, job, dialect.pipeline.generate_many(job.preps))
+    events = dialect.pipeline.generate_many(job.preps)
+    if job.stream:  # its 200 waits for the first token: a refusal before it keeps its status
+        events = await first_come(request, events)
+    return await dialect.respond(request, job, events)
 
 
 class Routes:

@@ -26,7 +26,7 @@ from frontend.off_loop import off_loop
 from frontend.pipeline import Budget
 from frontend.generate_config import GenerateQuery
 from frontend.protocol import SamplingRequest
-from frontend.respond import EVENT_SSE, SSE_HEADERS, sse_response
+from frontend.respond import EVENT_SSE, SSE_HEADERS, chained, sse_response
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.sampling_params import DIALECT_DEFAULTS, Dialect
 
@@ -60,8 +60,8 @@ class GenerateDialect(GenerationDialect[None]):
         chunks = _text(events)
         first = await anext(chunks, None)
         if "text/event-stream" in request.headers.get("accept", ""):
-            return sse_response(_pieces(first, chunks), EVENT_SSE)
-        return StreamingResponse(_plain(_pieces(first, chunks)), media_type="text/plain; charset=utf-8",
+            return sse_response(chained(first, chunks), EVENT_SSE)
+        return StreamingResponse(_plain(chained(first, chunks)), media_type="text/plain; charset=utf-8",
                                  headers=SSE_HEADERS)
 
 
@@ -73,17 +73,6 @@ async def _text(events: Events) -> AsyncIterator[str]:
                 yield ev.text
     finally:
         await events.aclose()
-
-
-async def _pieces(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        if first is None:
-            return
-        yield first
-        async for text in rest:
-            yield text
-    finally:
-        await rest.aclose()  # a client that went away aborts the backend call now, not at GC
 
 
 async def _plain(pieces: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
@@ -24,6 +24,7 @@ from frontend.errors import stream_error_body
 from kvyard.aux_info import AuxInfo
 from kvyard.disconnect import cancel_on_disconnect
 
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what SSE itself treats as the end of a line
 
@@ -62,6 +63,33 @@ async def respond(request: Request, stream: bool, events: Callable[[], AsyncIter
     if stream:
         return sse_response(events(), framing)
     return JSONResponse(await cancel_on_disconnect(request, whole()))
+
+
+async def first_come(request: Request, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The events, once the first of them has come (the backend's first token). A stream's 200 goes out
+    only then, so what fails before it (the backend refusing the request: 429 overloaded, 404 an adapter it
+    does not hold, 503 no backend) raises here and keeps its HTTP status, as it would without stream; a
+    client gone while it waits cancels the request."""
+    try:
+        first = await cancel_on_disconnect(request, anext(events))
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        raise
+    return chained(first, events)
+
+
+async def chained(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """first (None: nothing), then the rest; closing it closes the rest."""
+    try:
+        if first is None:
+            return
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # a client that went away aborts the backend call now, not at GC
 
 
 async def _framed(events: AsyncIterator[str], framing: SseFraming) -> AsyncIterator[str]:

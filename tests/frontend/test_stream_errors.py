@@ -1,5 +1,5 @@
-"""Errors after a stream started (an error chunk, then the dialect's end marker, whatever failed), and a
-client that goes away cancels the backend call, streaming or not. The backend answers TEXT (conftest's mock)."""
+"""Errors after a stream started (an error chunk, then the dialect's end marker, whatever failed), errors
+before its first token (the HTTP status, as without stream), and a client that goes away cancels the backend call, streaming or not. The backend answers TEXT (conftest's mock)."""
 from __future__ import annotations
 
 import json
@@ -54,6 +54,29 @@ def test_error_after_the_stream_started(http: httpx.Client, front: MockFrontend,
         with pytest.raises(openai.APIError):
             client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
             list(client.chat.completions.create(model="mock-model", messages=HI, stream=True))
+
+
+@pytest.mark.parametrize(("kind", "status", "code"), [("OVERLOADED", 429, "overloaded"),
+                                                      ("MODEL_NOT_FOUND", 404, "model_not_found"),
+                                                      ("UNAVAILABLE", 503, "unavailable")])
+def test_a_refusal_before_the_first_token_keeps_its_status(http: httpx.Client, front: MockFrontend,
+                                                           mock: MockBackendThread, tokenizer: TextTokenizer,
+                                                           kind: str, status: int, code: str) -> None:
+    """The backend refusing a request before its first token (full, an adapter it does not hold, gone) is the
+    same HTTP error streaming or not: a stream's 200 waits for its first token, so a client's retry on 429
+    works. Before, every stream answered 200 and then an error chunk."""
+    with mock.scripted(MockScript(tuple(tokenizer.encode(TEXT)), error=kind, error_after=0)):
+        for path, body in [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"}),
+                           ("/v1/responses", {"input": "x"}), ("/", {"prompt": "x"})]:
+            for stream in (False, True):
+                resp = http.post(path, json={**body, "stream": stream})
+                assert resp.status_code == status, (path, stream, resp.text)
+                assert resp.headers["content-type"].startswith("application/json"), (path, stream)
+                assert set(resp.json()["error"]) == ERROR_KEYS and resp.json()["error"]["code"] == code
+        client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model="mock-model", messages=HI, stream=True)
+        assert caught.value.status_code == status
 
 
 def test_a_failure_that_is_not_a_request_error_still_ends_the_stream(http: httpx.Client, mock: MockBackendThread,
