@@ -147,3 +147,13 @@ def test_models_and_metrics(stack: Stack) -> None:
     _post(stack, "/v1/embeddings", {"input": "metrics"})
     text = httpx.get(f"{stack.url}/metrics").text
     assert 'path="/v1/embeddings"' in text or "/v1/embeddings" in text
+
+
+def test_lone_surrogates_are_a_400(stack: Stack) -> None:
+    """JSON's \\ud800 parses but is not text: a 400 naming the field, never the tokenizer's 500."""
+    for path, raw, param in (("/v1/embeddings", '{"input": "\\ud800"}', "input"),
+                             ("/v1/embeddings", '{"input": ["ok", "a\\udfffb"]}', "input"),
+                             ("/v1/embeddings/similarity", '{"left": "\\ud800", "right": "x"}', "left"),
+                             ("/v1/embeddings/similarity", '{"left": "x", "right": ["y", "\\ud800"]}', "right")):
+        resp = httpx.post(stack.url + path, content=raw, timeout=60)
+        _error(resp, 400, param, "surrogate")
