@@ -7,12 +7,14 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from tokenizers import Encoding, Tokenizer
 
 from frontend.backend_client import PoolInput, PoolOutput
 from frontend.config import FrontendConfig
 from frontend.off_loop import off_loop
 from frontend.routing import ROUTER_PLACEHOLDER_MODEL, Router
+from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, PoolingSpec
@@ -114,9 +116,11 @@ class PoolingPipeline:
 
     # --- run ---
 
-    async def run(self, model: PoolingModel, inputs: list[PoolInput], task: str) -> PoolOutput:
-        return await self.router.pool(f"pool-{uuid.uuid4().hex}", inputs, task, model.name,
-                                      (model.backend_address,), self.cfg.request_timeout_s or None)
+    async def run(self, request: Request, model: PoolingModel, inputs: list[PoolInput], task: str) -> PoolOutput:
+        """The PoolCall, cancelled when the client disconnects (which aborts its inputs in the backend)."""
+        return await cancel_on_disconnect(request, self.router.pool(
+            f"pool-{uuid.uuid4().hex}", inputs, task, model.name, (model.backend_address,),
+            self.cfg.request_timeout_s or None))
 
 
 def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -> PoolInput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ EMB = EMBEDDED_EMBEDDING_NAME
 class Stack:
     url: str
     logs: Path
+    encoder_http: str  # the encoder backend's own HTTP app (worker_status)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         procs[1].wait_healthy(f"http://127.0.0.1:{encoder + 5}/health", timeout_s=180)
         procs[2].wait_healthy(f"http://127.0.0.1:{frontend}/health", timeout_s=120)
-        yield Stack(f"http://127.0.0.1:{frontend}", logs)
+        yield Stack(f"http://127.0.0.1:{frontend}", logs, f"http://127.0.0.1:{encoder + 5}")
     finally:
         for p in procs:
             p.stop()
@@ -157,3 +159,19 @@ def test_lone_surrogates_are_a_400(stack: Stack) -> None:
                              ("/v1/embeddings/similarity", '{"left": "x", "right": ["y", "\\ud800"]}', "right")):
         resp = httpx.post(stack.url + path, content=raw, timeout=60)
         _error(resp, 400, param, "surrogate")
+
+
+def test_a_client_that_leaves_cancels_its_inputs(stack: Stack) -> None:
+    """A client that disconnects before its answer (here: its read timeout) cancels the pooling call, so
+    the backend drops the inputs not yet run instead of computing minutes of embeddings nobody reads."""
+    body = {"input": [[101, *[7592 + i % 100] * 254, 102] for i in range(2048)]}  # ids: no tokenizing to wait for
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/embeddings", json=body, timeout=3)
+    deadline, status = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{stack.encoder_http}/worker_status", timeout=5).json()
+        if status["running"] == status["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert status["running"] == status["waiting"] == 0, status
+    assert len(_post(stack, "/v1/embeddings", {"input": "still serving"}).json()["data"]) == 1
