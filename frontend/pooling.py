@@ -83,6 +83,9 @@ class PoolingPipeline:
             if truncate > limit:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {truncate} is past this "
                                    f"model's context ({limit} tokens)", "truncate_prompt_tokens")
+            if truncate == 0:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens 0 keeps no tokens: give at "
+                                   "least 1, or -1 for the model's context", "truncate_prompt_tokens")
             limit = limit if truncate == -1 else truncate
         return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt)
 
@@ -108,6 +111,10 @@ class PoolingPipeline:
                 out.append(_encode(tok, first, second, limit if cut else None))
             if not out[-1].token_ids:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i} has no tokens", "input")
+            if len(out[-1].token_ids) > limit and cut:  # cut to what it cannot lose: special tokens, a template
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {limit} is too few for input "
+                                   f"{i}: its special tokens (and prompt template) alone take "
+                                   f"{len(out[-1].token_ids)}", "truncate_prompt_tokens")
             if len(out[-1].token_ids) > limit:
                 raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"input {i} has {len(out[-1].token_ids)} "
                                    f"tokens; this model's maximum context length is {limit} tokens (pass "

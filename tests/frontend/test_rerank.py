@@ -75,6 +75,8 @@ def test_rerank_orders_by_relevance(servers: dict[str, tuple[str, Path]]) -> Non
     bad = httpx.post(url + "/v1/embeddings", json={"input": "x"})
     assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
     assert httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": []}).status_code == 400
+    short = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["d"], "truncate_prompt_tokens": 2})
+    assert short.status_code == 400 and short.json()["error"]["param"] == "truncate_prompt_tokens", short.text  # [CLS] [SEP] [SEP]
 
 
 def test_classify_label_probabilities(servers: dict[str, tuple[str, Path]]) -> None:
