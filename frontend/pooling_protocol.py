@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from frontend.generate_config import valid_text
 
-TokenIds = list[int]
+TokenIds = list[StrictInt]  # JSON's true or 1.0 is not a token id (lax int would take them as 1)
 # OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists.
 EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
 

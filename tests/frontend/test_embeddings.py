@@ -141,6 +141,8 @@ def test_bad_fields(stack: Stack) -> None:
     _error(_post(stack, "/v1/embeddings", {"input": "x", "dimensions": 128}), 400, "dimensions", "Matryoshka")
     _error(_post(stack, "/v1/embeddings", {"input": []}), 400, "input", "empty")
     _error(_post(stack, "/v1/embeddings", {"input": [10**7]}), 400, "input", "token ids")
+    for ids in ([True, False], [[101, True, 102]], [1.0, 2.0]):  # not ids: JSON's true is no token 1
+        assert _post(stack, "/v1/embeddings", {"input": ids}).status_code == 400, ids
     _error(_post(stack, "/v1/embeddings", {"input": "x", "prompt_name": "query"}), 400, "prompt_name")
     assert _post(stack, "/v1/embeddings", {"input": "x", "encoding_format": "int8"}).status_code == 400
     assert _post(stack, "/v1/embeddings", {"input": "x", "frobnicate": 1}).status_code == 400
