@@ -17,6 +17,7 @@ from starlette.requests import Request
 from frontend.pooling import PoolingModel, PoolingPipeline, sigmoid, softmax
 from frontend.pooling_protocol import (ClassifyRequest, EmbeddingRequest, RerankRequest, SimilarityRequest)
 from kvyard.errors import ErrorCode, RequestError
+from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import ModelKind
 
 EMBED = (ModelKind.EMBED,)
@@ -47,7 +48,13 @@ def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
         if not left or not right:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "left and right must each hold at least one text",
                                "left" if not left else "right")
-        inputs = await pooling.tokenize(model, [*left, *right], req.truncate_prompt_tokens, _prompt(model, req.prompt_name))
+        if len(left) + len(right) > MAX_POOL_ITEMS:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"at most {MAX_POOL_ITEMS} texts per request, left and "
+                               f"right together; got {len(left)} + {len(right)}",
+                               "left" if len(left) >= len(right) else "right")
+        prompt = _prompt(model, req.prompt_name)
+        inputs = [*await pooling.tokenize(model, left, req.truncate_prompt_tokens, prompt, "left"),
+                  *await pooling.tokenize(model, right, req.truncate_prompt_tokens, prompt, "right")]
         out = await pooling.run(request, model, inputs, "embed")
         vecs = [_unit(o.values) for o in out.outputs]
         scores = [[sum(a * b for a, b in zip(vecs[i], vecs[len(left) + j])) for j in range(len(right))]
@@ -62,7 +69,8 @@ def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
         docs = [d if isinstance(d, str) else _doc_text(d, i) for i, d in enumerate(req.documents)]
         if not docs:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "documents is empty", "documents")
-        inputs = await pooling.tokenize(model, [(req.query, d) for d in docs], req.truncate_prompt_tokens)
+        inputs = await pooling.tokenize(model, [(req.query, d) for d in docs], req.truncate_prompt_tokens,
+                                        param="documents")
         out = await pooling.run(request, model, inputs, "classify")
         scores = [_relevance(o.values) for o in out.outputs]
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]

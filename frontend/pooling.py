@@ -70,14 +70,15 @@ class PoolingPipeline:
     # --- tokenize ---
 
     async def tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]],
-                       truncate: int | None, prompt: str = "") -> list[PoolInput]:
+                       truncate: int | None, prompt: str = "", param: str = "input") -> list[PoolInput]:
         """Texts (with the prompt before each), token ids as given, or (text, text) pairs → inputs within
-        the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context)."""
+        the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context).
+        param: the request field the texts came from, which errors name."""
         if not texts:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the input is empty", "input")
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} is empty", param)
         if len(texts) > MAX_POOL_ITEMS:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"at most {MAX_POOL_ITEMS} inputs per request, got "
-                               f"{len(texts)}", "input")
+                               f"{len(texts)}", param)
         limit = model.spec.max_len
         if truncate is not None:
             if truncate > limit:
@@ -87,38 +88,38 @@ class PoolingPipeline:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens 0 keeps no tokens: give at "
                                    "least 1, or -1 for the model's context", "truncate_prompt_tokens")
             limit = limit if truncate == -1 else truncate
-        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt)
+        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param)
 
     def _tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]], limit: int,
-                  cut: bool, prompt: str) -> list[PoolInput]:
+                  cut: bool, prompt: str, param: str) -> list[PoolInput]:
         tok = model.tokenizer
         vocab = tok.get_vocab_size(with_added_tokens=True)
         out: list[PoolInput] = []
         for i, text in enumerate(texts):
             if isinstance(text, list):  # token ids, as given
                 if any(not 0 <= t < vocab for t in text):
-                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: token ids must be in [0, {vocab})",
-                                       "input")
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: token ids must be in [0, {vocab})",
+                                       param)
                 ids = text[:limit] if cut else text
                 out.append(PoolInput(ids))
             elif model.spec.template:
                 if not isinstance(text, tuple):
-                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: model {model.name!r} scores (query, "
-                                       "document) pairs with its prompt: give [query, document] pairs", "input")
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: model {model.name!r} scores (query, "
+                                       "document) pairs with its prompt: give [query, document] pairs", param)
                 out.append(_encode_templated(tok, *text, limit if cut else None))
             else:
                 first, second = (text if isinstance(text, tuple) else (prompt + text, None))
                 out.append(_encode(tok, first, second, limit if cut else None))
             if not out[-1].token_ids:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i} has no tokens", "input")
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i} has no tokens", param)
             if len(out[-1].token_ids) > limit and cut:  # cut to what it cannot lose: special tokens, a template
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {limit} is too few for input "
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {limit} is too few for {param} "
                                    f"{i}: its special tokens (and prompt template) alone take "
                                    f"{len(out[-1].token_ids)}", "truncate_prompt_tokens")
             if len(out[-1].token_ids) > limit:
-                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"input {i} has {len(out[-1].token_ids)} "
+                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{param} {i} has {len(out[-1].token_ids)} "
                                    f"tokens; this model's maximum context length is {limit} tokens (pass "
-                                   "truncate_prompt_tokens to cut it)", "input")
+                                   "truncate_prompt_tokens to cut it)", param)
         return out
 
     # --- run ---

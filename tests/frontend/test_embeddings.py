@@ -117,6 +117,9 @@ def test_context_length_and_truncation(stack: Stack) -> None:
     assert cut["usage"]["prompt_tokens"] == 256
     _error(_post(stack, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 1000}), 400,
            "truncate_prompt_tokens")
+    for body, param in (({"left": "x", "right": ["y", long]}, "right"), ({"left": long, "right": "y"}, "left"),
+                        ({"left": ["x"] * 1500, "right": ["y"] * 1000}, "left")):  # similarity's own fields
+        _error(_post(stack, "/v1/embeddings/similarity", body), 400, param)
     # a cut the model's own [CLS] and [SEP] do not fit, or one that keeps nothing: the cut is what is wrong
     for cut, body in ((1, {"input": "x"}), (0, {"input": "x"}), (0, {"input": [101, 102]})):
         _error(_post(stack, "/v1/embeddings", {**body, "truncate_prompt_tokens": cut}), 400, "truncate_prompt_tokens",

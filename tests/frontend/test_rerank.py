@@ -75,6 +75,9 @@ def test_rerank_orders_by_relevance(servers: dict[str, tuple[str, Path]]) -> Non
     bad = httpx.post(url + "/v1/embeddings", json={"input": "x"})
     assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
     assert httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": []}).status_code == 400
+    for body in ({"query": QUERY, "documents": ["d"] * 2049}, {"query": QUERY, "documents": ["d", "word " * 100]}):
+        resp = httpx.post(url + "/v1/rerank", json=body, timeout=60)  # errors name rerank's field, not "input"
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "documents", resp.text
     short = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["d"], "truncate_prompt_tokens": 2})
     assert short.status_code == 400 and short.json()["error"]["param"] == "truncate_prompt_tokens", short.text  # [CLS] [SEP] [SEP]
 
