@@ -114,6 +114,9 @@ async def _embed(pooling: PoolingPipeline, request: Request, req: EmbeddingReque
     if head != "dense" and req.dimensions is not None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{route} takes no dimensions", "dimensions")
     texts = _inputs(req.input)
+    if req.prompt_name is not None and isinstance(texts[0] if texts else None, list):
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "prompt_name puts a prompt before texts; token ids are pooled "
+                           "as given (put the prompt's ids before them)", "prompt_name")
     inputs = await pooling.tokenize(model, texts, req.truncate_prompt_tokens, _prompt(model, req.prompt_name))
     out = await pooling.run(request, model, inputs, {"dense": "embed"}.get(head, head))
     data = []
