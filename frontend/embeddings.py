@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter
 from starlette.requests import Request
 
@@ -56,9 +57,10 @@ def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
         inputs = [*await pooling.tokenize(model, left, req.truncate_prompt_tokens, prompt, "left"),
                   *await pooling.tokenize(model, right, req.truncate_prompt_tokens, prompt, "right")]
         out = await pooling.run(request, model, inputs, "embed")
-        vecs = [_unit(o.values) for o in out.outputs]
-        scores = [[sum(a * b for a, b in zip(vecs[i], vecs[len(left) + j])) for j in range(len(right))]
-                  for i in range(len(left))]
+        vecs = np.array([o.values for o in out.outputs], dtype=np.float64)  # [L + R, D]
+        vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+        # one matrix product: up to 1024 x 1024 dot products summed in Python held the event loop ~100 s
+        scores = (vecs[:len(left)] @ vecs[len(left):].T).tolist()  # [L, R]
         return {"object": "list", "model": model.name, "data": scores, "usage": _usage(out.input_len)}
 
     @router.post("/v1/rerank")

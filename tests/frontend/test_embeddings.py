@@ -3,6 +3,7 @@ whose own backend process runs the real encoder; the official openai client's em
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import math
 import struct
 import time
@@ -184,3 +185,23 @@ def test_a_client_that_leaves_cancels_its_inputs(stack: Stack) -> None:
         time.sleep(0.2)
     assert status["running"] == status["waiting"] == 0, status
     assert len(_post(stack, "/v1/embeddings", {"input": "still serving"}).json()["data"]) == 1
+
+
+def test_a_large_similarity_keeps_the_frontend_responsive(stack: Stack) -> None:
+    """1024 x 1024 cosines (a request's most) were summed in Python on the event loop: ~100 s on a 2-core
+    machine in which the frontend answered nobody, /health included."""
+    body = {"left": [f"left text {i}" for i in range(1024)], "right": [f"right text {i}" for i in range(1024)]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(_post, stack, "/v1/embeddings/similarity", body)
+        slowest = 0.0
+        while not big.done():
+            t = time.monotonic()
+            assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - t)
+            time.sleep(0.2)
+        resp = big.result()
+    assert resp.status_code == 200 and slowest < 2, (resp.status_code, slowest)
+    data = resp.json()["data"]
+    assert len(data) == 1024 and {len(row) for row in data} == {1024}
+    one = _post(stack, "/v1/embeddings", {"input": [body["left"][3], body["right"][7]]}).json()["data"]
+    assert abs(data[3][7] - _cos(one[0]["embedding"], one[1]["embedding"])) < 1e-5
