@@ -7,12 +7,14 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from tokenizers import Encoding, Tokenizer
 
 from frontend.backend_client import PoolInput, PoolOutput
 from frontend.config import FrontendConfig
 from frontend.off_loop import off_loop
 from frontend.routing import ROUTER_PLACEHOLDER_MODEL, Router
+from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, PoolingSpec
@@ -68,55 +70,65 @@ class PoolingPipeline:
     # --- tokenize ---
 
     async def tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]],
-                       truncate: int | None, prompt: str = "") -> list[PoolInput]:
+                       truncate: int | None, prompt: str = "", param: str = "input") -> list[PoolInput]:
         """Texts (with the prompt before each), token ids as given, or (text, text) pairs → inputs within
-        the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context)."""
+        the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context).
+        param: the request field the texts came from, which errors name."""
         if not texts:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "the input is empty", "input")
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} is empty", param)
         if len(texts) > MAX_POOL_ITEMS:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"at most {MAX_POOL_ITEMS} inputs per request, got "
-                               f"{len(texts)}", "input")
+                               f"{len(texts)}", param)
         limit = model.spec.max_len
         if truncate is not None:
             if truncate > limit:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {truncate} is past this "
                                    f"model's context ({limit} tokens)", "truncate_prompt_tokens")
+            if truncate == 0:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens 0 keeps no tokens: give at "
+                                   "least 1, or -1 for the model's context", "truncate_prompt_tokens")
             limit = limit if truncate == -1 else truncate
-        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt)
+        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param)
 
     def _tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]], limit: int,
-                  cut: bool, prompt: str) -> list[PoolInput]:
+                  cut: bool, prompt: str, param: str) -> list[PoolInput]:
         tok = model.tokenizer
         vocab = tok.get_vocab_size(with_added_tokens=True)
         out: list[PoolInput] = []
         for i, text in enumerate(texts):
             if isinstance(text, list):  # token ids, as given
                 if any(not 0 <= t < vocab for t in text):
-                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: token ids must be in [0, {vocab})",
-                                       "input")
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: token ids must be in [0, {vocab})",
+                                       param)
                 ids = text[:limit] if cut else text
                 out.append(PoolInput(ids))
             elif model.spec.template:
                 if not isinstance(text, tuple):
-                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i}: model {model.name!r} scores (query, "
-                                       "document) pairs with its prompt: give [query, document] pairs", "input")
+                    raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: model {model.name!r} scores (query, "
+                                       "document) pairs with its prompt: give [query, document] pairs", param)
                 out.append(_encode_templated(tok, *text, limit if cut else None))
             else:
                 first, second = (text if isinstance(text, tuple) else (prompt + text, None))
                 out.append(_encode(tok, first, second, limit if cut else None))
             if not out[-1].token_ids:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"input {i} has no tokens", "input")
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i} has no tokens", param)
+            if len(out[-1].token_ids) > limit and cut:  # cut to what it cannot lose: special tokens, a template
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"truncate_prompt_tokens {limit} is too few for {param} "
+                                   f"{i}: its special tokens (and prompt template) alone take "
+                                   f"{len(out[-1].token_ids)}", "truncate_prompt_tokens")
             if len(out[-1].token_ids) > limit:
-                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"input {i} has {len(out[-1].token_ids)} "
+                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{param} {i} has {len(out[-1].token_ids)} "
                                    f"tokens; this model's maximum context length is {limit} tokens (pass "
-                                   "truncate_prompt_tokens to cut it)", "input")
+                                   "truncate_prompt_tokens to cut it)", param)
         return out
 
     # --- run ---
 
-    async def run(self, model: PoolingModel, inputs: list[PoolInput], task: str) -> PoolOutput:
-        return await self.router.pool(f"pool-{uuid.uuid4().hex}", inputs, task, model.name,
-                                      (model.backend_address,), self.cfg.request_timeout_s or None)
+    async def run(self, request: Request, model: PoolingModel, inputs: list[PoolInput], task: str) -> PoolOutput:
+        """The PoolCall, cancelled when the client disconnects (which aborts its inputs in the backend)."""
+        return await cancel_on_disconnect(request, self.router.pool(
+            f"pool-{uuid.uuid4().hex}", inputs, task, model.name, (model.backend_address,),
+            self.cfg.request_timeout_s or None))
 
 
 def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -> PoolInput:

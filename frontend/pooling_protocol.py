@@ -2,17 +2,35 @@
 Cohere/Jina's rerank and the classifier. Strict: a field we do not honour is a 400 naming it."""
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-TokenIds = list[int]
+from frontend.generate_config import valid_text
+
+TokenIds = list[StrictInt]  # JSON's true or 1.0 is not a token id (lax int would take them as 1)
 # OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists.
 EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("input", "left", "right", "query", "documents", check_fields=False)
+    @classmethod
+    def _texts(cls, v: Any, info: ValidationInfo) -> Any:
+        valid_text(list(_strings(v)), str(info.field_name))  # else the tokenizer's TypeError: a 500
+        return v
+
+
+def _strings(v: Any) -> Iterator[str]:
+    """Every text in an input: strings, pairs, {"text": ...} documents (token ids hold none)."""
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, (list, tuple, dict)):
+        for item in v.values() if isinstance(v, dict) else v:
+            yield from _strings(item)
 
 
 class _Truncation(_Strict):

@@ -3,8 +3,10 @@ whose own backend process runs the real encoder; the official openai client's em
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import math
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ EMB = EMBEDDED_EMBEDDING_NAME
 class Stack:
     url: str
     logs: Path
+    encoder_http: str  # the encoder backend's own HTTP app (worker_status)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         procs[1].wait_healthy(f"http://127.0.0.1:{encoder + 5}/health", timeout_s=180)
         procs[2].wait_healthy(f"http://127.0.0.1:{frontend}/health", timeout_s=120)
-        yield Stack(f"http://127.0.0.1:{frontend}", logs)
+        yield Stack(f"http://127.0.0.1:{frontend}", logs, f"http://127.0.0.1:{encoder + 5}")
     finally:
         for p in procs:
             p.stop()
@@ -115,6 +118,13 @@ def test_context_length_and_truncation(stack: Stack) -> None:
     assert cut["usage"]["prompt_tokens"] == 256
     _error(_post(stack, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 1000}), 400,
            "truncate_prompt_tokens")
+    for body, param in (({"left": "x", "right": ["y", long]}, "right"), ({"left": long, "right": "y"}, "left"),
+                        ({"left": ["x"] * 1500, "right": ["y"] * 1000}, "left")):  # similarity's own fields
+        _error(_post(stack, "/v1/embeddings/similarity", body), 400, param)
+    # a cut the model's own [CLS] and [SEP] do not fit, or one that keeps nothing: the cut is what is wrong
+    for cut, body in ((1, {"input": "x"}), (0, {"input": "x"}), (0, {"input": [101, 102]})):
+        _error(_post(stack, "/v1/embeddings", {**body, "truncate_prompt_tokens": cut}), 400, "truncate_prompt_tokens",
+               f"truncate_prompt_tokens {cut}")
 
 
 def test_routes_the_model_cannot_answer(stack: Stack) -> None:
@@ -135,6 +145,8 @@ def test_bad_fields(stack: Stack) -> None:
     _error(_post(stack, "/v1/embeddings", {"input": "x", "dimensions": 128}), 400, "dimensions", "Matryoshka")
     _error(_post(stack, "/v1/embeddings", {"input": []}), 400, "input", "empty")
     _error(_post(stack, "/v1/embeddings", {"input": [10**7]}), 400, "input", "token ids")
+    for ids in ([True, False], [[101, True, 102]], [1.0, 2.0]):  # not ids: JSON's true is no token 1
+        assert _post(stack, "/v1/embeddings", {"input": ids}).status_code == 400, ids
     _error(_post(stack, "/v1/embeddings", {"input": "x", "prompt_name": "query"}), 400, "prompt_name")
     assert _post(stack, "/v1/embeddings", {"input": "x", "encoding_format": "int8"}).status_code == 400
     assert _post(stack, "/v1/embeddings", {"input": "x", "frobnicate": 1}).status_code == 400
@@ -147,3 +159,49 @@ def test_models_and_metrics(stack: Stack) -> None:
     _post(stack, "/v1/embeddings", {"input": "metrics"})
     text = httpx.get(f"{stack.url}/metrics").text
     assert 'path="/v1/embeddings"' in text or "/v1/embeddings" in text
+
+
+def test_lone_surrogates_are_a_400(stack: Stack) -> None:
+    """JSON's \\ud800 parses but is not text: a 400 naming the field, never the tokenizer's 500."""
+    for path, raw, param in (("/v1/embeddings", '{"input": "\\ud800"}', "input"),
+                             ("/v1/embeddings", '{"input": ["ok", "a\\udfffb"]}', "input"),
+                             ("/v1/embeddings/similarity", '{"left": "\\ud800", "right": "x"}', "left"),
+                             ("/v1/embeddings/similarity", '{"left": "x", "right": ["y", "\\ud800"]}', "right")):
+        resp = httpx.post(stack.url + path, content=raw, timeout=60)
+        _error(resp, 400, param, "surrogate")
+
+
+def test_a_client_that_leaves_cancels_its_inputs(stack: Stack) -> None:
+    """A client that disconnects before its answer (here: its read timeout) cancels the pooling call, so
+    the backend drops the inputs not yet run instead of computing minutes of embeddings nobody reads."""
+    body = {"input": [[101, *[7592 + i % 100] * 254, 102] for i in range(2048)]}  # ids: no tokenizing to wait for
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/embeddings", json=body, timeout=3)
+    deadline, status = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{stack.encoder_http}/worker_status", timeout=5).json()
+        if status["running"] == status["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert status["running"] == status["waiting"] == 0, status
+    assert len(_post(stack, "/v1/embeddings", {"input": "still serving"}).json()["data"]) == 1
+
+
+def test_a_large_similarity_keeps_the_frontend_responsive(stack: Stack) -> None:
+    """1024 x 1024 cosines (a request's most) were summed in Python on the event loop: ~100 s on a 2-core
+    machine in which the frontend answered nobody, /health included."""
+    body = {"left": [f"left text {i}" for i in range(1024)], "right": [f"right text {i}" for i in range(1024)]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(_post, stack, "/v1/embeddings/similarity", body)
+        slowest = 0.0
+        while not big.done():
+            t = time.monotonic()
+            assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - t)
+            time.sleep(0.2)
+        resp = big.result()
+    assert resp.status_code == 200 and slowest < 2, (resp.status_code, slowest)
+    data = resp.json()["data"]
+    assert len(data) == 1024 and {len(row) for row in data} == {1024}
+    one = _post(stack, "/v1/embeddings", {"input": [body["left"][3], body["right"][7]]}).json()["data"]
+    assert abs(data[3][7] - _cos(one[0]["embedding"], one[1]["embedding"])) < 1e-5

@@ -52,3 +52,12 @@ def test_chat_is_a_400_naming_the_kind(served: tuple[str, Path]) -> None:
         assert "embed model" in resp.json()["error"]["message"], resp.text
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m.get("kind")) for m in models] == [("emb", "embed")]
+
+
+def test_prompt_name_with_token_ids_is_a_400(served: tuple[str, Path]) -> None:
+    """Token ids are pooled as given, so a prompt named for them would be ignored: refused, naming it."""
+    url, _ = served
+    for ids in ([1, 2, 3], [[1, 2, 3], [4, 5]]):
+        resp = httpx.post(f"{url}/v1/embeddings", json={"input": ids, "prompt_name": "query"}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_name", resp.text
+    assert httpx.post(f"{url}/v1/embeddings", json={"input": [1, 2, 3]}, timeout=60).status_code == 200

@@ -74,7 +74,7 @@ def test_truncation_cuts_the_pair_text_and_a_lone_text_is_a_400(served: tuple[st
     url, path = served
     long_doc = "Paris " * 400
     r = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": [long_doc]}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text  # the field rerank has
     r = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": [long_doc], "truncate_prompt_tokens": 300},
                    timeout=60)
     assert r.status_code == 200, r.text

@@ -75,6 +75,11 @@ def test_rerank_orders_by_relevance(servers: dict[str, tuple[str, Path]]) -> Non
     bad = httpx.post(url + "/v1/embeddings", json={"input": "x"})
     assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
     assert httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": []}).status_code == 400
+    for body in ({"query": QUERY, "documents": ["d"] * 2049}, {"query": QUERY, "documents": ["d", "word " * 100]}):
+        resp = httpx.post(url + "/v1/rerank", json=body, timeout=60)  # errors name rerank's field, not "input"
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "documents", resp.text
+    short = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["d"], "truncate_prompt_tokens": 2})
+    assert short.status_code == 400 and short.json()["error"]["param"] == "truncate_prompt_tokens", short.text  # [CLS] [SEP] [SEP]
 
 
 def test_classify_label_probabilities(servers: dict[str, tuple[str, Path]]) -> None:
@@ -90,3 +95,16 @@ def test_classify_label_probabilities(servers: dict[str, tuple[str, Path]]) -> N
     assert len(single["data"]) == 1 and abs(sum(single["data"][0]["probs"]) - 1) < 1e-5
     bad = httpx.post(url + "/classify", json={"input": [["a", "b", "c"]]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
+def test_lone_surrogates_are_a_400(servers: dict[str, tuple[str, Path]]) -> None:
+    """JSON's \\ud800 parses but is not text: a 400 naming the field, never the tokenizer's 500."""
+    for name, path, raw, param in (
+            ("reranker", "/v1/rerank", '{"query": "\\ud800", "documents": ["d"]}', "query"),
+            ("reranker", "/v1/rerank", '{"query": "q", "documents": ["d", {"text": "\\udfff"}]}', "documents"),
+            ("classifier", "/v1/classifier", '{"input": ["ok", "\\udfff"]}', "input"),
+            ("classifier", "/classify", '{"input": [["ok", "\\ud800"]]}', "input")):
+        resp = httpx.post(servers[name][0] + path, content=raw, timeout=60)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == param and "surrogate" in err["message"], err
