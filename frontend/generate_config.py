@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from kvyard.limits import MAX_N, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
 
@@ -14,6 +14,8 @@ from kvyard.limits import MAX_N, REPETITION_PENALTY_RANGE, TEMPERATURE_MAX
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+# A token id: JSON's true or 1.0 is not one (a lax int would take them as 1).
+TokenId = Annotated[StrictInt, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 
 
@@ -55,7 +57,7 @@ class GenerateConfig(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     random_seed: Int64 | None = None
     stop_words_str: list[str] | None = None        # extra stop strings
-    stop_words_list: list[list[Int32]] | None = None  # extra stop token-id sequences
+    stop_words_list: list[list[TokenId]] | None = None  # extra stop token-id sequences
     num_return_sequences: int | None = Field(default=None, ge=0, le=MAX_N)  # 0 or 1: one
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # chat only; wins over the request's own

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from frontend.chat_messages import (  # noqa: F401 (re-exported: the request types live together)
     ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL, NamedToolChoice, TextPart, ToolCall,
     ToolDefinition, _Lenient)
-from frontend.generate_config import INT32_MAX, GenerateConfig, Int32, Int64, RepetitionPenalty, valid_text
+from frontend.generate_config import (INT32_MAX, GenerateConfig, Int32, Int64, RepetitionPenalty, TokenId,
+                                      valid_text)
 from frontend.rtp_fields import RtpRequestFields
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_N, MAX_TOP_LOGPROBS, PENALTY_BOUND, TEMPERATURE_MAX
@@ -111,14 +112,14 @@ class SamplingRequest(_Lenient, GuidedDecoding):
     # vLLM's extensions
     ignore_eos: bool | None = None            # generate through eos (stop tokens and strings still stop)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # no eos or stop token before this many
-    stop_token_ids: list[Int32] | None = None  # token ids that end a choice (kept in its tokens, not its text)
+    stop_token_ids: list[TokenId] | None = None  # token ids that end a choice (kept in its tokens, not its text)
     include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
     skip_special_tokens: bool = True          # false: special tokens (e.g. <|im_end|>) appear in the text
     spaces_between_special_tokens: bool | None = None  # only false (or with skip_special_tokens) is served
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # keep the prompt's last k
                                               # tokens (-1: as many as the context holds with room for one)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # each prompt token's logprob
-    allowed_token_ids: list[Int32] | None = Field(default=None, min_length=1)  # only these may be sampled
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # only these may be sampled
     bad_words: list[str] | None = None        # words never generated (their tokens, with and without a space)
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)  # locally typical sampling (also llama.cpp's)
     priority: int = 0                         # only 0: requests are served first come, first served
@@ -290,7 +291,7 @@ class ChatCompletionRequest(SamplingRequest, RtpRequestFields):
 
 
 class CompletionRequest(SamplingRequest, RtpRequestFields):
-    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int32 | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -48,6 +48,14 @@ def request_error_response(exc: RequestError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list"})
+
+
+def _union_tag(part: Any) -> bool:
+    """Pydantic names the member of a union it tried (`input.str`, `prompt.list[int].0`): not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-")))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -57,7 +65,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI says 422; OpenAI clients expect 400 with one readable message.
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', 'parse error')}", None
         elif first.get("type") == "extra_forbidden":  # a field no request model names: OpenAI's wording

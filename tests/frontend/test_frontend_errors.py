@@ -112,6 +112,22 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": HI, "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"7": "x"}}, "logit_bias.7"),
+])
+def test_a_bad_value_names_its_field(http: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
+    """The error's param is the request's own path to the value: not pydantic's name for the union member it
+    tried (`prompt.str`, `prompt.list[int].0`). JSON's true and 1.0 are not token ids (they were taken as 1)."""
+    resp = http.post(path, json=body)
+    assert_error(resp, 400)
+    assert resp.json()["error"]["param"] == param, resp.json()
+
+
 @pytest.mark.parametrize(("path", "body"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
 def test_bad_input_is_400(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     # json.dumps escapes a lone surrogate as \udXXX: valid JSON a client can send, not encodable text.
