@@ -159,7 +159,7 @@ def _dimensions(model: PoolingModel, dims: int | None) -> int | None:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {model.name!r} does not support dimensions other "
                            f"than its own {full} (it is not a Matryoshka model)", "dimensions")
     if dims > full or (allowed and dims not in allowed):
-        sizes = ", ".join(map(str, allowed)) if allowed else f"1..{full}"
+        sizes = ", ".join(map(str, sorted({*allowed, full}))) if allowed else f"1..{full}"
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"dimensions {dims} is not one of {sizes}", "dimensions")
     return dims
 

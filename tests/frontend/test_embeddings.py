@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from kvyard.errors import RequestError
 from kvyard.pooling_model import EMBEDDED_EMBEDDING_NAME, embedded_embedding_path
 from tests.support.procs import RoleProcess, free_port_block
 
@@ -205,3 +206,16 @@ def test_a_large_similarity_keeps_the_frontend_responsive(stack: Stack) -> None:
     assert len(data) == 1024 and {len(row) for row in data} == {1024}
     one = _post(stack, "/v1/embeddings", {"input": [body["left"][3], body["right"][7]]}).json()["data"]
     assert abs(data[3][7] - _cos(one[0]["embedding"], one[1]["embedding"])) < 1e-5
+
+
+def test_matryoshka_sizes_in_the_error_include_the_full_one() -> None:
+    """A Matryoshka model naming its truncations: those and its full size are taken, and a refusal lists all
+    of them (it left the full size out)."""
+    from types import SimpleNamespace
+
+    from frontend.embeddings import _dimensions
+    model = SimpleNamespace(name="m", spec=SimpleNamespace(dimensions=32, matryoshka_dimensions=(8, 16)))
+    assert _dimensions(model, 32) is None and _dimensions(model, 16) == 16  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="dimensions 12 is not one of 8, 16, 32") as caught:
+        _dimensions(model, 12)  # type: ignore[arg-type]
+    assert caught.value.param == "dimensions"
