@@ -1,6 +1,6 @@
 """The pooling routes, each a thin dialect over frontend/pooling.py: OpenAI's /v1/embeddings (RTP-LLM's
 /v1/embeddings/dense, /sparse, /colbert), RTP-LLM's /v1/embeddings/similarity, Cohere/Jina's rerank
-(/v1/rerank, /rerank, RTP-LLM's /v1/reranker) and the classifier (/v1/classifier, /classify).
+(/v1/rerank, /rerank), RTP-LLM's reranker (/v1/reranker) and the classifier (/v1/classifier, /classify).
 docs/embeddings.md has every shape."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 
 from frontend.pooling import PoolingModel, PoolingPipeline, sigmoid, softmax
-from frontend.pooling_protocol import (ClassifyRequest, EmbeddingRequest, RerankRequest, SimilarityRequest)
+from frontend.pooling_protocol import (ClassifyRequest, EmbeddingRequest, RerankRequest, RtpRerankRequest,
+                                       SimilarityRequest)
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import ModelKind
@@ -65,21 +66,32 @@ def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
 
     @router.post("/v1/rerank")
     @router.post("/rerank")
-    @router.post("/v1/reranker")
     async def rerank(req: RerankRequest, request: Request) -> dict[str, Any]:
         model = pooling.resolve(req.model, "/v1/rerank", CLASSIFY)
         docs = [d if isinstance(d, str) else _doc_text(d, i) for i, d in enumerate(req.documents)]
-        if not docs:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "documents is empty", "documents")
         inputs = await pooling.tokenize(model, [(req.query, d) for d in docs], req.truncate_prompt_tokens,
                                         param="documents")
         out = await pooling.run(request, model, inputs, "classify")
         scores = [_relevance(o.values) for o in out.outputs]
-        order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
         results = [{"index": i, "relevance_score": scores[i],
-                    **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]
+                    **({"document": {"text": docs[i]}} if req.return_documents else {})}
+                   for i in _most_relevant(scores, req.top_n)]
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": results,
                 "usage": {"total_tokens": out.input_len}}
+
+    @router.post("/v1/reranker")
+    async def rtp_reranker(req: RtpRerankRequest, request: Request) -> dict[str, Any]:
+        """RTP-LLM's reranker: /v1/rerank's scoring in its Voyage-style shape, the raw logit unless normalize."""
+        model = pooling.resolve(req.model, "/v1/reranker", CLASSIFY)
+        inputs = await pooling.tokenize(model, [(req.query, d) for d in req.documents], -1 if req.truncation else None,
+                                        param="documents", cut_with="truncation: true")
+        out = await pooling.run(request, model, inputs, "classify")
+        scores = [_relevance(o.values) if req.normalize else _relevance_logit(o.values) for o in out.outputs]
+        kept = _most_relevant(scores, req.top_k)
+        # RTP-LLM dumps its response with exclude_none: no document key rather than "document": null
+        results = [{"index": i, **({"document": req.documents[i]} if req.return_documents else {}),
+                    "relevance_score": scores[i]} for i in (kept if req.sorted else sorted(kept))]
+        return {"results": results, "total_tokens": out.input_len, "model": model.name}
 
     @router.post("/v1/classifier")
     @router.post("/classify")
@@ -186,6 +198,22 @@ def _doc_text(doc: dict[str, str], i: int) -> str:
 def _relevance(logits: list[float]) -> float:
     """One logit: its sigmoid (sentence-transformers' CrossEncoder); several: the last label's probability."""
     return sigmoid(logits[0]) if len(logits) == 1 else softmax(logits)[-1]
+
+
+def _relevance_logit(logits: list[float]) -> float:
+    """_relevance before its squashing, so that sigmoid of this is _relevance and both rank alike: one logit as it
+    is (Qwen3-Reranker's: yes minus no); several: the last label's log-odds against the rest (two: last minus
+    first). A lone label's logit would not do: softmax ignores a shift common to all of them."""
+    if len(logits) == 1:
+        return logits[0]
+    rest = logits[:-1]
+    top = max(rest)
+    return logits[-1] - top - math.log(sum(math.exp(x - top) for x in rest))
+
+
+def _most_relevant(scores: list[float], k: int | None) -> list[int]:
+    """The indices of the k highest scores (all without k), highest first."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:k or len(scores)]
 
 
 def _probabilities(model: PoolingModel, logits: list[float]) -> list[float]:

@@ -70,10 +70,12 @@ class PoolingPipeline:
     # --- tokenize ---
 
     async def tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]],
-                       truncate: int | None, prompt: str = "", param: str = "input") -> list[PoolInput]:
+                       truncate: int | None, prompt: str = "", param: str = "input",
+                       cut_with: str = "truncate_prompt_tokens") -> list[PoolInput]:
         """Texts (with the prompt before each), token ids as given, or (text, text) pairs → inputs within
         the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context).
-        param: the request field the texts came from, which errors name."""
+        param: the request field the texts came from, which errors name; cut_with: what the too-long error
+        tells the client to pass (the route's own way of asking for a cut)."""
         if not texts:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} is empty", param)
         if len(texts) > MAX_POOL_ITEMS:
@@ -88,10 +90,10 @@ class PoolingPipeline:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens 0 keeps no tokens: give at "
                                    "least 1, or -1 for the model's context", "truncate_prompt_tokens")
             limit = limit if truncate == -1 else truncate
-        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param)
+        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param, cut_with)
 
     def _tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]], limit: int,
-                  cut: bool, prompt: str, param: str) -> list[PoolInput]:
+                  cut: bool, prompt: str, param: str, cut_with: str) -> list[PoolInput]:
         tok = model.tokenizer
         vocab = tok.get_vocab_size(with_added_tokens=True)
         out: list[PoolInput] = []
@@ -119,7 +121,7 @@ class PoolingPipeline:
             if len(out[-1].token_ids) > limit:
                 raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{param} {i} has {len(out[-1].token_ids)} "
                                    f"tokens; this model's maximum context length is {limit} tokens (pass "
-                                   "truncate_prompt_tokens to cut it)", param)
+                                   f"{cut_with} to cut it)", param)
         return out
 
     # --- run ---

@@ -1,5 +1,5 @@
 """Request bodies of the pooling routes (frontend/embeddings.py): OpenAI's embeddings, RTP-LLM's similarity,
-Cohere/Jina's rerank and the classifier. Strict: a field we do not honour is a 400 naming it."""
+Cohere/Jina's rerank, RTP-LLM's reranker and the classifier. Strict: a field we do not honour is a 400 naming it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -57,11 +57,24 @@ class SimilarityRequest(_Truncation):
 
 
 class RerankRequest(_Truncation):
-    """POST /v1/rerank, /rerank, /v1/reranker (Cohere / Jina shape)."""
+    """POST /v1/rerank, /rerank (Cohere / Jina shape)."""
     query: str
     documents: list[str | dict[str, str]]  # strings, or {"text": ...} objects (Cohere)
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
+
+
+class RtpRerankRequest(_Strict):
+    """POST /v1/reranker: RTP-LLM's reranker request (its VoyageRerankerRequest's fields; `instruction`, which
+    only its Qwen3-Reranker reads, is not taken yet)."""
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_k: int | None = Field(default=None, ge=1)  # keep the k most relevant documents
+    sorted: bool = True             # most relevant first; false: the kept documents in the order sent
+    truncation: bool = True         # cut pairs longer than the context to it; false: too long is a 400
+    return_documents: bool = True   # each result's `document`: the text sent
+    normalize: bool = False         # false: the relevance logit; true: its probability, as /v1/rerank scores
 
 
 class ClassifyRequest(_Truncation):

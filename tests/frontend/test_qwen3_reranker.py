@@ -1,7 +1,8 @@
 """An original Qwen3-Reranker (a causal LM scored by its last token's "yes" and "no" logits, configured by
 vLLM's --hf-overrides keys in config.json) as the main CHECKPOINT_PATH of a PDFUSION launch: /v1/rerank,
 /rerank, /v1/reranker and /v1/classifier answer what transformers' causal LM computes on the same weights
-with the model card's prompt and formula (softmax over [no, yes] of the last logits → yes)."""
+with the model card's prompt and formula (softmax over [no, yes] of the last logits → yes; RTP-LLM's
+/v1/reranker by default the logit that is the sigmoid of: yes minus no)."""
 from __future__ import annotations
 
 import os
@@ -32,6 +33,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 def reference_scores(path: Path, query: str, docs: list[str], max_length: int = 512) -> list[float]:
     """The model card's code: prefix + tokenizer(pair, truncated) + suffix, the last position's logits,
     log-softmax over [no, yes], exp of yes."""
+    return [torch.log_softmax(no_yes, dim=-1)[1].exp().item() for no_yes in _no_yes(path, query, docs, max_length)]
+
+
+def reference_logits(path: Path, query: str, docs: list[str], max_length: int = 512) -> list[float]:
+    """What the card's probability is the sigmoid of: the last position's yes logit minus its no logit."""
+    return [(no_yes[1] - no_yes[0]).item() for no_yes in _no_yes(path, query, docs, max_length)]
+
+
+def _no_yes(path: Path, query: str, docs: list[str], max_length: int) -> list[torch.Tensor]:
     import transformers
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
@@ -43,8 +53,7 @@ def reference_scores(path: Path, query: str, docs: list[str], max_length: int = 
         pair = QWEN3_RERANKER["pair"].format(instruction=QWEN3_RERANKER["instruction"], query=query, document=doc)
         ids = tok(pair, truncation="longest_first", max_length=max_length - len(prefix) - len(suffix))["input_ids"]
         with torch.no_grad():
-            logits = model(torch.tensor([prefix + ids + suffix])).logits[0, -1]
-        out.append(torch.log_softmax(logits[[no, yes]], dim=-1)[1].exp().item())
+            out.append(model(torch.tensor([prefix + ids + suffix])).logits[0, -1, [no, yes]])
     return out
 
 
@@ -57,13 +66,28 @@ def test_spec_from_the_checkpoint(served: tuple[str, Path]) -> None:
 def test_rerank_matches_transformers_yes_no(served: tuple[str, Path]) -> None:
     url, path = served
     ref = reference_scores(path, QUERY, DOCS)
-    for route in ("/v1/rerank", "/rerank", "/v1/reranker"):
+    cohere: dict[int, float] = {}
+    for route in ("/v1/rerank", "/rerank"):
         r = httpx.post(url + route, json={"query": QUERY, "documents": DOCS}, timeout=60)
         assert r.status_code == 200, r.text
         results = r.json()["results"]
         assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -ref[i])
         for x in results:
             assert abs(x["relevance_score"] - ref[x["index"]]) < 1e-4, (x, ref)
+        cohere = {x["index"]: x["relevance_score"] for x in results}
+    # RTP-LLM's /v1/reranker: the yes-minus-no logit by default, the card's probability with normalize
+    logits = reference_logits(path, QUERY, DOCS)
+    for normalize, expected in ((False, logits), (True, ref)):
+        r = httpx.post(url + "/v1/reranker", json={"query": QUERY, "documents": DOCS, "normalize": normalize},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -ref[i])
+        for x in results:
+            assert abs(x["relevance_score"] - expected[x["index"]]) < 1e-4, (x, expected)
+            assert x["document"] == DOCS[x["index"]]
+            if normalize:
+                assert x["relevance_score"] == cohere[x["index"]]
     r = httpx.post(url + "/v1/classifier", json={"input": [[QUERY, d] for d in DOCS]}, timeout=60)
     assert r.status_code == 200, r.text
     assert [d["labels"] for d in r.json()["data"]] == [["yes"]] * 3
@@ -79,5 +103,13 @@ def test_truncation_cuts_the_pair_text_and_a_lone_text_is_a_400(served: tuple[st
                    timeout=60)
     assert r.status_code == 200, r.text
     assert abs(r.json()["results"][0]["relevance_score"] - reference_scores(path, QUERY, [long_doc], 300)[0]) < 1e-4
+    context = load_pooling_spec(path).max_len
+    r = httpx.post(url + "/v1/reranker", json={"query": QUERY, "documents": [long_doc]}, timeout=60)
+    assert r.status_code == 200, r.text  # RTP-LLM's truncation defaults to true: cut at the context
+    assert r.json()["total_tokens"] == context
+    assert abs(r.json()["results"][0]["relevance_score"] - reference_logits(path, QUERY, [long_doc], context)[0]) < 1e-4
+    r = httpx.post(url + "/v1/reranker", json={"query": QUERY, "documents": [long_doc], "truncation": False},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
     r = httpx.post(url + "/v1/classifier", json={"input": "just one text"}, timeout=60)
     assert r.status_code == 400 and "pairs" in r.json()["error"]["message"], r.text
