@@ -84,7 +84,7 @@ def embedding_routes(pooling: PoolingPipeline) -> APIRouter:
         """RTP-LLM's reranker: /v1/rerank's scoring in its Voyage-style shape, the raw logit unless normalize."""
         model = pooling.resolve(req.model, "/v1/reranker", CLASSIFY)
         inputs = await pooling.tokenize(model, [(req.query, d) for d in req.documents], -1 if req.truncation else None,
-                                        param="documents", cut_with="truncation: true")
+                                        param="documents", cut_with="truncation: true", instruction=req.instruction)
         out = await pooling.run(request, model, inputs, "classify")
         scores = [_relevance(o.values) if req.normalize else _relevance_logit(o.values) for o in out.outputs]
         kept = _most_relevant(scores, req.top_k)

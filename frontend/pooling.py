@@ -71,11 +71,15 @@ class PoolingPipeline:
 
     async def tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]],
                        truncate: int | None, prompt: str = "", param: str = "input",
-                       cut_with: str = "truncate_prompt_tokens") -> list[PoolInput]:
+                       cut_with: str = "truncate_prompt_tokens", instruction: str | None = None) -> list[PoolInput]:
         """Texts (with the prompt before each), token ids as given, or (text, text) pairs → inputs within
         the model's context: longer is a 400 unless `truncate` (truncate_prompt_tokens; -1 = the context).
         param: the request field the texts came from, which errors name; cut_with: what the too-long error
-        tells the client to pass (the route's own way of asking for a cut)."""
+        tells the client to pass (the route's own way of asking for a cut); instruction: a templated model's
+        (Qwen3-Reranker's `<Instruct>`) in place of its default, a 400 for a model whose prompt has none."""
+        if instruction is not None and not model.spec.template:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"model {model.name!r} takes no instruction (only a "
+                               "reranker with an instruction prompt, such as Qwen3-Reranker, does)", "instruction")
         if not texts:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} is empty", param)
         if len(texts) > MAX_POOL_ITEMS:
@@ -90,10 +94,11 @@ class PoolingPipeline:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "truncate_prompt_tokens 0 keeps no tokens: give at "
                                    "least 1, or -1 for the model's context", "truncate_prompt_tokens")
             limit = limit if truncate == -1 else truncate
-        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param, cut_with)
+        return await off_loop(self._tokenize, model, texts, limit, truncate is not None, prompt, param, cut_with,
+                              instruction)
 
     def _tokenize(self, model: PoolingModel, texts: list[str | list[int] | tuple[str, str]], limit: int,
-                  cut: bool, prompt: str, param: str, cut_with: str) -> list[PoolInput]:
+                  cut: bool, prompt: str, param: str, cut_with: str, instruction: str | None) -> list[PoolInput]:
         tok = model.tokenizer
         vocab = tok.get_vocab_size(with_added_tokens=True)
         out: list[PoolInput] = []
@@ -108,7 +113,7 @@ class PoolingPipeline:
                 if not isinstance(text, tuple):
                     raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: model {model.name!r} scores (query, "
                                        "document) pairs with its prompt: give [query, document] pairs", param)
-                out.append(_encode_templated(tok, *text, limit if cut else None))
+                out.append(_encode_templated(tok, *text, limit if cut else None, instruction))
             else:
                 first, second = (text if isinstance(text, tuple) else (prompt + text, None))
                 out.append(_encode(tok, first, second, limit if cut else None))
@@ -156,14 +161,16 @@ def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -
     return PoolInput(enc.ids, pair_start)
 
 
-def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int | None) -> PoolInput:
+def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int | None,
+                      instruction: str | None = None) -> PoolInput:
     """Qwen3-Reranker's prompt, tokenized as its model card does: the prefix, the instruction-query-document
-    text and the suffix each on their own, without special tokens; past `limit` the middle is cut at its end."""
+    text and the suffix each on their own, without special tokens; past `limit` the middle is cut at its end.
+    instruction: the request's, else the card's default."""
     t = QWEN3_RERANKER
     prefix = tok.encode(t["prefix"], add_special_tokens=False).ids
     suffix = tok.encode(t["suffix"], add_special_tokens=False).ids
-    middle = tok.encode(t["pair"].format(instruction=t["instruction"], query=query, document=document),
-                        add_special_tokens=False).ids
+    middle = tok.encode(t["pair"].format(instruction=t["instruction"] if instruction is None else instruction,
+                                         query=query, document=document), add_special_tokens=False).ids
     if limit is not None:
         middle = middle[:max(0, limit - len(prefix) - len(suffix))]
     return PoolInput(prefix + middle + suffix)

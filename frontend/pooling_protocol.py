@@ -65,8 +65,7 @@ class RerankRequest(_Truncation):
 
 
 class RtpRerankRequest(_Strict):
-    """POST /v1/reranker: RTP-LLM's reranker request (its VoyageRerankerRequest's fields; `instruction`, which
-    only its Qwen3-Reranker reads, is not taken yet)."""
+    """POST /v1/reranker: RTP-LLM's reranker request (its VoyageRerankerRequest's fields)."""
     query: str
     documents: list[str]
     model: str | None = None
@@ -75,6 +74,7 @@ class RtpRerankRequest(_Strict):
     truncation: bool = True         # cut pairs longer than the context to it; false: too long is a 400
     return_documents: bool = True   # each result's `document`: the text sent
     normalize: bool = False         # false: the relevance logit; true: its probability, as /v1/rerank scores
+    instruction: str | None = None  # Qwen3-Reranker's <Instruct> (default: its card's); other models: a 400
 
 
 class ClassifyRequest(_Truncation):

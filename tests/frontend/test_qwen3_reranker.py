@@ -36,12 +36,14 @@ def reference_scores(path: Path, query: str, docs: list[str], max_length: int = 
     return [torch.log_softmax(no_yes, dim=-1)[1].exp().item() for no_yes in _no_yes(path, query, docs, max_length)]
 
 
-def reference_logits(path: Path, query: str, docs: list[str], max_length: int = 512) -> list[float]:
+def reference_logits(path: Path, query: str, docs: list[str], max_length: int = 512,
+                     instruction: str = QWEN3_RERANKER["instruction"]) -> list[float]:
     """What the card's probability is the sigmoid of: the last position's yes logit minus its no logit."""
-    return [(no_yes[1] - no_yes[0]).item() for no_yes in _no_yes(path, query, docs, max_length)]
+    return [(no_yes[1] - no_yes[0]).item() for no_yes in _no_yes(path, query, docs, max_length, instruction)]
 
 
-def _no_yes(path: Path, query: str, docs: list[str], max_length: int) -> list[torch.Tensor]:
+def _no_yes(path: Path, query: str, docs: list[str], max_length: int,
+            instruction: str = QWEN3_RERANKER["instruction"]) -> list[torch.Tensor]:
     import transformers
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
@@ -50,7 +52,7 @@ def _no_yes(path: Path, query: str, docs: list[str], max_length: int) -> list[to
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
     out = []
     for doc in docs:
-        pair = QWEN3_RERANKER["pair"].format(instruction=QWEN3_RERANKER["instruction"], query=query, document=doc)
+        pair = QWEN3_RERANKER["pair"].format(instruction=instruction, query=query, document=doc)
         ids = tok(pair, truncation="longest_first", max_length=max_length - len(prefix) - len(suffix))["input_ids"]
         with torch.no_grad():
             out.append(model(torch.tensor([prefix + ids + suffix])).logits[0, -1, [no, yes]])
@@ -92,6 +94,21 @@ def test_rerank_matches_transformers_yes_no(served: tuple[str, Path]) -> None:
     assert r.status_code == 200, r.text
     assert [d["labels"] for d in r.json()["data"]] == [["yes"]] * 3
     assert [round(d["probs"][0], 4) for d in r.json()["data"]] == [round(s, 4) for s in ref]
+
+
+def test_rtp_llm_reranker_takes_an_instruction(served: tuple[str, Path]) -> None:
+    """RTP-LLM's `instruction` replaces the card's default <Instruct> text: the scores are transformers' on the
+    prompt with that instruction (and differ from the default's)."""
+    url, path = served
+    instruction = "Given a question about a city, find the passage that names its country"
+    want, default = reference_logits(path, QUERY, DOCS, instruction=instruction), reference_logits(path, QUERY, DOCS)
+    assert max(abs(a - b) for a, b in zip(want, default)) > 1e-3
+    r = httpx.post(url + "/v1/reranker", json={"query": QUERY, "documents": DOCS, "instruction": instruction,
+                                                "sorted": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == [0, 1, 2]
+    for x in r.json()["results"]:
+        assert abs(x["relevance_score"] - want[x["index"]]) < 1e-4, (x, want)
 
 
 def test_truncation_cuts_the_pair_text_and_a_lone_text_is_a_400(served: tuple[str, Path]) -> None:

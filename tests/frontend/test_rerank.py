@@ -164,7 +164,8 @@ def test_rtp_llm_reranker_raw_logits_and_options(servers: dict[str, tuple[str, P
 
     for fields, param in (({"top_n": 1}, "top_n"), ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
                           ({"frobnicate": 1}, "frobnicate"), ({"top_k": 0}, "top_k"),
-                          ({"documents": [{"text": DOCS[0]}]}, "documents")):
+                          ({"documents": [{"text": DOCS[0]}]}, "documents"),
+                          ({"instruction": "rank"}, "instruction")):  # a cross-encoder's prompt has no instruction
         resp = post(**fields)
         assert resp.status_code == 400 and resp.json()["error"]["param"].split(".")[0] == param, (fields, resp.text)
     cohere_refuses = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": DOCS, "top_k": 1})
