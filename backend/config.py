@@ -17,6 +17,7 @@ from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.backend")
 
+
 @dataclass(frozen=True)
 class BackendConfig:
     checkpoint_path: Path        # GGUF file or HF directory with the weights
@@ -29,7 +30,7 @@ class BackendConfig:
     kv_cache_dtype: str          # KV_CACHE_DTYPE: "float16" for the CPU kernels by default, else dtype
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     activations: str             # ACTIVATIONS: what the GGUF-block linears multiply by, "int16" or "float32"
-    prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in (kernels.PREFILL_GEMMS)
+    prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in, kernels.PREFILL_GEMMS
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once

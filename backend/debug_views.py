@@ -7,7 +7,7 @@ from typing import Any
 
 from backend.engine_types import CacheStatus
 from backend.task_log import TaskLog
-from kvyard.errors import ErrorCode, RequestError
+from kvyard.errors import ErrorCode, RequestError, refuse_unknown_fields
 from kvyard.worker_status import WorkerStatus
 
 # The request fields, with RTP-LLM's spellings ("lastest", "finised") accepted beside the right ones.
@@ -27,10 +27,7 @@ class BackendFacts:
 def version_arg(body: dict[str, Any] | None, keys: tuple[str, ...], known: tuple[str, ...] = ()) -> int:
     """The version a poller last saw (-1: none), under either spelling; a non-integer is a 400 naming it, as
     is a key neither `keys` nor `known` (the route's other request fields) holds."""
-    unknown = sorted(set(body or {}) - {*keys, *known})
-    if unknown:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]} "
-                           f"(this route takes {', '.join(keys + known)})", unknown[0])
+    refuse_unknown_fields(body or {}, {*keys, *known}, f" (this route takes {', '.join(keys + known)})")
     for key in keys:
         value = (body or {}).get(key)
         if value is None:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Body
 
 from backend.lora import AdapterInfo, LoraRegistry
 from backend.lora_weights import AdapterError
-from kvyard.errors import ErrorCode, RequestError
+from kvyard.errors import ErrorCode, RequestError, refuse_unknown_fields
 
 # /update's keys other than peft_info, and why kvyard refuses them.
 _UPDATE_REFUSED = {
@@ -32,14 +32,6 @@ def _str_field(body: dict[str, Any], key: str) -> str:
     if not isinstance(value, str) or not value:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{key} must be a non-empty string", key)
     return value
-
-
-def _known_fields(body: dict[str, Any], known: set[str]) -> None:
-    """Any other key is a 400 naming it, as on every request body (never accepted and ignored)."""
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]}",
-                           unknown[0])
 
 
 def _runtime_path(registry: LoraRegistry, path: str) -> str:
@@ -89,7 +81,7 @@ def lora_routes(registry: LoraRegistry) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter")
     async def load_adapter(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        _known_fields(body, {"lora_name", "lora_path", "load_inplace"})
+        refuse_unknown_fields(body, {"lora_name", "lora_path", "load_inplace"})
         name = _str_field(body, "lora_name")
         # vLLM's load_inplace: false refuses a name already held; kvyard replaces it otherwise (absent or true)
         if body.get("load_inplace") is False and name in registry.names():
@@ -99,7 +91,7 @@ def lora_routes(registry: LoraRegistry) -> APIRouter:
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        _known_fields(body, {"lora_name"})  # vLLM's lora_int_id too: kvyard names adapters, it numbers none
+        refuse_unknown_fields(body, {"lora_name"})  # vLLM's lora_int_id too: kvyard names adapters, it numbers none
         name = _str_field(body, "lora_name")
         registry.unload(name)
         return {"status": "ok", "unloaded": name}

@@ -29,9 +29,9 @@ DENSE_MAX_NUMEL = 8 << 20
 # From this many rows a linear over "n16" blocks dequantizes tiles of the weight (exactly, float32) and
 # calls the GEMM instead of the int16 kernel (prefill chunks), in the dtype PREFILL_GEMM picks
 # (kernels.default_prefill_gemm: bfloat16 where the CPU has AMX-BF16, else float32). Measured on an Intel
-# Xeon with AVX-512 VNNI but no AMX or AVX512-BF16, 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K) to 1.9x (Q6_K) the kernel's rate, and exact
-# float32 activations. Decode batches (at most 64 rows, the fused step) never reach it: they keep the
-# int16 kernels and their batch-invariant bits.
+# Xeon with AVX-512 VNNI but no AMX or AVX512-BF16, 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K)
+# to 1.9x (Q6_K) the kernel's rate, and exact float32 activations. Decode batches (at most 64 rows, the
+# fused step) never reach it: they keep the int16 kernels and their batch-invariant bits.
 N16_GEMM_ROWS = 256
 
 # The head sizes backend/csrc's decode attention is compiled for (decode_attention, FusedDecoder). Any
@@ -123,7 +123,8 @@ class KernelOps(TorchOps):
         # int16 kernels at every size.
         from backend.kernels import default_prefill_gemm
         choice = default_prefill_gemm() if prefill_gemm == "auto" else prefill_gemm
-        self.n16_gemm: torch.dtype | None = None if choice == "int16" else getattr(torch, choice)        # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
+        self.n16_gemm: torch.dtype | None = None if choice == "int16" else getattr(torch, choice)
+        # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
         self.prefill_kernel = kernels.has_avx512()
 
     def fused_decoder(self, config: ModelConfig, weights: dict[str, Weight], lm_head: Weight) -> Any | None:

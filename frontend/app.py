@@ -35,20 +35,12 @@ from frontend.protocol import ChatCompletionRequest
 from frontend.raw_generate import RawDialect
 from frontend.responses import ResponsesDialect
 from frontend.worker_info import worker_info_routes
-from kvyard.errors import ErrorCode, RequestError
+from kvyard.errors import ErrorCode, RequestError, refuse_unknown_fields
 from kvyard.http_errors import error_body, install_error_handlers
 from kvyard.http_json import JsonBodyByDefault
 from kvyard.metrics import FrontendMetrics, HttpMetricsMiddleware, add_metrics_route
 from kvyard.tokenizer import TextTokenizer
 from renderers import get_renderer
-
-
-def _known_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
-    """A key the route does not take is a 400 naming it (docs/api.md#request-fields), never ignored."""
-    unknown = sorted(set(body) - set(known))
-    if unknown:
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]}",
-                           unknown[0])
 
 
 def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admission | None = None) -> FastAPI:
@@ -102,7 +94,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
 
     @app.post("/tokenizer/encode")
     async def tokenizer_encode(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        _known_fields(body, ("prompt", "return_offsets_mapping", "parse_special"))
+        refuse_unknown_fields(body, ("prompt", "return_offsets_mapping", "parse_special"))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "'prompt' must be a string", "prompt")
@@ -123,7 +115,7 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
                 raise RequestValidationError(exc.errors()) from exc
             rendered = await chat.tokens(req)  # images too: the ids a request is billed
             return {"token_ids": rendered.input_ids, "prompt": rendered.prompt}
-        _known_fields(body, ("prompt", "parse_special", "model"))
+        refuse_unknown_fields(body, ("prompt", "parse_special", "model"))
         pipeline.check_model(body.get("model"))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -1,7 +1,9 @@
 """Per-request error kinds shared by every role; kvyard/http_errors.py maps them to HTTP statuses."""
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from enum import Enum
+from typing import Any
 
 
 class ErrorCode(Enum):
@@ -30,3 +32,11 @@ class RequestError(Exception):
 
     def __repr__(self) -> str:
         return f"RequestError({self.code.name}, {self.message!r})"
+
+
+def refuse_unknown_fields(body: Mapping[str, Any], known: Collection[str], note: str = "") -> None:
+    """A request key the route does not take is a 400 naming it (OpenAI's wording, + note), never ignored."""
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"Unrecognized request argument supplied: {unknown[0]}{note}",
+                           unknown[0])

@@ -53,7 +53,8 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", 
 
 def _union_tag(part: Any) -> bool:
     """Pydantic names the member of a union it tried (`input.str`, `prompt.list[int].0`): not a field."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-")))
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part
+                                      or part.startswith(("function-", "constrained-")))
 
 
 def install_error_handlers(app: FastAPI) -> None:
