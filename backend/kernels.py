@@ -46,6 +46,17 @@ def cpu_supports_avx2() -> bool:
 
 PREFILL_GEMMS = ("int16", "float32", "bfloat16")
 
+# KVYARD_CPU_ISA: the widest instruction set the kernels may use, in the C++ module's order (IsaLevel in
+# csrc/simd.h). "avx2" and "avx512" run the paths of an AVX2-only CPU and of an AVX-512 CPU without VNNI on
+# this one: float32 activations, Q4_K / Q6_K converted to Q4_1 / Q8_0, SDPA in place of the AVX-512 attention
+# kernels (AVX2), as docs/performance.md's table of CPU kinds says. For tests and for measuring those paths.
+ISA_LEVELS = ("avx2", "avx512", "native")
+
+
+def isa_cap() -> str:
+    from kvyard.env import env_choice
+    return env_choice(os.environ, "KVYARD_CPU_ISA", "native", ISA_LEVELS)
+
 
 def default_prefill_gemm() -> str:
     """What prefill-sized batches over n16 weights (int16 activations) multiply in by default: bfloat16
@@ -65,6 +76,7 @@ def load(verbose: bool = False) -> ModuleType | None:
     if _cached:
         return _cached[0]
     module = None
+    cap = isa_cap()  # a bad value is an error at start, before any build
     if os.environ.get("KVYARD_KERNELS", "1") == "0":
         log.info("C++ kernels off (KVYARD_KERNELS=0): pure-PyTorch path")
     elif not cpu_supports_avx2():
@@ -82,6 +94,9 @@ def load(verbose: bool = False) -> ModuleType | None:
                            extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as exc:  # a missing compiler must not take the backend down
             log.warning("C++ kernels unavailable (%s): pure-PyTorch path", exc)
+    if module is not None and cap != "native":
+        module.cap_isa(ISA_LEVELS.index(cap))
+        log.info("C++ kernels capped at %s (KVYARD_CPU_ISA): the paths of a CPU without the wider units", cap)
     _cached.append(module)
     return module
 

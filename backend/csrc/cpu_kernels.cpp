@@ -318,6 +318,15 @@ void mask_rows_(at::Tensor& logits, const at::Tensor& rows_in, const at::Tensor&
 
 bool has_vnni() { return cpu_has_vnni(); }
 
+// Caps the instruction set (IsaLevel) for the rest of the process: the paths an older CPU takes, taken here.
+// Called once, by backend/kernels.py as it loads the module, before any kernel runs.
+void cap_isa(int level) {
+  TORCH_CHECK(level >= ISA_AVX2 && level <= ISA_NATIVE, "ISA level 0 (AVX2), 1 (AVX-512) or 2 (native), not ", level);
+  isa_cap() = level;
+  avx512_on() = cpu_has_avx512();
+  vbmi_on() = cpu_has_vbmi();
+}
+
 // Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
 // For tests, which check both paths on a CPU that has both.
 bool use_avx512(bool on) {
@@ -360,6 +369,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encoder_attention", &encoder_attention, "an encoder layer's attention over packed sequences (AVX-512)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
+  m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");

@@ -28,8 +28,8 @@ enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3 };
 constexpr int64_t SUPER = 8;  // 32-weight blocks per K-quant super-block of 256
 
 inline bool cpu_has_vbmi() {
-  static const bool yes = cpu_has_vnni() && __builtin_cpu_supports("avx512vbmi");
-  return yes;
+  static const bool yes = __builtin_cpu_supports("avx512vbmi");
+  return yes && cpu_has_vnni();
 }
 
 // Whether the K-quant kernels decode with VBMI's byte permutes: the CPU's answer unless a test turned it

@@ -29,7 +29,7 @@ inline bool cpu_has_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                           __builtin_cpu_supports("avx512vnni");
-  return yes;
+  return yes && isa_cap() >= ISA_NATIVE;
 }
 
 // M token rows rounded to int16 per block: q [M][nb][16] (x_j in the low half of word j, x_{j+16} in the

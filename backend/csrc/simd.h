@@ -59,10 +59,19 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// The widest instruction set the kernels may use (KVYARD_CPU_ISA, set by backend/kernels.py before any
+// kernel runs): 0 AVX2, 1 AVX-512 without VNNI, 2 whatever the CPU has. A lower level runs the code paths
+// of an older CPU on this one, for tests and for measuring those paths.
+enum IsaLevel : int { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_NATIVE = 2 };
+inline int& isa_cap() {
+  static int cap = ISA_NATIVE;
+  return cap;
+}
+
 inline bool cpu_has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return yes;
+  return yes && isa_cap() >= ISA_AVX512;
 }
 
 // Whether the linears take the 512-bit path: the CPU's answer unless a test turned it off (use_avx512).
