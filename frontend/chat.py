@@ -138,6 +138,7 @@ class ChatDialect(GenerationDialect[ChatState]):
         @router.post("/chat/render")
         async def chat_render(req: ChatCompletionRequest) -> dict[str, Any]:
             prep = await off_loop(self.prepare, req, await self.images(req))
+            await self.pipeline.check_served(prep.model, prep.params.adapter)  # what routing it would 404
             await check(prep.params.constraint, req)
             return render_info(self, prep, req)
 

@@ -23,9 +23,9 @@ from starlette.websockets import WebSocketState
 from frontend.admission import Admission
 from frontend.config import FrontendConfig
 from frontend.lmtp_frames import (COMMANDS, FrameError, GenerateFrame, ModelInfoFrame, ScoreFrame, encode, error_item,
-                                  parse_frame, score_items, token_item, unknown_model)
+                                  parse_frame, score_items, token_item)
 from frontend.lmtp_wait import ModelWait
-from frontend.lora_routes import adapter_models, adapter_of
+from frontend.lora_routes import adapter_of
 from frontend.metered_router import MeteredRouter
 from frontend.pipeline import Budget, Pipeline
 from frontend.routing import model_to_route
@@ -70,9 +70,8 @@ class LmtpService:
 
     async def model_info(self, name: str | None) -> dict[str, Any]:
         model = self.model(name)
-        adapter = bool(model) and self.cfg.lora and model in {a["id"] for a in await adapter_models(self.cfg)}
-        if model is not None and not adapter and model not in await self.client.models():
-            raise unknown_model(model, self.cfg.model_name)
+        adapter = self.adapter(model)
+        await self.pipeline.check_served(model, adapter)  # a name GENERATE would get a 404 for
         info: dict[str, Any] = {"model": model or self.cfg.model_name, "model_type": "kvyard",
                                 "max_seq_len": self.cfg.max_seq_len}
         if model is None or adapter:  # tokenizer facts are known for our own model (and its adapters) only

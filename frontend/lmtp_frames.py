@@ -124,8 +124,3 @@ def error_item(stream_id: Any, error: RequestError | FrameError | str) -> dict[s
 def encode(command: str, items: list[dict[str, Any]]) -> str:
     """`TOKEN [...]` / `MSG [...]`: one line of JSON after the type."""
     return f"{command} {json.dumps(items, separators=(',', ':'))}"
-
-
-def unknown_model(model: str, served: str) -> RequestError:
-    return RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves "
-                        f"'{served}'", "model")

@@ -13,8 +13,8 @@ from frontend.backend_client import BackendOutput, TokenLogprob
 from frontend.config import FrontendConfig
 from frontend.images import CheckedImages, LoadedImage, load_images, with_images
 from frontend.protocol import SamplingRequest
-from frontend.lora_routes import adapter_of
-from frontend.routing import Router, model_to_route
+from frontend.lora_routes import adapter_models, adapter_of
+from frontend.routing import Router, model_to_route, unknown_model
 from kvyard.constraint import Constraint
 from kvyard.detokenize import IncrementalDetokenizer
 from kvyard.errors import ErrorCode, RequestError
@@ -77,6 +77,18 @@ class Pipeline:
         for the cluster (frontend.routing.model_to_route). Dialects call it first, so a wrong model is
         refused before the prompt is tokenized; prepare applies it again (idempotent)."""
         return model_to_route(self.cfg, requested)
+
+    async def check_served(self, model: str | None, adapter: str) -> None:
+        """For the routes that generate nothing (/v1/chat/render, LMTP's MODEL_INFO): the 404
+        model_not_found a generation of this model and LoRA adapter (check_model's and adapter_of's) would
+        get once routed, asked of the same sources without generating: an adapter the paired backend does
+        not hold (its registry, which the backend resolves a request's adapter in), a model the master does
+        not know (Router.models: the master's list, which its choose_backend routes by)."""
+        if adapter:
+            if adapter not in {m["id"] for m in await adapter_models(self.cfg)}:
+                raise unknown_model(adapter, self.cfg.model_name)
+        elif model is not None and model not in await self.client.models():
+            raise unknown_model(model, self.cfg.model_name)
 
     async def images(self, sources: list[tuple[str, str]]) -> list[LoadedImage]:
         """A request's images, (its part, its URL) in prompt order → their checked bytes; a 400 naming the

@@ -1,6 +1,7 @@
 """The pooling pipeline (frontend/embeddings.py's routes call it): which model → tokenize (the model's own
-tokenizer, special tokens, pairs for cross-encoders, the context check or truncation) → route (the master
-by model name, else the pooling backend) → PoolCall → plain numbers for the route to shape."""
+tokenizer, special tokens, pairs for cross-encoders, the context check or truncation; frontend/token_bound.py
+first, so a text of megabytes is not tokenized whole) → route (the master by model name, else the pooling
+backend) → PoolCall → plain numbers for the route to shape."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,15 @@ from frontend.backend_client import PoolInput, PoolOutput
 from frontend.config import FrontendConfig
 from frontend.off_loop import off_loop
 from frontend.routing import ROUTER_PLACEHOLDER_MODEL, Router
+from frontend.token_bound import cut_after, more_words, words_are_tokens
 from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, PoolingSpec
+
+# A text whose words alone are more than LONG × the context is refused untokenized; a truncated one is
+# tokenized up to LONG × what the cut keeps. Under that it is tokenized whole, so the 400 counts its tokens.
+LONG = 2
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class PoolingModel:
     spec: PoolingSpec
     tokenizer: Tokenizer            # padding and truncation off: we decide both
     backend_address: str            # without a master
+    bounded: bool = False           # words_are_tokens(tokenizer): refuse and cut by words before tokenizing
 
 
 class PoolingPipeline:
@@ -38,7 +45,8 @@ class PoolingPipeline:
             tok = Tokenizer.from_file(str(cfg.embedding.path / "tokenizer.json"))
             tok.no_padding()
             tok.no_truncation()
-            self.model = PoolingModel(cfg.embedding_model_name, cfg.embedding, tok, cfg.embedding_backend_address)
+            self.model = PoolingModel(cfg.embedding_model_name, cfg.embedding, tok, cfg.embedding_backend_address,
+                                      words_are_tokens(tok))
 
     # --- which model ---
 
@@ -107,16 +115,18 @@ class PoolingPipeline:
                 if any(not 0 <= t < vocab for t in text):
                     raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: token ids must be in [0, {vocab})",
                                        param)
-                ids = text[:limit] if cut else text
-                out.append(PoolInput(ids))
+                encoded: PoolInput | None = PoolInput(text[:limit] if cut else text)
             elif model.spec.template:
                 if not isinstance(text, tuple):
                     raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i}: model {model.name!r} scores (query, "
                                        "document) pairs with its prompt: give [query, document] pairs", param)
-                out.append(_encode_templated(tok, *text, limit if cut else None, instruction))
+                encoded = _encode_templated(tok, *text, limit, cut, model.bounded, instruction)
             else:
                 first, second = (text if isinstance(text, tuple) else (prompt + text, None))
-                out.append(_encode(tok, first, second, limit if cut else None))
+                encoded = _encode(tok, first, second, limit, cut, model.bounded)
+            if encoded is None:  # its words alone are too many
+                raise _too_long(param, i, f"more than {LONG * limit}", limit, cut_with)
+            out.append(encoded)
             if not out[-1].token_ids:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"{param} {i} has no tokens", param)
             if len(out[-1].token_ids) > limit and cut:  # cut to what it cannot lose: special tokens, a template
@@ -124,9 +134,7 @@ class PoolingPipeline:
                                    f"{i}: its special tokens (and prompt template) alone take "
                                    f"{len(out[-1].token_ids)}", "truncate_prompt_tokens")
             if len(out[-1].token_ids) > limit:
-                raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{param} {i} has {len(out[-1].token_ids)} "
-                                   f"tokens; this model's maximum context length is {limit} tokens (pass "
-                                   f"{cut_with} to cut it)", param)
+                raise _too_long(param, i, str(len(out[-1].token_ids)), limit, cut_with)
         return out
 
     # --- run ---
@@ -138,13 +146,25 @@ class PoolingPipeline:
             self.cfg.request_timeout_s or None))
 
 
-def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -> PoolInput:
-    """With the model's special tokens; past `limit`, the longer text is cut first (longest-first)."""
+def _too_long(param: str, i: int, tokens: str, limit: int, cut_with: str) -> RequestError:
+    return RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{param} {i} has {tokens} tokens; this model's maximum "
+                        f"context length is {limit} tokens (pass {cut_with} to cut it)", param)
+
+
+def _encode(tok: Tokenizer, first: str, second: str | None, limit: int, cut: bool, bounded: bool) -> PoolInput | None:
+    """With the model's special tokens; with `cut`, past `limit` the longer text is cut first (longest-first).
+    bounded (PoolingModel.bounded): each text is tokenized only up to LONG × what the cut keeps (a side of at
+    least `room` tokens ends the same however long it was); uncut texts whose words alone are more than
+    LONG × limit tokens are not tokenized at all: None."""
+    specials = tok.post_processor.num_special_tokens_to_add(second is not None) if tok.post_processor is not None else 0
+    room = max(0, limit - specials)
+    if bounded and cut:
+        first, second = cut_after(first, LONG * room), None if second is None else cut_after(second, LONG * room)
+    elif bounded and more_words([first] if second is None else [first, second], LONG * limit - specials):
+        return None
     a = tok.encode(first, add_special_tokens=False)
     b = tok.encode(second, add_special_tokens=False) if second is not None else None
-    if limit is not None:
-        room = max(0, limit - tok.post_processor.num_special_tokens_to_add(b is not None)) \
-            if tok.post_processor is not None else limit
+    if cut:
         la, lb = len(a.ids), len(b.ids) if b is not None else 0
         while la + lb > room:
             if la >= lb:
@@ -161,19 +181,23 @@ def _encode(tok: Tokenizer, first: str, second: str | None, limit: int | None) -
     return PoolInput(enc.ids, pair_start)
 
 
-def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int | None,
-                      instruction: str | None = None) -> PoolInput:
+def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int, cut: bool, bounded: bool,
+                      instruction: str | None = None) -> PoolInput | None:
     """Qwen3-Reranker's prompt, tokenized as its model card does: the prefix, the instruction-query-document
-    text and the suffix each on their own, without special tokens; past `limit` the middle is cut at its end.
-    instruction: the request's, else the card's default."""
+    text and the suffix each on their own, without special tokens; with `cut`, past `limit` the middle is cut
+    at its end. instruction: the request's, else the card's default. bounded: as _encode, for the middle."""
     t = QWEN3_RERANKER
     prefix = tok.encode(t["prefix"], add_special_tokens=False).ids
     suffix = tok.encode(t["suffix"], add_special_tokens=False).ids
-    middle = tok.encode(t["pair"].format(instruction=t["instruction"] if instruction is None else instruction,
-                                         query=query, document=document), add_special_tokens=False).ids
-    if limit is not None:
-        middle = middle[:max(0, limit - len(prefix) - len(suffix))]
-    return PoolInput(prefix + middle + suffix)
+    text = t["pair"].format(instruction=t["instruction"] if instruction is None else instruction, query=query,
+                            document=document)
+    room = max(0, limit - len(prefix) - len(suffix))
+    if bounded and cut:
+        text = cut_after(text, LONG * room)
+    elif bounded and more_words([text], LONG * limit - len(prefix) - len(suffix)):
+        return None
+    middle = tok.encode(text, add_special_tokens=False).ids
+    return PoolInput(prefix + (middle[:room] if cut else middle) + suffix)
 
 
 def sigmoid(x: float) -> float:

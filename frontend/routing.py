@@ -66,9 +66,13 @@ def model_to_route(cfg: FrontendConfig, name: str | None) -> str | None:
                            "cannot generate text (it answers /v1/embeddings, /v1/rerank, /v1/classifier as its kind "
                            "allows)", "model")
     if not cfg.serves(name) and not cfg.master_address and not cfg.lora:
-        raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{name}' does not exist; this server serves "
-                           f"'{cfg.model_name}'", "model")
+        raise unknown_model(name, cfg.model_name)
     return name
+
+
+def unknown_model(model: str, served: str) -> RequestError:
+    return RequestError(ErrorCode.MODEL_NOT_FOUND, f"The model '{model}' does not exist; this server serves "
+                        f"'{served}'", "model")
 
 
 class Router:

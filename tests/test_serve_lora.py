@@ -102,6 +102,21 @@ def test_adapter_by_model_or_adapter_name_matches_peft(served: Served) -> None:
     assert resp.status_code == 400 and "adapter_name" in resp.text
 
 
+def test_render_answers_for_a_held_adapter_and_refuses_others_as_completions_does(served: Served) -> None:
+    """/v1/chat/render generates nothing: it asks the paired backend which adapters it holds (it rendered any
+    name, a 200, where completions is a 404)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    for body, adapter in (({**chat, "model": "attn"}, "attn"), ({**chat, "extra_configs": {"adapter_name": "attn"}},
+                                                                "attn"), (chat, "")):
+        resp = served.http.post("/v1/chat/render", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["generate_config"]["adapter"] == adapter
+    for body in ({**chat, "model": "nope"}, {**chat, "extra_configs": {"adapter_name": "nope"}}):
+        for path in ("/v1/chat/render", "/v1/chat/completions"):
+            resp = served.http.post(path, json=body)
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", (path, resp.text)
+
+
 def test_prompt_logprobs_with_an_adapter(served: Served) -> None:
     """Prompt logprobs (the backend's ScoreCall) with an adapter named by model or extra_configs: PEFT's."""
     def prompt_logprobs(model: str | None = None, **extra: Any) -> list[float]:

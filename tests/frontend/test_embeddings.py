@@ -117,6 +117,13 @@ def test_context_length_and_truncation(stack: Stack) -> None:
     assert cut["usage"]["prompt_tokens"] == 256
     cut = _post(stack, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": -1}).json()
     assert cut["usage"]["prompt_tokens"] == 256
+    # 8 MB, refused (or cut) from its words before tokenizing: tests/frontend/test_pooling_tokenize.py
+    huge = "word " * 1_600_000
+    _error(_post(stack, "/v1/embeddings", {"input": huge}), 400, "input", "has more than 512 tokens", "256")
+    cut = _post(stack, "/v1/embeddings", {"input": huge, "truncate_prompt_tokens": -1}).json()
+    short = _post(stack, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": -1}).json()  # the same 256 ids
+    assert cut["usage"]["prompt_tokens"] == 256
+    assert max(abs(a - b) for a, b in zip(cut["data"][0]["embedding"], short["data"][0]["embedding"])) < 1e-6
     _error(_post(stack, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 1000}), 400,
            "truncate_prompt_tokens")
     for body, param in (({"left": "x", "right": ["y", long]}, "right"), ({"left": long, "right": "y"}, "left"),

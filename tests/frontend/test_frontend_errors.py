@@ -190,9 +190,36 @@ def test_api_key(tokenizer: TextTokenizer, mock: MockBackendThread) -> None:
     ("/v1/chat/completions", {"model": "gpt-9", "messages": HI, "stream": True}),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}),
     ("/", {"model": "gpt-9", "prompt": "x"}),
+    ("/v1/chat/render", {"model": "gpt-9", "messages": HI}),
 ])
 def test_unknown_model_is_404(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     assert_error(http.post(path, json=body), 404, "model_not_found")
+
+
+@pytest.mark.parametrize("setup", ["lora", "master"])
+def test_render_refuses_the_models_completions_refuses(tokenizer: TextTokenizer, mock: MockBackendThread,
+                                                       setup: str) -> None:
+    """/v1/chat/render generates nothing, so it never heard the cluster's verdict on a model and rendered
+    any name (200) where /v1/chat/completions is a 404: on a LoRA frontend, a name that is no adapter the
+    backend holds (as `model` or extra_configs.adapter_name); behind a master, a model it does not know."""
+    port = free_port_block(1)
+    cfg = MockMasterConfig.from_env({"START_PORT": str(port), "MOCK_MASTER_BACKENDS": mock.address,
+                                     "MOCK_MASTER_MODELS": "mock-model"})
+    unknown = [{"model": "nope", "messages": HI}]
+    if setup == "lora":  # the mock backend holds no adapters
+        unknown.append({"messages": HI, "extra_configs": {"adapter_name": "nope"}})
+    with AppThread(create_mock_master_app(cfg)) as master, \
+            mock_frontend(tokenizer, mock.address, **({"LORA_MODULES": "sql=/adapters/sql"} if setup == "lora" else
+                                                      {"MASTER_ADDRESS": f"127.0.0.1:{master.port}"})) as f, \
+            httpx.Client(base_url=f.url) as c:
+        for body in unknown:
+            completions = assert_error(c.post("/v1/chat/completions", json=body), 404, "model_not_found")
+            render = assert_error(c.post("/v1/chat/render", json=body), 404, "model_not_found")
+            # (completions' param: "model" from the master; none from the backend, whose proto error has no param)
+            assert render["type"] == completions["type"] and render["param"] == "model"
+        for body in ({"messages": HI}, {"model": "mock-model", "messages": HI}):
+            assert c.post("/v1/chat/render", json=body).status_code == 200
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
 
 
 # ---- 413 ----------------------------------------------------------------------------------------
