@@ -152,25 +152,17 @@ def _too_long(param: str, i: int, tokens: str, limit: int, cut_with: str) -> Req
 
 
 def _encode(tok: Tokenizer, first: str, second: str | None, limit: int, cut: bool, bounded: bool) -> PoolInput | None:
-    """With the model's special tokens; with `cut`, past `limit` the longer text is cut first (longest-first).
-    bounded (PoolingModel.bounded): each text is tokenized only up to LONG × what the cut keeps (a side of at
-    least `room` tokens ends the same however long it was); uncut texts whose words alone are more than
-    LONG × limit tokens are not tokenized at all: None."""
+    """With the model's special tokens; with `cut`, past `limit` as the tokenizers library's longest-first
+    truncation cuts (_longest_first). bounded (PoolingModel.bounded): each text is tokenized only a little past
+    what the cut keeps (_sides); uncut texts whose words alone are more than LONG × limit tokens are not
+    tokenized at all: None."""
     specials = tok.post_processor.num_special_tokens_to_add(second is not None) if tok.post_processor is not None else 0
     room = max(0, limit - specials)
-    if bounded and cut:
-        first, second = cut_after(first, LONG * room), None if second is None else cut_after(second, LONG * room)
-    elif bounded and more_words([first] if second is None else [first, second], LONG * limit - specials):
+    if bounded and not cut and more_words([first] if second is None else [first, second], LONG * limit - specials):
         return None
-    a = tok.encode(first, add_special_tokens=False)
-    b = tok.encode(second, add_special_tokens=False) if second is not None else None
+    a, b = _sides(tok, first, second, room, LONG * room if bounded and cut else None)
     if cut:
-        la, lb = len(a.ids), len(b.ids) if b is not None else 0
-        while la + lb > room:
-            if la >= lb:
-                la -= 1
-            else:
-                lb -= 1
+        la, lb = _longest_first(len(a.ids), len(b.ids) if b is not None else 0, room)
         a.truncate(la)
         if b is not None:
             b.truncate(lb)
@@ -179,6 +171,36 @@ def _encode(tok: Tokenizer, first: str, second: str | None, limit: int, cut: boo
     if b is not None and not pair_start:  # a tokenizer without segment ids (XLM-R): after the first text's end
         pair_start = next((j for j, s in enumerate(enc.sequence_ids) if s == 1), 0)
     return PoolInput(enc.ids, pair_start)
+
+
+def _longest_first(la: int, lb: int, room: int) -> tuple[int, int]:
+    """The lengths a pair of la and lb tokens is cut to within `room`, as the tokenizers library's longest_first
+    truncation cuts them (what transformers' fast tokenizers, so sentence-transformers' CrossEncoder, run): the
+    shorter side whole when it takes at most half the room and the longer the rest, else half the room each with
+    an odd token to the longer side (to the second on a tie)."""
+    if la + lb <= room:
+        return la, lb
+    short = min(la, lb)
+    short, longer = (short, room - short) if 2 * short <= room else (room // 2, room - room // 2)
+    return (longer, short) if la > lb else (short, longer)
+
+
+def _sides(tok: Tokenizer, first: str, second: str | None, room: int,
+           words: int | None) -> tuple[Encoding, Encoding | None]:
+    """The texts' tokens without special tokens. words: each text only up to a cut past that many words (its
+    first tokens, token_bound.cut_after), widened until the cut cannot change what _longest_first keeps of a
+    pair: which side is the longer, where half the room each leaves an odd token."""
+    while True:
+        ta = first if words is None else cut_after(first, words)
+        tb = second if words is None or second is None else cut_after(second, words)
+        a = tok.encode(ta, add_special_tokens=False)
+        b = tok.encode(tb, add_special_tokens=False) if tb is not None else None
+        if b is None or words is None or ta is first and tb is second:
+            return a, b
+        la, lb = len(a.ids), len(b.ids)  # at most the whole texts' lengths (the first tokens of each)
+        if ta is first and lb > la or tb is second and la > lb or room % 2 == 0 and 2 * min(la, lb) > room:
+            return a, b
+        words *= 4
 
 
 def _encode_templated(tok: Tokenizer, query: str, document: str, limit: int, cut: bool, bounded: bool,

@@ -124,9 +124,12 @@ def _long_text(seed: int, words: int) -> str:
     return " ".join(parts[:words])
 
 
+# Two sides both far past the cut: with an even room (201 - 3 specials) half each whichever is the longer; with an
+# odd one the longer side takes the odd token, so the shorter is tokenized to its end to know which
+# (test_pairs_are_cut_as_the_tokenizers_library_cuts_them).
 CUTS = [
     ("minilm", "single", -1), ("minilm", "single", 9), ("minilm", "pair-long-short", -1),
-    ("minilm", "pair-short-long", 40), ("minilm", "pair-long-long", -1), ("minilm", "prompt", -1),
+    ("minilm", "pair-short-long", 40), ("minilm", "pair-long-long", 201), ("minilm", "prompt", -1),
     ("qwen3-embedder", "single", -1), ("qwen3-embedder", "single", 3),
     ("qwen3-reranker", "pair-short-long", -1), ("qwen3-reranker", "pair-long-long", 300),
 ]
@@ -155,3 +158,23 @@ def test_megabytes_truncated_are_tokenized_only_past_the_cut(pipes: dict[str, Po
     for name, texts in (("minilm", [MB8]), ("minilm", [("what is it?", MB8)]), ("qwen3-reranker", [("q", MB8)])):
         ids, spy = tokenize(pipes[name], texts, -1)
         assert max(spy.encoded) < 10_000 and len(ids[0]) == pipes[name].model.spec.max_len  # type: ignore[union-attr]
+
+
+def test_pairs_are_cut_as_the_tokenizers_library_cuts_them(pipes: dict[str, PoolingPipeline]) -> None:
+    """Longest-first truncation of a (query, document) pair gives the ids of the tokenizers library's own
+    (what sentence-transformers' CrossEncoder runs through transformers' fast tokenizer): the shorter side
+    whole when it fits in half the room, else half each with an odd token to the longer side, to the second
+    on a tie; through the bounded cut too, where both sides are far past the room."""
+    pipe = pipes["minilm"]
+    assert pipe.model is not None
+    ref = Tokenizer.from_str(pipe.model.tokenizer.to_str())
+    rng = random.Random(7)
+    words = "the cat sat on a mat while old dogs ran far from home into bright green fields".split()  # a token each
+    cases = [(rng.randrange(1, 40), rng.randrange(1, 40), rng.randrange(6, 40)) for _ in range(150)]
+    cases += [(n, n, t) for n, t in ((20, 17), (20, 18), (9, 12), (30, 9))]  # ties, odd and even rooms
+    cases += [(3000, 2000, 201), (2000, 3000, 201), (2500, 2500, 201), (3000, 2000, 200)]  # both far past
+    for la, lb, truncate in cases:
+        a, b = (" ".join(rng.choice(words) for _ in range(n)) for n in (la, lb))
+        ids, _ = tokenize(pipe, [(a, b)], truncate, param="documents")
+        ref.enable_truncation(max_length=truncate, strategy="longest_first")
+        assert ids[0] == ref.encode(a, b).ids, (la, lb, truncate)
