@@ -5,6 +5,7 @@ C++ CPU kernels of backend/csrc over weights kept in the GGUF's block formats (f
 and must compute what TorchOps computes over the dequantized weights (tests/backend/test_kernels.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -19,11 +20,12 @@ Weight = torch.Tensor | BlockWeight
 
 # Above this many rows a linear over "rows"-layout blocks (float32 activations) dequantizes the weight
 # into a scratch matrix and calls the BLAS GEMM (prefill chunks): the block kernel re-decodes every block
-# per 8 rows, the GEMM amortises one decode over all of them. The int16 kernels ("n16" layout) run at
-# ~2x that GEMM's rate at any row count and always take the kernel. Measured crossover on a 2-core AVX2 machine (1536x576 and 3072x576
-# matrices): 64-128 rows; below it the kernel is up to 1.9x faster (16 rows).
-# Not for matrices above DENSE_MAX_NUMEL (the tied lm_head): decoding 28M weights per step costs
-# more than the kernel's slower arithmetic at any batch the engine runs.
+# per 8 rows, the GEMM amortises one decode over all of them ("n16" blocks: N16_GEMM_ROWS below). Measured
+# crossover on a 2-core AVX2 machine (1536x576 and 3072x576 matrices): 64-128 rows; below it the kernel is up
+# to 1.9x faster (16 rows).
+# A matrix of more than DENSE_MAX_NUMEL weights is dequantized a tile of output rows at a time into the same
+# scratch (_gemm_tiles): the 1.7B's qkv, gate_up and down went to the block kernel instead, and an AVX2 CPU's
+# 940-token prefill took 109 s against llama-server's 24 (KVYARD_CPU_ISA=avx2 on the Xeon, 2026-11-26).
 DENSE_ROWS = 64
 DENSE_MAX_NUMEL = 8 << 20
 # From this many rows a linear over "n16" blocks dequantizes tiles of the weight (exactly, float32) and
@@ -174,36 +176,37 @@ class KernelOps(TorchOps):
             biases = bias.split(rows) if bias is not None else [None] * len(rows)
             y = torch.cat([self.linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
             return y if residual is None else residual + y
-        n, k = w.shape
-        if w.layout == "rows" and x.shape[0] > DENSE_ROWS and n * k <= DENSE_MAX_NUMEL:
-            if self._dense.numel() < n * k:
-                self._dense = torch.empty(n * k)
-            dense = self._dense[:n * k].view(n, k)
-            self.k.dequantize_into(w.qs, w.d, _mins(w), dense, w.kind == "q4_1")
-            return super().linear(x, dense, bias, residual)
+        if w.layout == "rows" and x.shape[0] > DENSE_ROWS:
+            return self._gemm_tiles(x, w, bias, residual, torch.matmul)
         if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm is not None:
-            return self._gemm_n16(x, w, bias, residual)
+            return self._gemm_tiles(x, w, bias, residual, bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul)
         if w.kind in K_KINDS:
             return self.k.kquant_linear(x, w.qs, w.d, w.m, bias, residual)
         if w.kind == "q4_1":
             return self.k.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
         return self.k.q8_0_linear(x, w.qs, w.d, bias, residual)
 
-    def _gemm_n16(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T through torch's GEMM, W dequantized (exactly) a tile of output rows at a time into one
-        reused float32 scratch of at most DENSE_MAX_NUMEL weights; in float32 or, for bfloat16, with both
-        operands rounded to bfloat16 (bf16_matmul)."""
+    def _gemm_tiles(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
+        """x @ W^T through torch's GEMM (matmul: torch.matmul, or bf16_matmul for PREFILL_GEMM=bfloat16), W
+        dequantized (exactly) a tile of output rows at a time into one reused float32 scratch of at most
+        DENSE_MAX_NUMEL weights: n16 blocks straight into W^T's layout, rows blocks into W's."""
         n, k = w.shape
         tile = max(16, min(n, DENSE_MAX_NUMEL // k) // 16 * 16)
         if self._dense.numel() < tile * k:
             self._dense = torch.empty(tile * k)
-        matmul = bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul
         y = torch.empty(x.shape[0], n) if tile < n else None
+        q4, mins = w.kind == "q4_1", _mins(w)
         for n0 in range(0, n, tile):
             n1 = min(n, n0 + tile)
-            wt = self._dense[:(n1 - n0) * k].view(k, n1 - n0)
-            self.k.dequantize_n16_t(w.qs, w.d, _mins(w), wt, n0 // 16, n1 // 16, w.kind == "q4_1")
+            if w.layout == "n16":
+                wt = self._dense[:(n1 - n0) * k].view(k, n1 - n0)
+                self.k.dequantize_n16_t(w.qs, w.d, mins, wt, n0 // 16, n1 // 16, q4)
+            else:
+                rows = self._dense[:(n1 - n0) * k].view(n1 - n0, k)
+                self.k.dequantize_into(w.qs[n0:n1], w.d[n0:n1], mins[n0:n1], rows, q4)
+                wt = rows.t()
             if y is None:
                 y = matmul(x, wt)
             else:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from backend import kernels
+from backend import ops as ops_module
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered
 from backend.ops import DENSE_ROWS, KernelOps, TorchOps
 from backend.quant import Q4_1_BYTES, Q8_0_BYTES, QuantWeight, from_gguf_blocks
@@ -63,6 +64,42 @@ def isa(request: pytest.FixtureRequest) -> str:
     before = K.use_avx512(request.param == "avx512")
     yield request.param
     K.use_avx512(before)
+
+
+class _Calls:
+    """The kernels module, recording which of its functions a KernelOps looks up."""
+
+    def __init__(self, k: object) -> None:
+        self.k = k
+        self.names: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        self.names.append(name)
+        return getattr(self.k, name)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_prefill_over_a_large_matrix_goes_through_the_gemm_in_tiles(kind: str) -> None:
+    """Past DENSE_ROWS rows a rows-layout matrix of any size is dequantized a tile of output rows at a time
+    (DENSE_MAX_NUMEL made small: three tiles and a short one) and multiplied by torch's GEMM, within float32
+    rounding of the exact product; the block kernel is not called (it re-decodes each block per 8 rows: an
+    AVX2 CPU's 1.7B prefill took 4.5x llama-server's time through it)."""
+    n, k = 104, 544
+    w = random_blocks(kind, n, k, seed=5)
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(DENSE_ROWS + 30, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(x.shape[0], n, generator=gen)
+    ops = KernelOps(K)
+    calls = _Calls(K)
+    ops.k = calls  # type: ignore[assignment]
+    want = x.double() @ dense.double().T + bias.double() + residual.double()
+    rounding = 1e-6 * (x.abs().double() @ dense.abs().double().T) + 1e-6 * want.abs() + 1e-6
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops_module, "DENSE_MAX_NUMEL", 40 * k)  # tiles of 32 output rows
+        got = ops.linear(x, w, bias, residual)
+    assert ((got.double() - want).abs() <= rounding).all()
+    assert calls.names.count("dequantize_into") == 4 and not {"q4_1_linear", "q8_0_linear"} & set(calls.names)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
