@@ -18,23 +18,47 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CACHE = Path(os.environ.get("KVYARD_PEER_CACHE", Path.home() / ".cache" / "kvyard"))
 
 
-def llama_cpp_flags() -> list[str]:
-    """llama.cpp's instruction-set options for this CPU, spelled out: `-DGGML_NATIVE=ON` emits AMX tile
-    code on CPUs that list AMX, which dies with SIGILL where the OS grants no tile state (seen here)."""
+def isa_level() -> str:
+    """KVYARD_CPU_ISA as kvyard's kernels read it (backend/kernels.py): set it for a benchmark run and kvyard
+    (which inherits the environment) and llama-server (a build for that level) both take an older CPU's
+    path on this one: `avx2` an AVX2-only CPU's, `avx512` an AVX-512 CPU's without VNNI."""
+    level = os.environ.get("KVYARD_CPU_ISA", "native").lower() or "native"
+    if level not in ("avx2", "avx512", "native"):
+        raise SystemExit(f"KVYARD_CPU_ISA must be one of avx2, avx512, native, got {level!r}")
+    return level
+
+
+def torch_isa_env(level: str) -> dict[str, str]:
+    """The variables that cap torch's own kernels at `level` as KVYARD_CPU_ISA caps kvyard's: MKL's GEMMs,
+    oneDNN's and ATen's vectorized ops (on this Xeon MKL's float32 GEMM then runs 114 GFLOP/s against 219)."""
+    if level == "native":
+        return {}
+    return {"MKL_ENABLE_INSTRUCTIONS": level.upper(), "ONEDNN_MAX_CPU_ISA": "AVX2" if level == "avx2" else "AVX512_CORE",
+            "ATEN_CPU_CAPABILITY": level}
+
+
+def llama_cpp_flags(level: str = "native") -> list[str]:
+    """llama.cpp's instruction-set options for this CPU (capped at `level`), spelled out: `-DGGML_NATIVE=ON`
+    emits AMX tile code on CPUs that list AMX, which dies with SIGILL where the OS grants no tile state."""
     try:
         cpu = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         cpu = set()
     wanted = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
               "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
-    return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{opt}={'ON' if flag in cpu else 'OFF'}" for opt, flag in wanted.items()]
+    allowed = {"avx2": {"AVX", "AVX2", "FMA", "F16C", "BMI2"}, "avx512": {"AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512"},
+               "native": set(wanted)}[level]
+    return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{opt}={'ON' if flag in cpu and opt in allowed else 'OFF'}"
+                                    for opt, flag in wanted.items()]
 
 
 def llama_binary(name: str = "llama-server") -> Path:
-    """llama-server or llama-quantize, built once (cmake, Release, this CPU's instruction sets, no curl;
-    ~10 min on 2 cores), then reused."""
+    """llama-server or llama-quantize, built once (cmake, Release, this CPU's instruction sets up to
+    KVYARD_CPU_ISA's level, no curl; ~10 min on 2 cores), then reused."""
     src = CACHE / "llama-src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    binary = src / "build" / "bin" / name
+    level = isa_level()
+    build = src / ("build" if level == "native" else f"build-{level}")
+    binary = build / "bin" / name
     if binary.exists():
         return binary
     sdist_dir = CACHE / "llama-src"
@@ -47,12 +71,12 @@ def llama_binary(name: str = "llama-server") -> Path:
     if not src.exists():
         with tarfile.open(sdist) as tar:
             tar.extractall(sdist_dir, filter="data")
-    flags = llama_cpp_flags()
-    print(f"building {name} (cmake, Release, {' '.join(flags)}) ...", flush=True)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release", *flags,
+    flags = llama_cpp_flags(level)
+    print(f"building {name} into {build} (cmake, Release, {' '.join(flags)}) ...", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *flags,
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server", "llama-quantize",
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize",
                     f"-j{os.cpu_count() or 2}"], check=True)
     return binary
 
@@ -97,7 +121,7 @@ def kvyard_server(env_overrides: dict[str, str], root: Path = ROOT,
     to run instead of this one (benchmarks/scale.py's before/after)."""
     port = free_port_block(6)  # START_PORT .. +5: the frontend, the backend's gRPC (+1) and HTTP (+5)
     env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
-           "LOG_LEVEL": "INFO", "PYTHONPATH": str(root), **env_overrides}
+           "LOG_LEVEL": "INFO", "PYTHONPATH": str(root), **torch_isa_env(isa_level()), **env_overrides}
     log = open(CACHE / log_name, "w")
     proc = subprocess.Popen([str(root / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -19,6 +19,8 @@ Workloads:
   agg@32   32 concurrent requests of the same kind: aggregate tok/s
   ttft     a ~1,000-token prompt with max_tokens=1 (distinct prompts: no cache hits), machine otherwise
            idle: latency p50, ms
+`KVYARD_CPU_ISA=avx2` (or `avx512`) in the environment runs an older CPU's path on this one: kvyard's kernels
+capped at that level and llama-server built for it (benchmarks/peer_servers.py); vLLM is not capped.
 Prints resident memory too: kvyard's own account (before/after the weights, with the KV cache) and each
 server's resident size after the run.
 """

@@ -16,6 +16,8 @@ Workloads (chat completions through the HTTP API, the official openai client, as
   ttft     a ~930-token prompt never seen before (distinct prompts: no cache hits) with max_tokens=1,
            machine otherwise idle: latency p50 over 3 prompts (llama-server: a one-slot server, as in
            peers.py)
+`KVYARD_CPU_ISA=avx2` (or `avx512`) in the environment runs an older CPU's path on this one: kvyard's kernels
+capped at that level and llama-server built for it (benchmarks/peer_servers.py); vLLM is not capped.
 All servers start first (an idle server takes no CPU); each round drives one server at a time through
 every workload, alternating which goes first; the table shows medians over rounds and the per-round
 ratios. `--only kvyard,llama,vllm` adds vLLM's CPU backend (benchmarks/vllm_peer.py: a venv of its own, the
