@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
+.PHONY: setup run cluster test test-fast test-avx2 test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The same suite on an AVX2-only CPU's path, on a CPU with more: kvyard's C++ kernels capped (KVYARD_CPU_ISA)
+# and torch's MKL, oneDNN and ATen kernels with them; tests of the wider paths skip themselves.
+test-avx2: setup
+	KVYARD_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+		$(PY) -m pytest -q -m "not multihost"
 
 # The cluster across hosts: each role in a network namespace of its own, wired as deploy/kubernetes wires it
 # (docs/deployment.md). Needs root; installs iproute2 if `ip` is missing; skips with the reason elsewhere.
