@@ -78,27 +78,32 @@ class _Calls:
         return getattr(self.k, name)
 
 
+def tiled_linear_is_exact(ops: KernelOps, w: QuantWeight, rows: int, seed: int, rel: float) -> None:
+    """ops.linear over w for `rows` token rows with DENSE_MAX_NUMEL made small (tiles of 32 output rows): within
+    float32 rounding of the exact (float64) product, bias and residual included."""
+    n, k = w.shape
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
+    want = x.double() @ dense.double().T + bias.double() + residual.double()
+    rounding = 1e-6 * (x.abs().double() @ dense.abs().double().T) + rel * want.abs() + 1e-6
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops_module, "DENSE_MAX_NUMEL", 40 * k)
+        got = ops.linear(x, w, bias, residual)
+    assert ((got.double() - want).abs() <= rounding).all()
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_prefill_over_a_large_matrix_goes_through_the_gemm_in_tiles(kind: str) -> None:
     """Past DENSE_ROWS rows a rows-layout matrix of any size is dequantized a tile of output rows at a time
-    (DENSE_MAX_NUMEL made small: three tiles and a short one) and multiplied by torch's GEMM, within float32
-    rounding of the exact product; the block kernel is not called (it re-decodes each block per 8 rows: an
-    AVX2 CPU's 1.7B prefill took 4.5x llama-server's time through it)."""
-    n, k = 104, 544
-    w = random_blocks(kind, n, k, seed=5)
-    dense = w.dequantize()
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(DENSE_ROWS + 30, k, generator=gen)
-    bias, residual = torch.randn(n, generator=gen), torch.randn(x.shape[0], n, generator=gen)
+    (three tiles and a short one) and multiplied by torch's GEMM, within float32 rounding of the exact product;
+    the block kernel is not called (it re-decodes each block per 8 rows: an AVX2 CPU's 1.7B prefill took 4.5x
+    llama-server's time through it)."""
     ops = KernelOps(K)
     calls = _Calls(K)
     ops.k = calls  # type: ignore[assignment]
-    want = x.double() @ dense.double().T + bias.double() + residual.double()
-    rounding = 1e-6 * (x.abs().double() @ dense.abs().double().T) + 1e-6 * want.abs() + 1e-6
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops_module, "DENSE_MAX_NUMEL", 40 * k)  # tiles of 32 output rows
-        got = ops.linear(x, w, bias, residual)
-    assert ((got.double() - want).abs() <= rounding).all()
+    tiled_linear_is_exact(ops, random_blocks(kind, 104, 544, seed=5), DENSE_ROWS + 30, seed=5, rel=1e-6)
     assert calls.names.count("dequantize_into") == 4 and not {"q4_1_linear", "q8_0_linear"} & set(calls.names)
 
 

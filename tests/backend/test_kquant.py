@@ -20,7 +20,7 @@ from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from tests.backend.conftest import CPU, full_logits
 from tests.backend.test_fused_decode import both_ways
-from tests.backend.test_kernels import int16_rounding_bound, random_blocks
+from tests.backend.test_kernels import int16_rounding_bound, random_blocks, tiled_linear_is_exact
 from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
 
 K = kernels.load()
@@ -97,23 +97,14 @@ def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     """From N16_GEMM_ROWS rows (where the CPU prefers it) the n16 weight is dequantized tile by tile into
     W^T and multiplied by torch's GEMM: float32 activations, so within float32 rounding of the exact product
     (several tiles: DENSE_MAX_NUMEL made small)."""
-    n, k = 96, 512
-    w = random_n16(kind, n, k, seed=3)
-    dense = w.dequantize()
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N16_GEMM_ROWS + 5, k, generator=gen)
-    bias, residual = torch.randn(n, generator=gen), torch.randn(x.shape[0], n, generator=gen)
+    k = 512
+    w = random_n16(kind, 96, k, seed=3)
     ops = KernelOps(K)
     ops.n16_gemm = torch.float32
     tile = torch.empty(k, 32)
     K.dequantize_n16_t(w.qs, w.d, w.m if w.m is not None else w.d, tile, 2, 4, kind == "q4_1")
-    assert torch.equal(tile, dense[32:64].T)  # the reference dequantization, bit for bit
-    want = x.double() @ dense.double().T + bias.double() + residual.double()
-    rounding = 1e-6 * (x.abs().double() @ dense.abs().double().T) + 1e-5 * want.abs() + 1e-6
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops_module, "DENSE_MAX_NUMEL", 40 * k)  # tiles of 32 rows: three of them
-        got = ops.linear(x, w, bias, residual)
-    assert ((got.double() - want).abs() <= rounding).all()
+    assert torch.equal(tile, w.dequantize()[32:64].T)  # the reference dequantization, bit for bit
+    tiled_linear_is_exact(ops, w, N16_GEMM_ROWS + 5, seed=3, rel=1e-5)  # three tiles of 32 rows
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
