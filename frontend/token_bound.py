@@ -52,5 +52,11 @@ def cut_after(text: str, words: int) -> str:
     follows a character that is not whitespace: every pre-tokenizer splits there and no piece spans it, so its
     tokens are the whole text's first ones. The text itself when it has no such place past that many words."""
     last = next(itertools.islice(_WORD.finditer(text), max(words, 1) - 1, None), None)
-    cut = _CUT.search(text, last.end()) if last is not None else None
+    return text if last is None else cut_at(text, last.end())
+
+
+def cut_at(text: str, end: int) -> str:
+    """The start of `text` up to the first place at or after character `end` where cut_after may cut (before a
+    space that follows a character that is not whitespace): its tokens are the whole text's first ones."""
+    cut = _CUT.search(text, end)
     return text if cut is None else text[:cut.start()]

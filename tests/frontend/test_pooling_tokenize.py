@@ -30,10 +30,15 @@ class Spy:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.encoded: list[int] = []
+        self.pieces: list[int] = [0]
 
     def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
         self.encoded.append(len(text))
         return self.tok.encode(text, *args, **kwargs)
+
+    def post_process(self, *encodings: Any, **kwargs: Any) -> Any:
+        self.pieces = [len(e.overflowing) for e in encodings if e is not None]  # what was cut off each side
+        return self.tok.post_process(*encodings, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tok, name)
@@ -175,6 +180,7 @@ def test_pairs_are_cut_as_the_tokenizers_library_cuts_them(pipes: dict[str, Pool
     cases += [(3000, 2000, 201), (2000, 3000, 201), (2500, 2500, 201), (3000, 2000, 200)]  # both far past
     for la, lb, truncate in cases:
         a, b = (" ".join(rng.choice(words) for _ in range(n)) for n in (la, lb))
-        ids, _ = tokenize(pipe, [(a, b)], truncate, param="documents")
+        ids, spy = tokenize(pipe, [(a, b)], truncate, param="documents")
         ref.enable_truncation(max_length=truncate, strategy="longest_first")
         assert ids[0] == ref.encode(a, b).ids, (la, lb, truncate)
+        assert max(spy.pieces) <= 2, (la, lb, truncate)  # not every pair of 100-token pieces (seconds)
