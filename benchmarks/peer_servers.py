@@ -10,22 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from backend.kernels import isa_cap  # KVYARD_CPU_ISA, read as kvyard's kernels read it
 from kvyard.ports import free_port_block
 from tests.support.procs import stop_groups, wait_healthy  # the tests' helpers (peers.py puts the repo on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CACHE = Path(os.environ.get("KVYARD_PEER_CACHE", Path.home() / ".cache" / "kvyard"))
-
-
-def isa_level() -> str:
-    """KVYARD_CPU_ISA as kvyard's kernels read it (backend/kernels.py): set it for a benchmark run and kvyard
-    (which inherits the environment) and llama-server (a build for that level) both take an older CPU's
-    path on this one: `avx2` an AVX2-only CPU's, `avx512` an AVX-512 CPU's without VNNI."""
-    level = os.environ.get("KVYARD_CPU_ISA", "native").lower() or "native"
-    if level not in ("avx2", "avx512", "native"):
-        raise SystemExit(f"KVYARD_CPU_ISA must be one of avx2, avx512, native, got {level!r}")
-    return level
 
 
 def torch_isa_env(level: str) -> dict[str, str]:
@@ -56,7 +47,7 @@ def llama_binary(name: str = "llama-server") -> Path:
     """llama-server or llama-quantize, built once (cmake, Release, this CPU's instruction sets up to
     KVYARD_CPU_ISA's level, no curl; ~10 min on 2 cores), then reused."""
     src = CACHE / "llama-src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    level = isa_level()
+    level = isa_cap()  # KVYARD_CPU_ISA=avx2 / avx512: a build for that level, in its own directory
     build = src / ("build" if level == "native" else f"build-{level}")
     binary = build / "bin" / name
     if binary.exists():
@@ -121,7 +112,7 @@ def kvyard_server(env_overrides: dict[str, str], root: Path = ROOT,
     to run instead of this one (benchmarks/scale.py's before/after)."""
     port = free_port_block(6)  # START_PORT .. +5: the frontend, the backend's gRPC (+1) and HTTP (+5)
     env = {**os.environ, "ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "HOST": "127.0.0.1",
-           "LOG_LEVEL": "INFO", "PYTHONPATH": str(root), **torch_isa_env(isa_level()), **env_overrides}
+           "LOG_LEVEL": "INFO", "PYTHONPATH": str(root), **torch_isa_env(isa_cap()), **env_overrides}
     log = open(CACHE / log_name, "w")
     proc = subprocess.Popen([str(root / ".venv" / "bin" / "python"), "-m", "kvyard"], cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
