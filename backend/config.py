@@ -166,18 +166,14 @@ def _weight_format(env: Mapping[str, str], device: str, dtype: str, checkpoint: 
 
 
 def _activations(env: Mapping[str, str], weight_format: str) -> str:
-    """auto: int16 (rounded per 32 values, top-1 agreement with float32 1.00) where the CPU has AVX-512
-    VNNI, ~2x the linears' speed; float32 elsewhere. Only the GGUF-block kernels read it."""
+    """auto: int16 (rounded per 32 values, top-1 agreement with float32 1.00): ~2x the float32 linears' speed
+    with AVX-512 VNNI, and on AVX2 (qlinear_n16_avx2.h, the same bits). Only the GGUF-block kernels read it."""
     choice = env_choice(env, "ACTIVATIONS", "auto", ("auto", "int16", "float32"))
     if weight_format != "gguf":
         if choice == "int16":
             raise ValueError("ACTIVATIONS=int16 needs the GGUF-block kernels (WEIGHT_FORMAT=gguf)")
         return "float32"
-    from backend import kernels
-    vnni = kernels.load().has_vnni()  # type: ignore[union-attr]  # weight_format gguf: the kernels loaded
-    if choice == "int16" and not vnni:
-        raise ValueError("ACTIVATIONS=int16 needs a CPU with AVX-512 VNNI; this one runs float32 activations")
-    return "int16" if choice == "int16" or (choice == "auto" and vnni) else "float32"
+    return "int16" if choice == "auto" else choice
 
 
 def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
@@ -187,7 +183,7 @@ def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
     from backend import kernels
     choice = env_choice(env, "PREFILL_GEMM", "auto", ("auto", *kernels.PREFILL_GEMMS))
     if choice not in ("auto", "float32") and activations != "int16":
-        raise ValueError(f"PREFILL_GEMM={choice} applies to int16 activations (ACTIVATIONS=int16, AVX-512 VNNI); "
+        raise ValueError(f"PREFILL_GEMM={choice} applies to int16 activations (ACTIVATIONS=int16); "
                          f"this backend runs {activations} activations")
     if choice == "bfloat16" and not kernels.cpu_has_native_bf16():
         log.warning("PREFILL_GEMM=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16: oneDNN emulates it, "

@@ -219,9 +219,10 @@ K_KINDS = ("q4_k", "q6_k")
 Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, f16 d
 
 
-def native_kind(gguf_type: str, layout: str) -> str | None:
-    """The K-quant kind a GGUF tensor type is served in as it is (n16 layout: AVX-512 VNNI), or None."""
-    return gguf_type if layout == "n16" and gguf_type in K_KINDS else None
+def native_kind(gguf_type: str, kquants: bool) -> str | None:
+    """The K-quant kind a GGUF tensor type is served in as it is, or None. kquants: whether the kernels take
+    K-quant blocks (the n16 layout on AVX-512 VNNI; AVX2's n16 kernels take Q4_1 and Q8_0 only)."""
+    return gguf_type if kquants and gguf_type in K_KINDS else None
 
 
 def serving_kind(gguf_type: str) -> str:

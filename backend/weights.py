@@ -11,7 +11,7 @@ time, read with pread from the file (no memory map, whose touched pages would co
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
 - keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K and Q6_K in the
-  n16 layout (int16 activations, AVX-512 VNNI). Elsewhere Q4_0 and Q4_K become Q4_1 (the same weights;
+  n16 layout on AVX-512 VNNI (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become Q4_1 (the same weights;
   Q4_K's scale products rounded to float16); every other type (F32, F16, BF16, Q5_*, Q6_K, Q2_K, Q3_K,
   IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time. A fused matrix whose parts
   are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q and k in half the layers) is a
@@ -56,7 +56,8 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
         plan = _plan(source, config)
         bar = _Progress(sum(source.nbytes(n) for parts in plan.values() for n in parts), str(path),
                         enabled=progress)
-        target = _Target(dtype, device, keep_blocks, block_layout)
+        target = _Target(dtype, device, keep_blocks, block_layout,
+                         kquants=keep_blocks and block_layout == "n16" and _kquant_kernels())
         out: dict[str, Tensor] = {}
         for name, parts in plan.items():
             out[name] = _load_one(source, parts, target, bar)
@@ -79,6 +80,15 @@ class _Target:
     device: torch.device
     keep_blocks: bool
     block_layout: str
+    kquants: bool  # Q4_K / Q6_K served as they are
+
+
+def _kquant_kernels() -> bool:
+    """Whether the C++ kernels take Q4_K / Q6_K blocks as they are (AVX-512 VNNI); AVX2's n16 kernels take
+    them as Q4_1 / Q8_0."""
+    from backend import kernels
+    module = kernels.load()
+    return module is not None and module.has_vnni()
 
 
 def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress) -> Tensor:
@@ -94,7 +104,7 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
     kinds = [source.block_kind(p) for p in parts]
     if target.keep_blocks and k % QK == 0 and all(kinds):
         layout = "n16" if target.block_layout == "n16" and n % 16 == 0 else "rows"
-        served = _served_kinds(source, parts, shapes, kinds, layout)  # type: ignore[arg-type]
+        served = _served_kinds(source, parts, shapes, kinds, layout, target.kquants)  # type: ignore[arg-type]
         runs, first = [], 0  # neighbouring parts of one kind load as one matrix
         for i in range(1, len(parts) + 1):
             if i == len(parts) or served[i] != served[first]:
@@ -113,12 +123,12 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
 
 
 def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kinds: list[str],
-                  layout: str) -> list[str]:
-    """Each part's serving kind: a K-quant as it is (n16), else Q4_1 or Q8_0 (source.block_kind). Parts
+                  layout: str, kquants: bool) -> list[str]:
+    """Each part's serving kind: a K-quant as it is (n16 on AVX-512 VNNI), else Q4_1 or Q8_0 (source.block_kind). Parts
     whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all of them."""
     if layout == "n16" and any(s[0] % 16 for s in shapes):
         return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
-    return [native_kind(source.gguf_type(p) or "", layout) or kd for p, kd in zip(parts, kinds)]
+    return [native_kind(source.gguf_type(p) or "", kquants and layout == "n16") or kd for p, kd in zip(parts, kinds)]
 
 
 def _load_blocks(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kind: str, layout: str,

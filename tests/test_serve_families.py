@@ -35,7 +35,8 @@ QUESTION = ("The quick brown fox jumps over the lazy dog. Hello world 12345, caf
 # 1.3e-3 on 2026-11-24: ~8x that).
 DENSE_ATOL, BLOCKS_ATOL = 2e-3, 1e-2
 # The K-quant mix on an AVX2 CPU: Q4_K's scale products rounded to float16 and Q6_K requantized to Q8_0 at
-# load (measured 0.0105 on 2026-11-26; random tiny networks amplify weight noise: test_model_families.py).
+# load (measured 0.0105 on 2026-11-26 with float32 activations; random tiny networks amplify weight noise:
+# test_model_families.py).
 CONVERTED_ATOL = 3e-2
 
 
@@ -56,8 +57,8 @@ CASES = {
     "llama3-gguf": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"),), stop_token="<|eom_id|>"),
     "mistral-hf": Served("mistral", "hf"),
     "mistral-gguf": Served("mistral", "gguf", env=(("MODEL_TYPE", "mistral"),)),
-    # An AVX2-only CPU's path, taken here by capping the kernels (KVYARD_CPU_ISA): float32 activations, the
-    # K-quant blocks converted at load (Q4_K to Q4_1, Q6_K to Q8_0), SDPA for attention.
+    # An AVX2-only CPU's path, taken here by capping the kernels (KVYARD_CPU_ISA): int16 activations on the
+    # AVX2 kernels, the K-quant blocks converted at load (Q4_K to Q4_1, Q6_K to Q8_0), SDPA for attention.
     "llama3-gguf-k-avx2": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"), ("KVYARD_CPU_ISA", "avx2")),
                                  stop_token="<|eom_id|>", types="k_mix"),
 }
@@ -115,7 +116,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             proc.wait_for_log(f"kvyard is serving {path.name} on http://127.0.0.1:{port}")
         if isa := dict(case.env).get("KVYARD_CPU_ISA"):  # the capped path is the one that served
             proc.wait_for_log(f"C++ kernels capped at {isa}")
-            proc.wait_for_log("KernelOps, float32 activations")
+            proc.wait_for_log("in GGUF blocks q4_1/q8_0")
+            proc.wait_for_log("KernelOps, int16 activations")
         yield Server(case, tiny, client, client.models.list().data[0].id)
     finally:
         proc.stop()

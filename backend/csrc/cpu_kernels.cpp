@@ -325,6 +325,7 @@ void cap_isa(int level) {
   isa_cap() = level;
   avx512_on() = cpu_has_avx512();
   vbmi_on() = cpu_has_vbmi();
+  vnni_on() = cpu_has_vnni();
 }
 
 // Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
@@ -332,6 +333,14 @@ void cap_isa(int level) {
 bool use_avx512(bool on) {
   const bool before = avx512_on();
   avx512_on() = on && cpu_has_avx512();
+  return before;
+}
+
+// Turns the n16 Q4_1 / Q8_0 linears' AVX-512 VNNI code on or off (off: the AVX2 int16 kernels, the same
+// bits); returns the previous setting. For tests, which check both on a CPU that has both.
+bool use_vnni(bool on) {
+  const bool before = vnni_on();
+  vnni_on() = on && cpu_has_vnni();
   return before;
 }
 
@@ -370,7 +379,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
-  m.def("has_vnni", &has_vnni, "whether this CPU runs the int16-activation (n16 layout) linears");
+  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (int16 linears at 512 bits, the K-quant kernels)");
+  m.def("use_vnni", &use_vnni, "the n16 Q4_1/Q8_0 linears' VNNI code on/off (off: AVX2's); returns the previous setting");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());

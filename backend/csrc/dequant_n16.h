@@ -17,7 +17,7 @@ namespace kvyard {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
-inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   const int64_t nb = w.nb(), nsb = nb / SUPER;
   for (int64_t g = g0; g < g1; ++g) {
     float* col = out + (g - g0) * G16;
@@ -79,5 +79,47 @@ inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float*
 }
 
 #pragma GCC pop_options
+
+// The same for Q4_1 / Q8_0 on AVX2 (the n16 int16 kernels of qlinear_n16_avx2.h): a group's 16 columns as
+// two halves of 8, the same arithmetic, so the same floats.
+inline void dequantize_groups_t_avx2(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  const int64_t nb = w.nb();
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int h = 0; h < 2; ++h) {
+        float* o = out + (g - g0) * G16 + 8 * h + b * QK * ldo;
+        const int64_t at = (g * nb + b) * G16 + 8 * h;  // this half's scales (and minimums)
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at)));
+        if (w.q4) {
+          const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at)));
+          const uint8_t* codes = w.qs + g * nb * 256;
+          for (int64_t j = 0; j < 16; ++j) {
+            const __m256i by = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 16 + 8 * h)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(by, _mm256_set1_epi32(0x0F)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(by, 4));
+            _mm256_storeu_ps(o + j * ldo, _mm256_add_ps(_mm256_mul_ps(lo, scale), minimum));
+            _mm256_storeu_ps(o + (j + 16) * ldo, _mm256_add_ps(_mm256_mul_ps(hi, scale), minimum));
+          }
+        } else {
+          const int8_t* codes = reinterpret_cast<const int8_t*>(w.qs) + g * nb * 512;
+          for (int64_t j = 0; j < 16; ++j) {
+            const __m256i pair = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 32 + 16 * h)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(pair, 16));
+            _mm256_storeu_ps(o + j * ldo, _mm256_mul_ps(lo, scale));
+            _mm256_storeu_ps(o + (j + 16) * ldo, _mm256_mul_ps(hi, scale));
+          }
+        }
+      }
+}
+
+// Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
+inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K || vnni_on())
+    return dequantize_groups_t_512(w, g0, g1, out, ldo);
+  dequantize_groups_t_avx2(w, g0, g1, out, ldo);
+}
 
 }  // namespace kvyard

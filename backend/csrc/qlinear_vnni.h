@@ -1,5 +1,5 @@
 // Linears with 16-bit integer activations on AVX-512 VNNI (vpdpwssd: 32 multiply-adds per instruction,
-// twice float32's 16), over weights re-laid in groups of 16 output rows ("n16", backend/quant.py):
+// twice float32's 16), or on AVX2 (qlinear_n16_avx2.h: vpmaddwd + vpaddd, the same integers), over weights re-laid in groups of 16 output rows ("n16", backend/quant.py):
 //   Q4_1: codes [G][nb][16 j][16 n] bytes: byte (j, n) holds row 16g+n's weights k=j (low nibble) and
 //         k=j+16 (high nibble) of block b; scales and minimums [G][nb][16] float16.
 //   Q8_0: codes [G][nb][16 j][16 n][2] int8: row n's weights k=j and k=j+16; scales [G][nb][16].
@@ -32,6 +32,13 @@ inline bool cpu_has_vnni() {
   return yes && isa_cap() >= ISA_NATIVE;
 }
 
+// Whether the n16 Q4_1 / Q8_0 linears run on AVX-512 VNNI (else qlinear_n16_avx2.h's, which give the same
+// bits): the CPU's answer unless a test turned it off (use_vnni).
+inline bool& vnni_on() {
+  static bool on = cpu_has_vnni();
+  return on;
+}
+
 // M token rows rounded to int16 per block: q [M][nb][16] (x_j in the low half of word j, x_{j+16} in the
 // high half), s [M][nb] scales, sum [M][nb] exact float sums.
 struct Int16Rows {
@@ -41,11 +48,51 @@ struct Int16Rows {
   int64_t nb;
 };
 
+// Token rows [m0, m1) against groups [g0, g1): a chunk of rows against each group in turn, so the chunk's
+// int16 rows stay in L1 while the groups' codes (a few KB each) stay in L1 across chunks. The chunk size
+// changes the speed, never the bits. kernel(R, g, xq, xs, xsum, out) runs one chunk of R rows (a
+// std::integral_constant: 12, 8, 4, 3, 2 or 1) against group g; every n16 kernel walks this way (plain code:
+// outside the AVX-512 target, so AVX2 builds call it too).
+template <class Kernel>
+inline void walk_row_chunks(const Int16Rows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1, float* y,
+                            int64_t ldy, Kernel&& kernel) {
+  const int64_t nb = x.nb, ldq = nb * 16;
+  for (int64_t m = m0; m < m1;) {
+    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const int32_t* xq = x.q + m * ldq;
+    const float* xs = x.s + m * nb;
+    const float* xsum = x.sum + m * nb;
+    for (int64_t g = g0; g < g1; ++g) {
+      float* out = y + m * ldy + g * G16;
+      switch (rows) {
+        case 12: kernel(std::integral_constant<int, 12>{}, g, xq, xs, xsum, out); break;
+        case 8: kernel(std::integral_constant<int, 8>{}, g, xq, xs, xsum, out); break;
+        case 4: kernel(std::integral_constant<int, 4>{}, g, xq, xs, xsum, out); break;
+        case 3: kernel(std::integral_constant<int, 3>{}, g, xq, xs, xsum, out); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, g, xq, xs, xsum, out); break;
+        default: kernel(std::integral_constant<int, 1>{}, g, xq, xs, xsum, out); break;
+      }
+    }
+    m += rows;
+  }
+}
+
+// Up to 8 token rows stream the weights at memory speed: each block asks for the bytes kAhead blocks further
+// on (its codes, and its scales every other block), so more of a core's memory reads are in flight than the
+// hardware prefetcher keeps (the 1.7B's one-row step 78 -> 57-64 ms, 8 rows 184 -> 169 ms; 12-row chunks,
+// bound by arithmetic, gain nothing). Past a matrix's end the hint reads nothing (prefetches do not fault).
+constexpr int64_t kAhead = 8;
+template <int R>
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  if constexpr (R <= 8)
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 // adjacent: word j holds x_2j and x_2j+1 instead (Q6_K's layout, qlinear_kquant.h): the same int16 values.
-inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
+inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
                             bool adjacent = false) {
   const int64_t nb = K / QK;
   constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -75,17 +122,6 @@ inline __m512i group_weights(const uint8_t* codes, int64_t b, int64_t j) {
   } else {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (b * 16 + j) * 32)));
   }
-}
-
-// Up to 8 token rows stream the weights at memory speed: each block asks for the bytes kAhead blocks further
-// on (its codes, and its scales every other block), so more of a core's memory reads are in flight than the
-// hardware prefetcher keeps (the 1.7B's one-row step 78 -> 57-64 ms, 8 rows 184 -> 169 ms; 12-row chunks,
-// bound by arithmetic, gain nothing). Past a matrix's end the hint reads nothing (prefetches do not fault).
-constexpr int64_t kAhead = 8;
-template <int R>
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  if constexpr (R <= 8)
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
 
 // y[r, 0..15] for R token rows of x (rows of ldq words and lds scales) against one group of 16 rows.
@@ -118,36 +154,8 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Token rows [m0, m1) against groups [g0, g1): a chunk of rows against each group in turn, so the chunk's
-// int16 rows stay in L1 while the groups' codes (a few KB each) stay in L1 across chunks. The chunk size
-// changes the speed, never the bits. kernel(R, g, xq, xs, xsum, out) runs one chunk of R rows (a
-// std::integral_constant: 12, 8, 4, 3, 2 or 1) against group g; both group_item16 kernels walk this way.
-template <class Kernel>
-inline void walk_row_chunks(const Int16Rows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1, float* y,
-                            int64_t ldy, Kernel&& kernel) {
-  const int64_t nb = x.nb, ldq = nb * 16;
-  for (int64_t m = m0; m < m1;) {
-    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
-    const int32_t* xq = x.q + m * ldq;
-    const float* xs = x.s + m * nb;
-    const float* xsum = x.sum + m * nb;
-    for (int64_t g = g0; g < g1; ++g) {
-      float* out = y + m * ldy + g * G16;
-      switch (rows) {
-        case 12: kernel(std::integral_constant<int, 12>{}, g, xq, xs, xsum, out); break;
-        case 8: kernel(std::integral_constant<int, 8>{}, g, xq, xs, xsum, out); break;
-        case 4: kernel(std::integral_constant<int, 4>{}, g, xq, xs, xsum, out); break;
-        case 3: kernel(std::integral_constant<int, 3>{}, g, xq, xs, xsum, out); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, g, xq, xs, xsum, out); break;
-        default: kernel(std::integral_constant<int, 1>{}, g, xq, xs, xsum, out); break;
-      }
-    }
-    m += rows;
-  }
-}
-
 template <bool Q4>
-void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
+void group_item16_512(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
                   int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
   walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
@@ -158,5 +166,26 @@ void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs,
 }
 
 #pragma GCC pop_options
+
+}  // namespace kvyard
+
+#include "qlinear_n16_avx2.h"
+
+namespace kvyard {
+
+// Rounds rows [m0, m1) of x to int16 (see Int16Rows): the AVX-512 code, or AVX2's (the same values and sums;
+// Q6_K's `adjacent` pairing exists on AVX-512 VNNI only, as the K-quant kernels do).
+inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
+                            bool adjacent = false) {
+  if (adjacent || vnni_on()) return quantize_rows16_512(x, K, m0, m1, q, s, sum, adjacent);
+  quantize_rows16_avx2(x, K, m0, m1, q, s, sum);
+}
+
+template <bool Q4>
+void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
+                  int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  if (vnni_on()) return group_item16_512<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
+  group_item16_avx2<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
+}
 
 }  // namespace kvyard

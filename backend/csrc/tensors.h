@@ -30,7 +30,7 @@ inline void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&&
 
 // A weight's tensors as the kernels see them. Rows layout: qs [N, K/2 or K], d and mins [N, K/32].
 // n16 layout (qlinear_vnni.h): qs [G, K/32, 16, 16] (Q4_1) or [G, K/32, 16, 16, 2] (Q8_0), d and mins
-// [G, K/32, 16]; only where the CPU has AVX-512 VNNI. The K-quants (qlinear_kquant.h, n16 only) are told
+// [G, K/32, 16] (int16 activations: AVX-512 VNNI or AVX2). The K-quants (qlinear_kquant.h, n16 only) are told
 // apart by their sub-scales in mins' place: uint8 [G, K/32, 2, 16] for Q4_K, int8 for Q6_K (q4 false).
 inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
   TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() && qs.is_contiguous(),
@@ -52,7 +52,6 @@ inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Te
     w.K = qs.size(1) * QK;
     w.sub = static_cast<const uint8_t*>(mins.data_ptr());
   } else if (w.n16) {
-    TORCH_CHECK(cpu_has_vnni(), "the n16 weight layout needs AVX-512 VNNI");
     TORCH_CHECK(d.dim() == 3 && d.size(2) == G16 && qs.size(0) == d.size(0) && qs.size(1) == d.size(1) &&
                 qs.size(2) == 16 && qs.size(3) == G16 && qs.dim() == (q4 ? 4 : 5), "bad n16 weight shapes");
     w.N = d.size(0) * G16;

@@ -28,11 +28,10 @@ CPU = torch.device("cpu")
 
 
 def _block_layouts() -> list[str]:
-    """The layouts GGUF blocks are served in here: "rows" (float32 activations) everywhere the kernels
-    run, and "n16" (int16 activations) where the CPU has AVX-512 VNNI."""
+    """The layouts GGUF blocks are served in wherever the kernels run: "rows" (float32 activations) and
+    "n16" (int16 activations: AVX-512 VNNI, or AVX2 with the same bits)."""
     from backend import kernels
-    module = kernels.load()
-    return [] if module is None else ["rows", "n16"] if module.has_vnni() else ["rows"]
+    return [] if kernels.load() is None else ["rows", "n16"]
 
 
 BLOCK_LAYOUTS = _block_layouts()

@@ -124,9 +124,6 @@ def test_block_linear_matches_dense_linear(kind: str, rows: int, isa: str) -> No
     assert ((ops.linear(x, w).double() - ref.linear(x.double(), dense.double())).abs() <= rounding).all()
 
 
-needs_vnni = pytest.mark.skipif(not K.has_vnni(), reason="this CPU has no AVX-512 VNNI (int16 kernels)")
-
-
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_n16_layout_holds_the_same_blocks(kind: str) -> None:
     w = random_blocks(kind, 48, 544, seed=5)
@@ -135,10 +132,9 @@ def test_n16_layout_holds_the_same_blocks(kind: str) -> None:
     back = w16.to_rows()
     assert torch.equal(back.qs, w.qs) and torch.equal(back.d, w.d)
     assert torch.equal(w16.dequantize(), w.dequantize())
-    if K.has_vnni():  # the embedding lookup reads rows out of the groups
-        rows = torch.tensor([0, 15, 16, 47])
-        mins = w16.m if w16.m is not None else w16.d
-        assert torch.equal(K.dequant_rows(w16.qs, w16.d, mins, rows, kind == "q4_1"), w.dequantize()[rows])
+    rows = torch.tensor([0, 15, 16, 47])  # the embedding lookup reads rows out of the groups
+    mins = w16.m if w16.m is not None else w16.d
+    assert torch.equal(K.dequant_rows(w16.qs, w16.d, mins, rows, kind == "q4_1"), w.dequantize()[rows])
 
 
 def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -150,7 +146,6 @@ def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return 0.5 * step.double() @ w_block.double().T * 1.001 + 2e-6 * (x.abs().double() @ dense.abs().double().T)
 
 
-@needs_vnni
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
 def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
@@ -166,7 +161,6 @@ def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
     assert ((ops.linear(x, w, bias, residual).double() - want).abs() <= bound).all()
 
 
-@needs_vnni
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
     """The dot products are exact integers and the float part one fixed chain per output: a row's

@@ -1,0 +1,123 @@
+"""The int16-activation linears on AVX2 (backend/csrc/qlinear_n16_avx2.h) give the bits of the AVX-512 VNNI
+ones: the same rounding of the activations, the same exact integer dots, the same float part in the same
+order. On a CPU with VNNI, each check runs both (K.use_vnni) and compares; on an AVX2-only CPU these tests
+skip, and test_kernels' int16 tests (against dense float32) and the fused-step tests check the AVX2 code
+alone. An AVX2 CPU serves a K-quant GGUF in the n16 layout as Q4_1 / Q8_0."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import kernels
+from backend.attention import KVCache
+from backend.config import BackendConfig
+from backend.model import LlamaModel
+from backend.quant import QuantWeight
+from backend.weights import load_weights
+from kvyard.model_config import ModelConfig, load_model_config
+from tests.backend.conftest import CPU
+from tests.backend.test_fused_decode import both_ways, decode_step
+from tests.backend.test_kernels import random_blocks
+from tests.support.tiny_models import tiny_model, write_gguf
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None or not K.has_vnni(),
+                                reason="needs AVX-512 VNNI to compare the AVX2 int16 code against")
+
+
+def both_codes(run) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """run() with the VNNI code, then with AVX2's."""
+    before = K.use_vnni(True)
+    try:
+        vnni = run()
+        assert K.use_vnni(False) is True
+        return vnni, run()
+    finally:
+        K.use_vnni(before)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 17, 32, 65])
+def test_avx2_int16_linear_has_the_vnni_bits(kind: str, rows: int) -> None:
+    w = random_blocks(kind, 80, 96 if rows % 2 else 544, seed=rows).to_n16()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.shape[1], generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[0, :32] = 0  # an all-zero block: scale 0
+    bias, residual = torch.randn(80, generator=gen), torch.randn(rows, 80, generator=gen)
+
+    def run() -> torch.Tensor:
+        if kind == "q4_1":
+            return K.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
+        return K.q8_0_linear(x, w.qs, w.d, bias, residual)
+
+    vnni, avx2 = both_codes(run)
+    assert torch.equal(vnni, avx2)
+    dense = w.dequantize()
+    assert (avx2 - (x @ dense.T + bias + residual)).abs().max() < 0.05  # and it is the product, not noise
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_avx2_dequantized_tiles_are_the_exact_weights(kind: str) -> None:
+    """Prefill chunks multiply dequantized W^T tiles in torch's GEMM (ops.N16_GEMM_ROWS rows and more)."""
+    w = random_blocks(kind, 64, 544, seed=9).to_n16()
+    mins = w.m if w.m is not None else w.d
+
+    def run() -> torch.Tensor:
+        out = torch.full((544, 32), float("nan"))
+        K.dequantize_n16_t(w.qs, w.d, mins, out, 1, 3, kind == "q4_1")  # groups 1-2: output rows 16-47
+        return out
+
+    vnni, avx2 = both_codes(run)
+    assert torch.equal(vnni, avx2) and torch.equal(avx2, w.dequantize()[16:48].T)
+
+
+@pytest.fixture(scope="module")
+def model_n16(model_path: Path, model_config: ModelConfig) -> LlamaModel:
+    return LlamaModel(model_config, load_weights(model_path, model_config, torch.float32, CPU, keep_blocks=True,
+                                                 block_layout="n16"))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_avx2_decode_step_has_the_vnni_bits(model_n16: LlamaModel, rows: int, fused: bool) -> None:
+    """The embedded model's decode step (the fused C++ step, and op by op) on both codes: the same logits
+    bit for bit, so the quality measured for int16 activations holds on AVX2 unchanged."""
+    c = model_n16.config
+    contexts = [7 + 9 * b for b in range(rows)]
+    nblk = max(contexts) // 16 + 1
+
+    def run() -> torch.Tensor:
+        cache = KVCache(c.num_layers, rows * nblk, 16, c.num_kv_heads, c.head_dim, torch.float16, CPU)
+        cache.data.normal_(generator=torch.Generator().manual_seed(rows))
+        return decode_step(model_n16, cache, contexts, fused=fused)
+
+    vnni, avx2 = both_codes(run)
+    assert torch.equal(vnni, avx2)
+
+
+@pytest.fixture
+def avx2_cap() -> Iterator[None]:
+    K.cap_isa(kernels.ISA_LEVELS.index("avx2"))
+    yield
+    K.cap_isa(kernels.ISA_LEVELS.index("native"))
+
+
+def test_an_avx2_cpu_serves_k_quants_in_n16_as_q4_1_and_q8_0(tmp_path: Path, avx2_cap: None) -> None:
+    """Capped at AVX2 the backend picks int16 activations, and the n16 layout holds Q4_K as Q4_1 and Q6_K as
+    Q8_0 (the K-quant kernels need VNNI), every matrix in groups of 16 where its rows allow."""
+    path = write_gguf(tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True), tmp_path / "k.gguf",
+                      {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+                       "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"})
+    cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(path)})
+    assert (cfg.weight_format, cfg.activations, cfg.prefill_gemm) == ("gguf", "int16", "float32")
+    config = load_model_config(path)
+    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", progress=False)
+    kinds = {name: (w.kind, w.layout) for name, w in weights.items() if isinstance(w, QuantWeight)}
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == ("q4_1", "n16")
+    assert kinds["layers.0.o"] == kinds["layers.1.down"] == ("q8_0", "n16")
+    model = LlamaModel(config, weights)
+    assert model.fused is not None
+    both_ways(model, [3, 20, 45], torch.float16)  # the fused step equals the op-by-op loop, bit for bit
