@@ -11,11 +11,12 @@ time, read with pread from the file (no memory map, whose touched pages would co
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
 - keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K and Q6_K in the
-  n16 layout on AVX-512 VNNI (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become Q4_1 (the same weights;
-  Q4_K's scale products rounded to float16); every other type (F32, F16, BF16, Q5_*, Q6_K, Q2_K, Q3_K,
-  IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time. A fused matrix whose parts
-  are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q and k in half the layers) is a
-  StackedWeight: each part in its own kind, none requantized for the others' sake.
+  n16 layout on AVX-512 VNNI (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become
+  Q4_1 (the same weights; Q4_K's scale products rounded to float16); every other type (F32, F16, BF16,
+  Q5_*, Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time.
+  A fused matrix whose parts are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q
+  and k in half the layers) is a StackedWeight: each part in its own kind, none requantized for the
+  others' sake.
 - otherwise dense in the model's dtype (dequantized or cast rows at a time, straight onto the device)."""
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]
     whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all of them."""
     if layout == "n16" and any(s[0] % 16 for s in shapes):
         return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
-    return [native_kind(source.gguf_type(p) or "", kquants and layout == "n16") or kd for p, kd in zip(parts, kinds)]
+    native = kquants and layout == "n16"
+    return [native_kind(source.gguf_type(p) or "", native) or kd for p, kd in zip(parts, kinds)]
 
 
 def _load_blocks(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kind: str, layout: str,

@@ -104,8 +104,7 @@ def main() -> None:
     from kvyard.model_path import embedded_model_path
 
     module = kernels.load()
-    usable = {"dense"} | ({"blocks"} if module is not None else set()) | \
-        ({"n16"} if module is not None and module.has_vnni() else set())
+    usable = {"dense"} | ({"blocks", "n16"} if module is not None else set())
     with tempfile.TemporaryDirectory() as tmp:
         cases = [("SmolLM2-135M GGUF (embedded)", embedded_model_path(), ["blocks", "n16", "dense"]),
                  *generated_checkpoints(Path(tmp), args.hidden, args.layers)]

@@ -44,7 +44,7 @@ def main() -> None:
     path = embedded_model_path()
     config = load_model_config(path)
     model = LlamaModel(config, load_weights(path, config, torch.float32, CPU, keep_blocks=True,
-                                            block_layout="n16" if module.has_vnni() else "rows"))
+                                            block_layout="n16"))  # int16 activations, the default
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [load_adapter(f"a{i}", write_adapter(Path(tmp) / f"a{i}", config, i), config, torch.float32, CPU)
                     for i in range(4)]

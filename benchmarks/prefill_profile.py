@@ -42,7 +42,7 @@ def main() -> None:
     path = args.gguf or embedded_model_path()
     config = load_model_config(path)
     model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True,
-                                            block_layout="n16" if module.has_vnni() else "rows", progress=False))
+                                            block_layout="n16", progress=False))  # int16: the default
     ops, spent, depth = model.ops, defaultdict(float), [0]
     for name in OPS:  # time every outermost op call (instance attributes shadow the class's methods; a
         # stacked weight's linear calls linear per part)

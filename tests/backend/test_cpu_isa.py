@@ -48,4 +48,5 @@ def test_the_cap_narrows_what_the_kernels_run(capped: None, level: str, avx512: 
     assert KernelOps(K).prefill_kernel is avx512  # the AVX-512 prefill attention, else SDPA
     cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(model_path)})
     assert cfg.weight_format == "gguf" and cfg.activations == "int16"  # AVX2 has int16 kernels too
-    assert BackendConfig.from_env({"CHECKPOINT_PATH": str(model_path), "ACTIVATIONS": "float32"}).activations == "float32"
+    explicit = BackendConfig.from_env({"CHECKPOINT_PATH": str(model_path), "ACTIVATIONS": "float32"})
+    assert explicit.activations == "float32"
