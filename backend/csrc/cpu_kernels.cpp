@@ -379,8 +379,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
-  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (int16 linears at 512 bits, the K-quant kernels)");
-  m.def("use_vnni", &use_vnni, "the n16 Q4_1/Q8_0 linears' VNNI code on/off (off: AVX2's); returns the previous setting");
+  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (512-bit int16 linears, the K-quant kernels)");
+  m.def("use_vnni", &use_vnni, "the n16 Q4_1/Q8_0 linears' VNNI code on/off (off: AVX2's); returns the old setting");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());

@@ -63,7 +63,8 @@ inline void quantize_rows16_avx2(const float* x, int64_t K, int64_t m0, int64_t 
 template <bool Q4>
 inline __m256i half_weights(const uint8_t* codes, int64_t b, int64_t j, int h) {
   if constexpr (Q4) {
-    const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 16 + 8 * h)));
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 16 + 8 * h));
+    const __m256i by = _mm256_cvtepu8_epi32(bytes);
     return _mm256_and_si256(_mm256_or_si256(by, _mm256_slli_epi32(by, 12)), _mm256_set1_epi32(0x000F000F));
   } else {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 32 + 16 * h)));

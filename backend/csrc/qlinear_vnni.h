@@ -1,5 +1,6 @@
 // Linears with 16-bit integer activations on AVX-512 VNNI (vpdpwssd: 32 multiply-adds per instruction,
-// twice float32's 16), or on AVX2 (qlinear_n16_avx2.h: vpmaddwd + vpaddd, the same integers), over weights re-laid in groups of 16 output rows ("n16", backend/quant.py):
+// twice float32's 16), or on AVX2 (qlinear_n16_avx2.h: vpmaddwd + vpaddd, the same integers), over weights
+// re-laid in groups of 16 output rows ("n16", backend/quant.py):
 //   Q4_1: codes [G][nb][16 j][16 n] bytes: byte (j, n) holds row 16g+n's weights k=j (low nibble) and
 //         k=j+16 (high nibble) of block b; scales and minimums [G][nb][16] float16.
 //   Q8_0: codes [G][nb][16 j][16 n][2] int8: row n's weights k=j and k=j+16; scales [G][nb][16].
@@ -92,8 +93,8 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 // adjacent: word j holds x_2j and x_2j+1 instead (Q6_K's layout, qlinear_kquant.h): the same int16 values.
-inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
-                            bool adjacent = false) {
+inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
+                                float* sum, bool adjacent = false) {
   const int64_t nb = K / QK;
   constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m)
@@ -155,8 +156,8 @@ inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mi
 }
 
 template <bool Q4>
-void group_item16_512(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
-                  int64_t g0, int64_t g1, float* y, int64_t ldy) {
+void group_item16_512(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d,
+                      const half_t* mins, int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
   walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
                                                   const float* xsum, float* out) {
