@@ -1,6 +1,6 @@
 """A Q4_K_M-like GGUF (q and k Q4_K, v Q6_K; gate Q4_K, up Q6_K) served without requantizing: the fused
 q/k/v and gate/up matrices become StackedWeights whose parts keep their own kinds (n16: the file's Q4_K and
-Q6_K blocks; rows layout: Q4_1 and Q8_0 parts), the served bytes are the file's, the weights decode to the
+Q6_K blocks with AVX-512 VNNI; rows layout, and n16 on AVX2: Q4_1 and Q8_0 parts), the served bytes are the file's, the weights decode to the
 file's float32 dequantization, the fused decode step equals the op-by-op loop bit for bit, and the logits
 stay within the int16 activations' rounding of the dense float32 model."""
 from __future__ import annotations
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unav
 
 MIXED_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
-# The kinds each fused matrix's parts are served in, per layout: the file's own K-quants (n16), or their
-# exact (Q4_K → Q4_1) and requantized (Q6_K → Q8_0) conversions (rows).
-PARTS = {"n16": ["q4_k", "q6_k"], "rows": ["q4_1", "q8_0"]}
+# The kinds each fused matrix's parts are served in: the file's own K-quants (n16 where the kernels take them,
+# AVX-512 VNNI), or their exact (Q4_K → Q4_1) and requantized (Q6_K → Q8_0) conversions (rows; n16 on AVX2).
+NATIVE, CONVERTED = ["q4_k", "q6_k"], ["q4_1", "q8_0"]
 # n16 Q4_K keeps its 6-bit sub-scales as bytes: 148 bytes per 256 weights against the file's 144.
 N16_BYTES = {"q4_k": 148 / 144, "q6_k": 1.0}
 
@@ -41,21 +41,22 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
 def test_mixed_kinds_are_stacked_not_requantized(mixed_gguf: Path, layout: str) -> None:
     config = load_model_config(mixed_gguf)
+    native = layout == "n16" and kernels.load().has_vnni()  # type: ignore[union-attr]
     weights = load_weights(mixed_gguf, config, torch.float32, CPU, keep_blocks=True, block_layout=layout)
     dense = load_weights(mixed_gguf, config, torch.float32, CPU)  # the file's exact float32 dequantization
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for i in range(config.num_layers):
         qkv, gate_up = weights[f"layers.{i}.qkv"], weights[f"layers.{i}.gate_up"]
         assert isinstance(qkv, StackedWeight) and isinstance(gate_up, StackedWeight)
-        assert [p.kind for p in qkv.parts] == [p.kind for p in gate_up.parts] == PARTS[layout]
+        assert [p.kind for p in qkv.parts] == [p.kind for p in gate_up.parts] == (NATIVE if native else CONVERTED)
         assert [p.shape[0] for p in qkv.parts] == [q_rows + kv_rows, kv_rows]  # q and k merged: one kind
         assert qkv.shape == (q_rows + 2 * kv_rows, config.hidden_size) and qkv.layout == layout
-    exact = {"q4_k", "q6_k"} if layout == "n16" else set()
+    exact = set(NATIVE) if native else set()
     for name, w in weights.items():
         for part, rows in _parts_with_rows(w):
             if part.kind in exact:
                 assert torch.equal(part.dequantize(), dense[name][rows]), name
-    if layout == "n16":  # every matrix in the file's blocks: the file's bytes, but for Q4_K's byte sub-scales
+    if native:  # every matrix in the file's blocks: the file's bytes, but for Q4_K's byte sub-scales
         infos = read_gguf_index(mixed_gguf).tensors
         file_bytes = sum(t.nbytes * N16_BYTES[t.qtype.name.lower()] for t in infos.values()
                          if t.qtype.name.lower() in N16_BYTES and t.name != "token_embd.weight")
