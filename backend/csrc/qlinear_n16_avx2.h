@@ -8,6 +8,8 @@
 // Against the float32-activation kernels an AVX2 CPU ran before (qlinear.h's "rows" layout), a weight costs
 // no float conversion: a Q4_1 step of 16 weights is a widen, a shift, an or, an and and one vpmaddwd per
 // token row.
+//
+// qlinear_vnni.h includes this file after what both share (Int16Rows, walk_row_chunks, prefetch_ahead).
 #pragma once
 #include <immintrin.h>
 
@@ -29,8 +31,9 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// quantize_rows16_512's values, scales and sums: the sum adds in _mm512_reduce_add_ps's order over the 16
-// lanes of lo + hi (256-bit halves, then 128-bit halves, then pairs), so it has the same bits.
+// quantize_rows16_512's values, scales and sums: the sum adds in _mm512_reduce_add_ps's order (GCC's
+// avx512fintrin.h) over the 16 lanes of lo + hi (256-bit halves, then 128-bit halves, then pairs), so it has
+// the same bits.
 inline void quantize_rows16_avx2(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
                                  float* sum) {
   const int64_t nb = K / QK;
