@@ -125,8 +125,8 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
 
 def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kinds: list[str],
                   layout: str, kquants: bool) -> list[str]:
-    """Each part's serving kind: a K-quant as it is (n16 on AVX-512 VNNI), else Q4_1 or Q8_0 (source.block_kind). Parts
-    whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all of them."""
+    """Each part's serving kind: a K-quant as it is (n16 on AVX-512 VNNI), else Q4_1 or Q8_0
+    (source.block_kind). Parts whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all."""
     if layout == "n16" and any(s[0] % 16 for s in shapes):
         return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
     native = kquants and layout == "n16"
