@@ -85,11 +85,11 @@ class _Target:
 
 
 def _kquant_kernels() -> bool:
-    """Whether the C++ kernels take Q4_K / Q6_K blocks as they are (AVX-512 VNNI); AVX2's n16 kernels take
-    them as Q4_1 / Q8_0."""
+    """Whether the C++ kernels take Q4_K / Q6_K blocks as they are (AVX-512, with or without VNNI); AVX2's n16
+    kernels take them as Q4_1 / Q8_0."""
     from backend import kernels
     module = kernels.load()
-    return module is not None and module.has_vnni()
+    return module is not None and module.has_avx512()
 
 
 def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress) -> Tensor:

@@ -48,6 +48,7 @@ class Served:
     via_make_run: bool = False       # started by scripts/run_local.sh rather than `python -m kvyard`
     stop_token: str = ""             # a stop id other than the eos where the family has one
     types: str = "exact"             # the GGUF's tensor types: "exact" (EXACT_TYPES) or "k_mix" (K_MIX_TYPES)
+    blocks: str = ""                 # capped cases: the block kinds the server must log that it serves
 
 
 CASES = {
@@ -60,7 +61,11 @@ CASES = {
     # An AVX2-only CPU's path, taken here by capping the kernels (KVYARD_CPU_ISA): int16 activations on the
     # AVX2 kernels, the K-quant blocks converted at load (Q4_K to Q4_1, Q6_K to Q8_0), SDPA for attention.
     "llama3-gguf-k-avx2": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"), ("KVYARD_CPU_ISA", "avx2")),
-                                 stop_token="<|eom_id|>", types="k_mix"),
+                                 stop_token="<|eom_id|>", types="k_mix", blocks="q4_1/q8_0"),
+    # AVX-512 without VNNI (Skylake-SP/X): the K-quant blocks as they are (beside the Q4_1/Q8_0 the tiny
+    # model's rows of fewer than 256 weights take, as on a VNNI CPU), vpmaddwd on 512 bits.
+    "llama3-gguf-k-avx512": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"), ("KVYARD_CPU_ISA", "avx512")),
+                                   stop_token="<|eom_id|>", types="k_mix", blocks="q4_1/q4_k/q6_k/q8_0"),
 }
 # Q4_K_M's mix: Q4_K, with Q6_K for the down projection.
 K_MIX_TYPES = {**Q4_K_TYPES, "ffn_down": "Q6_K"}
@@ -116,7 +121,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             proc.wait_for_log(f"kvyard is serving {path.name} on http://127.0.0.1:{port}")
         if isa := dict(case.env).get("KVYARD_CPU_ISA"):  # the capped path is the one that served
             proc.wait_for_log(f"C++ kernels capped at {isa}")
-            proc.wait_for_log("in GGUF blocks q4_1/q8_0")
+            proc.wait_for_log(f"in GGUF blocks {case.blocks}")
             proc.wait_for_log("KernelOps, int16 activations")
         yield Server(case, tiny, client, client.models.list().data[0].id)
     finally:

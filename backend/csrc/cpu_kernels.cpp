@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "decode_step.h"
@@ -325,7 +326,7 @@ void cap_isa(int level) {
   isa_cap() = level;
   avx512_on() = cpu_has_avx512();
   vbmi_on() = cpu_has_vbmi();
-  vnni_on() = cpu_has_vnni();
+  int16_code() = cpu_int16_code();
 }
 
 // Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
@@ -336,11 +337,15 @@ bool use_avx512(bool on) {
   return before;
 }
 
-// Turns the n16 Q4_1 / Q8_0 linears' AVX-512 VNNI code on or off (off: the AVX2 int16 kernels, the same
-// bits); returns the previous setting. For tests, which check both on a CPU that has both.
-bool use_vnni(bool on) {
-  const bool before = vnni_on();
-  vnni_on() = on && cpu_has_vnni();
+// Runs the n16 linears on another of the codes this CPU has ("vnni", "avx512": vpmaddwd on 512 bits, "avx2";
+// the same bits); returns the previous one. For tests, which compare them on a CPU that has them all.
+std::string use_int16(const std::string& code) {
+  static const char* names[] = {"avx2", "avx512", "vnni"};
+  const int want = code == "vnni" ? I16_VNNI : code == "avx512" ? I16_AVX512 : code == "avx2" ? I16_AVX2 : -1;
+  TORCH_CHECK(want >= 0, "int16 code vnni, avx512 or avx2, not ", code);
+  TORCH_CHECK(want <= cpu_int16_code(), "this CPU (or its KVYARD_CPU_ISA cap) has no ", code, " int16 code");
+  const std::string before = names[int16_code()];
+  int16_code() = want;
   return before;
 }
 
@@ -377,10 +382,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("start"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
   m.def("encoder_attention", &encoder_attention, "an encoder layer's attention over packed sequences (AVX-512)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
-  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention)");
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention, the K-quant kernels)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
-  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (512-bit int16 linears, the K-quant kernels)");
-  m.def("use_vnni", &use_vnni, "the n16 Q4_1/Q8_0 linears' VNNI code on/off (off: AVX2's); returns the old setting");
+  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (vpdpwssd in the 512-bit int16 linears)");
+  m.def("use_int16", &use_int16, "runs the n16 linears on the vnni, avx512 or avx2 code; returns the one before");
   m.def("use_avx512", &use_avx512, "512-bit linears on/off (where the CPU has them); returns the previous setting");
   m.def("use_vbmi", &use_vbmi, "the K-quant kernels' VBMI decode on/off (where the CPU has it); returns the previous setting");
   m.def("sample_rows", &sample_rows, "greedy or temperature draws, one per row", call_guard<release>());

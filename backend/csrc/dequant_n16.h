@@ -14,7 +14,7 @@
 namespace kvyard {
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
 inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
@@ -117,7 +117,7 @@ inline void dequantize_groups_t_avx2(const QMatrix& w, int64_t g0, int64_t g1, f
 
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
 inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
-  if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K || vnni_on())
+  if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K || int16_code() != I16_AVX2)
     return dequantize_groups_t_512(w, g0, g1, out, ldo);
   dequantize_groups_t_avx2(w, g0, g1, out, ldo);
 }

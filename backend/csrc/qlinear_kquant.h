@@ -1,5 +1,6 @@
 // The GGUF's K-quant blocks (Q4_K, Q6_K) served as they are by the int16-activation kernels of
-// qlinear_vnni.h (AVX-512 VNNI), in groups of 16 output rows ("n16", backend/quant.py lays them out):
+// qlinear_vnni.h (AVX-512, with or without VNNI), in groups of 16 output rows ("n16", backend/quant.py lays
+// them out):
 //   Q4_K: per 256 weights a float16 scale d and minimum dmin, per 32 a 6-bit scale sc and minimum mn:
 //         w = (d sc) q - (dmin mn), q in 0..15. Codes exactly as Q4_1's n16 ([G][nb][16 j][16 n] bytes:
 //         k=j low nibble, k=j+16 high); d [G][nb/8][2][16] float16 (d, dmin); sub [G][nb][2][16] uint8 (sc, mn).
@@ -40,7 +41,8 @@ inline bool& vbmi_on() {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// Plain AVX-512 (no VNNI): both builds of the step loops call these.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 // Step j of a Q6_K block: the 16 rows' weights k=2j and 2j+1 minus 32, as int16 pairs.
 inline __m512i q6_weights(const uint8_t* codes, int64_t j) {
@@ -89,46 +91,21 @@ inline void kquant_block_sums(const __m512i* dot0, const __m512i* dot1, const ha
   }
 }
 
-// y[r, 0..15] for R token rows against one group of 16 output rows of a K-quant matrix (qlinear_vnni.h's
-// group_rows16 for Q4_K / Q6_K). codes, d, sub: this group's. The portable decode (AVX-512 VNNI alone);
-// its step loops unrolled as qlinear_vnni.h's.
-template <BlockKind KIND, int R>
-inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t* sub, int64_t nb, const int32_t* xq,
-                           const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384;  // a block's codes for the 16 rows
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t sb = b / SUPER;
-    prefetch_ahead<R>(codes + (b + kAhead) * code_bytes, code_bytes);
-    if (b % 2 == 0) prefetch_ahead<R>(sub + (b + kAhead) * 32, 64);
-    if constexpr (KIND == BlockKind::Q4_K) {
-      __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < 16; ++j) {
-        const __m512i w = group_weights<true>(codes, b, j);
-        for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
-      }
-      kquant_block_sums<KIND, R>(dot, nullptr, d, sub, b, sb, xs, xsum, lds, acc);
-    } else {
-      const uint8_t* cb = codes + b * 384;
-      __m512i dot[2][R];
-      for (int64_t half = 0; half < 2; ++half) {  // k 0-15, then 16-31: each with its own scale
-        for (int r = 0; r < R; ++r) dot[half][r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int64_t j = 8 * half; j < 8 * half + 8; ++j) {
-          const __m512i w = q6_weights(cb, j);
-          for (int r = 0; r < R; ++r)
-            dot[half][r] = _mm512_dpwssd_epi32(dot[half][r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
-        }
-      }
-      kquant_block_sums<KIND, R>(dot[0], dot[1], d, sub, b, sb, xs, xsum, lds, acc);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
-}
+#pragma GCC pop_options
 
+// The portable step loops (qlinear_kquant_steps512.h), compiled twice as qlinear_vnni.h's: vpdpwssd on
+// AVX-512 VNNI, vpmaddwd + vpaddd on AVX-512 alone, the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace vnni {
+#include "qlinear_kquant_steps512.h"
+}  // namespace vnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace bw {
+#include "qlinear_kquant_steps512.h"
+}  // namespace bw
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi")
@@ -197,25 +174,28 @@ inline void group_rows16_q6k_vbmi(const uint8_t* codes, const half_t* d, const u
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Token rows [m0, m1) against groups [g0, g1), as qlinear_vnni.h's group_item16.
-template <BlockKind KIND>
-void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
-                    int64_t g0, int64_t g1, float* y, int64_t ldy) {
+// Token rows [m0, m1) against groups [g0, g1) of a Q6_K matrix, with the VBMI decode.
+inline void group_item16_q6k_vbmi(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d,
+                                  const uint8_t* sub, int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, nsb = nb / SUPER;
-  const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
-  const bool vbmi = vbmi_on();
   walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
                                                   const float* xsum, float* out) {
-    constexpr int R = decltype(rows)::value;
-    const uint8_t* codes = qs + g * nb * code_bytes;
-    const half_t* dg = d + g * nsb * d_halves;
-    const uint8_t* sg = sub + g * nb * 32;
-    if (KIND == BlockKind::Q6_K && vbmi) group_rows16_q6k_vbmi<R>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy);
-    else group_rows16_k<KIND, R>(codes, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy);
+    group_rows16_q6k_vbmi<decltype(rows)::value>(qs + g * nb * 384, d + g * nsb * 16, sub + g * nb * 32, nb, xq, xs,
+                                                 xsum, ldq, nb, out, ldy);
   });
 }
 
 #pragma GCC pop_options
+
+// Token rows [m0, m1) against groups [g0, g1), as qlinear_vnni.h's group_item16.
+template <BlockKind KIND>
+void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
+                    int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const bool vnni = int16_code() == I16_VNNI;  // else AVX-512 alone (K-quants are served on AVX-512 only)
+  if (KIND == BlockKind::Q6_K && vnni && vbmi_on()) return group_item16_q6k_vbmi(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
+  if (vnni) return vnni::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
+  bw::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
+}
 
 // Row n of a K-quant n16 matrix as float32 (the embedding lookup: a few rows a step), the same float
 // operations as gguf's reference dequantization: (d sc) q - (dmin mn), (d sc) (q - 32).

@@ -1,6 +1,7 @@
 // Linears with 16-bit integer activations on AVX-512 VNNI (vpdpwssd: 32 multiply-adds per instruction,
-// twice float32's 16), or on AVX2 (qlinear_n16_avx2.h: vpmaddwd + vpaddd, the same integers), over weights
-// re-laid in groups of 16 output rows ("n16", backend/quant.py):
+// twice float32's 16), on AVX-512 without VNNI (vpmaddwd + vpaddd on 512 bits: the same integers), or on
+// AVX2 (qlinear_n16_avx2.h: the same on 256 bits), over weights re-laid in groups of 16 output rows ("n16",
+// backend/quant.py):
 //   Q4_1: codes [G][nb][16 j][16 n] bytes: byte (j, n) holds row 16g+n's weights k=j (low nibble) and
 //         k=j+16 (high nibble) of block b; scales and minimums [G][nb][16] float16.
 //   Q8_0: codes [G][nb][16 j][16 n][2] int8: row n's weights k=j and k=j+16; scales [G][nb][16].
@@ -33,11 +34,14 @@ inline bool cpu_has_vnni() {
   return yes && isa_cap() >= ISA_NATIVE;
 }
 
-// Whether the n16 Q4_1 / Q8_0 linears run on AVX-512 VNNI (else qlinear_n16_avx2.h's, which give the same
-// bits): the CPU's answer unless a test turned it off (use_vnni).
-inline bool& vnni_on() {
-  static bool on = cpu_has_vnni();
-  return on;
+// Which code runs the n16 linears: vpdpwssd (AVX-512 VNNI), vpmaddwd + vpaddd on 512 bits (AVX-512 without
+// VNNI) or on 256 (AVX2, qlinear_n16_avx2.h). All three give the same bits. The CPU's best unless a test
+// chose another (use_int16), to compare them on a CPU that has them all.
+enum Int16Code : int { I16_AVX2 = 0, I16_AVX512 = 1, I16_VNNI = 2 };
+inline int cpu_int16_code() { return cpu_has_vnni() ? I16_VNNI : cpu_has_avx512() ? I16_AVX512 : I16_AVX2; }
+inline int& int16_code() {
+  static int code = cpu_int16_code();
+  return code;
 }
 
 // M token rows rounded to int16 per block: q [M][nb][16] (x_j in the low half of word j, x_{j+16} in the
@@ -90,7 +94,8 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// Plain AVX-512 (no VNNI): both builds of the step loops below call these.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 // adjacent: word j holds x_2j and x_2j+1 instead (Q6_K's layout, qlinear_kquant.h): the same int16 values.
 inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
@@ -125,47 +130,24 @@ inline __m512i group_weights(const uint8_t* codes, int64_t b, int64_t j) {
   }
 }
 
-// y[r, 0..15] for R token rows of x (rows of ldq words and lds scales) against one group of 16 rows.
-template <bool Q4, int R>
-inline void group_rows16(const uint8_t* codes, const half_t* d, const half_t* mins, int64_t nb, const int32_t* xq,
-                         const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t code_bytes = Q4 ? 256 : 512;  // a block's codes for the 16 rows
-  for (int64_t b = 0; b < nb; ++b) {
-    prefetch_ahead<R>(codes + (b + kAhead) * code_bytes, code_bytes);
-    if (b % 2 == 0) prefetch_ahead<R>(d + (b + kAhead) * 16, 64);
-    if (Q4 && b % 2 == 0) prefetch_ahead<R>(mins + (b + kAhead) * 16, 64);
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    // Unrolled: as a loop, GCC copies every accumulator twice a step (1.1-1.6x at 1-32 rows, Ice Lake).
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < 16; ++j) {
-      const __m512i w = group_weights<Q4>(codes, b, j);
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
-    }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 16)));
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
-    if constexpr (Q4) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * 16)));
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * lds + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
-}
+#pragma GCC pop_options
 
-template <bool Q4>
-void group_item16_512(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d,
-                      const half_t* mins, int64_t g0, int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
-  walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
-                                                  const float* xsum, float* out) {
-    group_rows16<Q4, decltype(rows)::value>(qs + g * nb * code_bytes, d + g * nb * 16,
-                                            Q4 ? mins + g * nb * 16 : nullptr, nb, xq, xs, xsum, ldq, nb, out, ldy);
-  });
-}
-
+// The step loops (qlinear_n16_steps512.h), compiled twice: with vpdpwssd where the CPU has AVX-512 VNNI, and
+// with vpmaddwd + vpaddd where it has AVX-512 alone (Skylake-SP/X). The dot products are the same exact
+// integers (no pair sum overflows: |x| <= 32767, weights within int8), so the two give the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace vnni {
+inline __m512i dot16(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
+#include "qlinear_n16_steps512.h"
+}  // namespace vnni
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace bw {
+inline __m512i dot16(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+#include "qlinear_n16_steps512.h"
+}  // namespace bw
 #pragma GCC pop_options
 
 }  // namespace kvyard
@@ -175,17 +157,18 @@ void group_item16_512(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t*
 namespace kvyard {
 
 // Rounds rows [m0, m1) of x to int16 (see Int16Rows): the AVX-512 code, or AVX2's (the same values and sums;
-// Q6_K's `adjacent` pairing exists on AVX-512 VNNI only, as the K-quant kernels do).
+// Q6_K's `adjacent` pairing exists on AVX-512 only, as the K-quant kernels do).
 inline void quantize_rows16(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
                             bool adjacent = false) {
-  if (adjacent || vnni_on()) return quantize_rows16_512(x, K, m0, m1, q, s, sum, adjacent);
+  if (adjacent || int16_code() != I16_AVX2) return quantize_rows16_512(x, K, m0, m1, q, s, sum, adjacent);
   quantize_rows16_avx2(x, K, m0, m1, q, s, sum);
 }
 
 template <bool Q4>
 void group_item16(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const half_t* mins,
                   int64_t g0, int64_t g1, float* y, int64_t ldy) {
-  if (vnni_on()) return group_item16_512<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
+  if (int16_code() == I16_VNNI) return vnni::group_item16_512<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
+  if (int16_code() == I16_AVX512) return bw::group_item16_512<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
   group_item16_avx2<Q4>(x, m0, m1, qs, d, mins, g0, g1, y, ldy);
 }
 

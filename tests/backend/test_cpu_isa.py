@@ -43,8 +43,11 @@ def test_the_cap_narrows_what_the_kernels_run(capped: None, level: str, avx512: 
     assert K.use_avx512(before) is avx512
     before = K.use_vbmi(True)
     assert K.use_vbmi(before) is vnni
-    before = K.use_vnni(True)
-    assert K.use_vnni(before) is vnni
+    code = level if level != "native" else "vnni"  # the n16 linears' code: the best under the cap
+    assert K.use_int16(code) == code
+    for higher in ("avx512", "vnni")[("avx2", "avx512", "vnni").index(code):]:
+        with pytest.raises(RuntimeError, match=f"has no {higher} int16 code"):
+            K.use_int16(higher)
     assert KernelOps(K).prefill_kernel is avx512  # the AVX-512 prefill attention, else SDPA
     cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(model_path)})
     assert cfg.weight_format == "gguf" and cfg.activations == "int16"  # AVX2 has int16 kernels too

@@ -1,8 +1,10 @@
-"""The int16-activation linears on AVX2 (backend/csrc/qlinear_n16_avx2.h) give the bits of the AVX-512 VNNI
-ones: the same rounding of the activations, the same exact integer dots, the same float part in the same
-order. On a CPU with VNNI, each check runs both (K.use_vnni) and compares; on an AVX2-only CPU these tests
-skip, and test_kernels' int16 tests (against dense float32) and the fused-step tests check the AVX2 code
-alone. An AVX2 CPU serves a K-quant GGUF in the n16 layout as Q4_1 / Q8_0."""
+"""The int16-activation linears on AVX2 (backend/csrc/qlinear_n16_avx2.h) and on AVX-512 without VNNI
+(vpmaddwd + vpaddd: qlinear_n16_steps512.h and qlinear_kquant_steps512.h built without vpdpwssd) give the
+bits of the AVX-512 VNNI ones: the same rounding of the activations, the same exact integer dots, the same
+float part in the same order. On a CPU with VNNI, each check runs every code (K.use_int16)
+and compares; elsewhere these tests skip, and test_kernels' int16 tests (against dense float32) and the
+fused-step tests check the CPU's own code alone. An AVX2 CPU serves a K-quant GGUF in the n16 layout as
+Q4_1 / Q8_0; an AVX-512 CPU without VNNI serves its blocks as they are."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,15 +30,24 @@ pytestmark = pytest.mark.skipif(K is None or not K.has_vnni(),
                                 reason="needs AVX-512 VNNI to compare the AVX2 int16 code against")
 
 
-def both_codes(run) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """run() with the VNNI code, then with AVX2's."""
-    before = K.use_vnni(True)
+def every_code(run) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """run() with the VNNI code, with plain AVX-512's (vpmaddwd on 512 bits) and with AVX2's."""
+    before = K.use_int16("vnni")
     try:
-        vnni = run()
-        assert K.use_vnni(False) is True
-        return vnni, run()
+        got = {}
+        for code in ("vnni", "avx512", "avx2"):
+            K.use_int16(code)
+            got[code] = run()
+        return got
     finally:
-        K.use_vnni(before)
+        K.use_int16(before)
+
+
+def both_codes(run) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """run()'s VNNI result and its AVX2 one, after checking that plain AVX-512's equals the VNNI one."""
+    got = every_code(run)
+    assert torch.equal(got["vnni"], got["avx512"])
+    return got["vnni"], got["avx2"]
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -121,3 +132,29 @@ def test_an_avx2_cpu_serves_k_quants_in_n16_as_q4_1_and_q8_0(tmp_path: Path, avx
     model = LlamaModel(config, weights)
     assert model.fused is not None
     both_ways(model, [3, 20, 45], torch.float16)  # the fused step equals the op-by-op loop, bit for bit
+
+
+@pytest.fixture
+def avx512_cap() -> Iterator[None]:
+    K.cap_isa(kernels.ISA_LEVELS.index("avx512"))
+    yield
+    K.cap_isa(kernels.ISA_LEVELS.index("native"))
+
+
+def test_an_avx512_cpu_without_vnni_serves_k_quants_as_they_are(tmp_path: Path, avx512_cap: None) -> None:
+    """Capped at AVX-512 without VNNI (Skylake-SP/X) the backend picks int16 activations and keeps Q4_K and
+    Q6_K in the file's blocks, multiplied by vpmaddwd on 512 bits; the fused step equals op by op."""
+    assert not K.has_vnni() and K.has_avx512()
+    path = write_gguf(tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True), tmp_path / "k.gguf",
+                      {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+                       "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"})
+    cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(path)})
+    assert (cfg.weight_format, cfg.activations, cfg.prefill_gemm) == ("gguf", "int16", "float32")
+    config = load_model_config(path)
+    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", progress=False)
+    kinds = {name: (w.kind, w.layout) for name, w in weights.items() if isinstance(w, QuantWeight)}
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == ("q4_k", "n16")
+    assert kinds["layers.0.o"] == kinds["layers.1.down"] == ("q6_k", "n16")
+    model = LlamaModel(config, weights)
+    assert model.fused is not None
+    both_ways(model, [3, 20, 45], torch.float16)

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512 VNNI:
+"""Q4_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512:
 backend/csrc/qlinear_kquant.h): the blocks decode to gguf's own reference dequantization, the kernels'
 linears equal dequantize-then-matmul within the int16 activations' rounding, a row's bits do not depend
 on its batch, and a K-quant GGUF loads into them and decodes the same fused as op by op."""
@@ -24,8 +24,8 @@ from tests.backend.test_kernels import int16_rounding_bound, random_blocks, tile
 from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
 
 K = kernels.load()
-pytestmark = pytest.mark.skipif(K is None or not K.has_vnni(),
-                                reason="K-quant blocks are served by the int16 kernels (AVX-512 VNNI)")
+pytestmark = pytest.mark.skipif(K is None or not K.has_avx512(),
+                                reason="K-quant blocks are served by the 512-bit int16 kernels (AVX-512)")
 KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
@@ -178,6 +178,24 @@ def test_q6_k_vbmi_decode_gives_the_portable_bits(rows: int) -> None:
         assert torch.equal(KernelOps(K).linear(x, w), fast)
     finally:
         K.use_vbmi(before)
+
+
+@pytest.mark.skipif(K is None or not K.has_vnni(), reason="compares the VNNI code with the plain AVX-512 one")
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 17, 64])
+def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -> None:
+    """On AVX-512 without VNNI the step loops multiply with vpmaddwd + vpaddd: the same integer dots, so the
+    same bits as vpdpwssd (the portable decode on both; VBMI needs VNNI)."""
+    w = k_blocks_from_gguf(kind, random_k_raw(kind, 48, 768, seed=rows), 768).to_n16()
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    vbmi, code = K.use_vbmi(False), K.use_int16("vnni")
+    try:
+        with_vnni = KernelOps(K).linear(x, w)
+        assert K.use_int16("avx512") == "vnni"
+        assert torch.equal(KernelOps(K).linear(x, w), with_vnni)
+    finally:
+        K.use_vbmi(vbmi)
+        K.use_int16(code)
 
 
 K_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
