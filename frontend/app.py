@@ -88,8 +88,12 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
         if cfg.embedding is not None:
             data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
                          "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
-        if cfg.lora:
-            data += [m for m in await adapter_models(cfg) if m["id"] not in names]
+        if cfg.lora:  # the paired backend's adapters, then those only other backends behind the master hold
+            for m in [*await adapter_models(cfg), *await client.adapters()]:
+                if m["id"] not in {d["id"] for d in data}:
+                    data.append({"id": m["id"], "object": "model", "created": m.get("created", 0), "owned_by": "kvyard",
+                                 **({"root": m["root"]} if "root" in m else {}), "parent": cfg.model_name,
+                                 "max_model_len": cfg.max_seq_len})
         return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")

@@ -82,10 +82,12 @@ class Pipeline:
         """For the routes that generate nothing (/v1/chat/render, LMTP's MODEL_INFO): the 404
         model_not_found a generation of this model and LoRA adapter (check_model's and adapter_of's) would
         get once routed, asked of the same sources without generating: an adapter the paired backend does
-        not hold (its registry, which the backend resolves a request's adapter in), a model the master does
-        not know (Router.models: the master's list, which its choose_backend routes by)."""
+        not hold (its registry, which the backend resolves a request's adapter in) nor any backend behind the
+        master (Router.adapters), a model the master does not know (Router.models: the master's list, which
+        its choose_backend routes by)."""
         if adapter:
-            if adapter not in {m["id"] for m in await adapter_models(self.cfg)}:
+            held = [*await adapter_models(self.cfg), *await self.client.adapters()]
+            if adapter not in {m["id"] for m in held}:
                 raise unknown_model(adapter, self.cfg.model_name)
         elif model is not None and model not in await self.client.models():
             raise unknown_model(model, self.cfg.model_name)

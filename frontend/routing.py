@@ -268,13 +268,21 @@ class Router:
     async def models(self) -> list[str]:
         """Every model the cluster serves, per the master (this frontend's own model and its aliases first)."""
         names = [self.cfg.model_name, *self.cfg.model_aliases]
-        if self._master is not None:
-            try:
-                resp = await self._master.get("/v1/models")
-                names += [m["id"] for m in resp.json()["data"] if m["id"] not in names]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                pass
-        return names
+        return names + [m["id"] for m in await self._master_models() if "parent" not in m and m["id"] not in names]
+
+    async def adapters(self) -> list[dict[str, Any]]:
+        """The LoRA adapters of this frontend's model that the master's backends hold (its /v1/models entries
+        with this model as `parent`); none without a master."""
+        return [m for m in await self._master_models() if m.get("parent") == self.cfg.model_name]
+
+    async def _master_models(self) -> list[dict[str, Any]]:
+        if self._master is None:
+            return []
+        try:
+            resp = await self._master.get("/v1/models")
+            return [m for m in resp.json()["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
 
 
 def _master_error(data: Any) -> RequestError | None:

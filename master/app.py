@@ -163,10 +163,19 @@ def create_master_app(cfg: MasterConfig, registry: Registry | None = None,
     async def models() -> dict[str, Any]:
         now = clock()
         healthy: dict[str, int] = {m: 0 for m in registry.models()}
+        adapters: dict[tuple[str, str], int] = {}  # (adapter, its base model) -> healthy backends holding it
         for state in registry.backends.values():  # a VIT embeds images: it serves no request itself
-            healthy[state.endpoint.model] += registry.healthy(state, now) and state.endpoint.role is not Role.VIT
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "kvyard",
-                                            "healthy_backends": n} for m, n in healthy.items()]}
+            serving = registry.healthy(state, now) and state.endpoint.role is not Role.VIT
+            healthy[state.endpoint.model] += serving
+            for adapter in state.status.adapters if serving and state.status is not None else ():
+                key = (adapter, state.endpoint.model)
+                adapters[key] = adapters.get(key, 0) + 1
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvyard", "healthy_backends": n}
+                for m, n in healthy.items()]
+        # LoRA adapters as vLLM lists them (their base model as `parent`): what a schedule call may name
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": "kvyard", "parent": m, "healthy_backends": n}
+                 for (a, m), n in sorted(adapters.items()) if a not in healthy]
+        return {"object": "list", "data": data}
 
     async def health() -> Any:
         now = clock()

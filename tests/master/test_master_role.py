@@ -30,6 +30,7 @@ class Cluster:
     master: str                         # http://127.0.0.1:PORT
     frontend: str                       # a frontend routed by the master
     orphan: str                         # a frontend whose master is down (direct list: stub a)
+    lora: str                           # a frontend routed by the master, with LoRA on (LORA_ROOT)
     stubs: dict[str, StubEngine]        # "a", "b", "c" (c is not in the master's static list)
     addresses: dict[str, str]           # their gRPC addresses
 
@@ -45,9 +46,9 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "co
 
 @pytest.fixture(scope="module")
 def cluster(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    base = free_port_block(7)
+    base = free_port_block(8)
     ports = {"a": base, "b": base + 1, "c": base + 2}
-    master_port, fe_port, orphan_port, dead_port = base + 3, base + 4, base + 5, base + 6
+    master_port, fe_port, orphan_port, dead_port, lora_port = base + 3, base + 4, base + 5, base + 6, base + 7
     script = [*tokenizer.encode("Hello!"), EOS_ID]
     addresses = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
     logs = tmp_path_factory.mktemp("master_role")
@@ -65,11 +66,16 @@ def cluster(tokenizer: TextTokenizer, tmp_path_factory: pytest.TempPathFactory) 
         procs.append(RoleProcess({**common, "ROLE_TYPE": "FRONTEND", "START_PORT": str(orphan_port),
                                   "MASTER_ADDRESS": f"127.0.0.1:{dead_port}",
                                   "BACKEND_ADDRESSES": addresses["a"]}, logs / "orphan.log"))
+        procs.append(RoleProcess({**common, "ROLE_TYPE": "FRONTEND", "START_PORT": str(lora_port),
+                                  "MASTER_ADDRESS": f"127.0.0.1:{master_port}", "LORA_ROOT": str(logs),
+                                  "BACKEND_ADDRESSES": f"{addresses['a']},{addresses['b']}"}, logs / "lora.log"))
         master = f"http://127.0.0.1:{master_port}"
         procs[0].wait_healthy(f"{master}/health", timeout_s=60)
         procs[1].wait_healthy(f"http://127.0.0.1:{fe_port}/health", timeout_s=60)
         procs[2].wait_healthy(f"http://127.0.0.1:{orphan_port}/health", timeout_s=60)
-        yield Cluster(master, f"http://127.0.0.1:{fe_port}", f"http://127.0.0.1:{orphan_port}", stubs, addresses)
+        procs[3].wait_healthy(f"http://127.0.0.1:{lora_port}/health", timeout_s=60)
+        yield Cluster(master, f"http://127.0.0.1:{fe_port}", f"http://127.0.0.1:{orphan_port}",
+                      f"http://127.0.0.1:{lora_port}", stubs, addresses)
 
 
 def backends(cluster: Cluster) -> dict[str, dict[str, Any]]:
@@ -280,6 +286,35 @@ def test_unknown_model_is_404(cluster: Cluster) -> None:
     resp = chat(cluster.frontend, "hi", model="no-such-model")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
     assert "no-such-model" in resp.json()["error"]["message"]
+
+
+def test_an_adapter_another_backend_holds_is_listed_and_renders(cluster: Cluster) -> None:
+    """The master lists the LoRA adapters its healthy backends hold (their base model as `parent`), and
+    /v1/chat/render behind it takes an adapter that only a backend other than the frontend's paired one
+    holds, as a completion naming it would be routed; one nobody holds is the completion's 404."""
+    cluster.stubs["b"].status = sane_load(adapters=("sql-lora",))
+    def adapters() -> list[tuple[str, str, int]]:
+        return [(m["id"], m["parent"], m["healthy_backends"])
+                for m in httpx.get(f"{cluster.master}/v1/models").json()["data"] if "parent" in m]
+
+    wait_until(lambda: adapters() == [("sql-lora", MODEL, 1)], what="the adapter listed")
+    body: dict[str, Any] = {"messages": messages("hi"), "extra_configs": {"adapter_name": "sql-lora"}}
+    resp = httpx.post(f"{cluster.frontend}/v1/chat/render", json=body, timeout=10)
+    assert resp.status_code == 200 and resp.json()["input_ids"] == prompt_ids(cluster, "hi"), resp.text
+    assert "sql-lora" not in [m["id"] for m in httpx.get(f"{cluster.frontend}/v1/models").json()["data"]]  # models only
+    # with LoRA on, the frontend lists it as a model of its own base model and a request's `model` may name it
+    listed = {m["id"]: m for m in httpx.get(f"{cluster.lora}/v1/models").json()["data"]}
+    assert listed["sql-lora"]["parent"] == MODEL and listed["sql-lora"]["max_model_len"] == 512
+    resp = httpx.post(f"{cluster.lora}/v1/chat/render", json={"messages": messages("hi"), "model": "sql-lora"})
+    assert resp.status_code == 200, resp.text
+    body["extra_configs"]["adapter_name"] = "nobody-holds-this"
+    for url in (cluster.frontend, cluster.orphan):  # the orphan's master is down: nothing vouches for it
+        resp = httpx.post(f"{url}/v1/chat/render", json=body, timeout=10)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+    cluster.stubs["b"].status = sane_load()
+    wait_until(lambda: adapters() == [], what="the adapter gone")
+    body["extra_configs"]["adapter_name"] = "sql-lora"
+    assert httpx.post(f"{cluster.frontend}/v1/chat/render", json=body, timeout=10).status_code == 404
 
 
 def test_status_rpc_failures_take_a_backend_out(cluster: Cluster) -> None:
