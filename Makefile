@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-avx2 test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
+.PHONY: setup run cluster test test-fast test-avx2 test-avx512 test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test-fast: setup
 # and torch's MKL, oneDNN and ATen kernels with them; tests of the wider paths skip themselves.
 test-avx2: setup
 	KVYARD_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+		$(PY) -m pytest -q -m "not multihost"
+
+# The same on an AVX-512 CPU without VNNI (Skylake-SP/X): the int16 linears' vpmaddwd build, the K-quant blocks kept.
+test-avx512: setup
+	KVYARD_CPU_ISA=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512 \
 		$(PY) -m pytest -q -m "not multihost"
 
 # The cluster across hosts: each role in a network namespace of its own, wired as deploy/kubernetes wires it

@@ -110,15 +110,21 @@ def test_avx2_decode_step_has_the_vnni_bits(model_n16: LlamaModel, rows: int, fu
 
 
 @pytest.fixture
-def avx2_cap() -> Iterator[None]:
-    K.cap_isa(kernels.ISA_LEVELS.index("avx2"))
-    yield
+def capped(request: pytest.FixtureRequest) -> Iterator[str]:
+    K.cap_isa(kernels.ISA_LEVELS.index(request.param))
+    yield request.param
     K.cap_isa(kernels.ISA_LEVELS.index("native"))
 
 
-def test_an_avx2_cpu_serves_k_quants_in_n16_as_q4_1_and_q8_0(tmp_path: Path, avx2_cap: None) -> None:
-    """Capped at AVX2 the backend picks int16 activations, and the n16 layout holds Q4_K as Q4_1 and Q6_K as
-    Q8_0 (the K-quant kernels need VNNI), every matrix in groups of 16 where its rows allow."""
+# (cap, Q4_K served as, Q6_K served as): AVX2's n16 kernels hold the K-quants as Q4_1 / Q8_0; AVX-512 without
+# VNNI (Skylake-SP/X) keeps the file's blocks, multiplied by vpmaddwd on 512 bits.
+@pytest.mark.parametrize("capped, q4_k, q6_k", [("avx2", "q4_1", "q8_0"), ("avx512", "q4_k", "q6_k")],
+                         indirect=["capped"])
+def test_a_capped_cpu_serves_k_quants_in_n16_with_int16_activations(tmp_path: Path, capped: str, q4_k: str,
+                                                                    q6_k: str) -> None:
+    """Capped below VNNI the backend still picks int16 activations, every matrix in groups of 16 where its
+    rows allow, and the fused step equals the op-by-op loop bit for bit."""
+    assert not K.has_vnni() and K.has_avx512() is (capped == "avx512")
     path = write_gguf(tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True), tmp_path / "k.gguf",
                       {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
                        "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"})
@@ -127,34 +133,8 @@ def test_an_avx2_cpu_serves_k_quants_in_n16_as_q4_1_and_q8_0(tmp_path: Path, avx
     config = load_model_config(path)
     weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", progress=False)
     kinds = {name: (w.kind, w.layout) for name, w in weights.items() if isinstance(w, QuantWeight)}
-    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == ("q4_1", "n16")
-    assert kinds["layers.0.o"] == kinds["layers.1.down"] == ("q8_0", "n16")
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == (q4_k, "n16")
+    assert kinds["layers.0.o"] == kinds["layers.1.down"] == (q6_k, "n16")
     model = LlamaModel(config, weights)
     assert model.fused is not None
     both_ways(model, [3, 20, 45], torch.float16)  # the fused step equals the op-by-op loop, bit for bit
-
-
-@pytest.fixture
-def avx512_cap() -> Iterator[None]:
-    K.cap_isa(kernels.ISA_LEVELS.index("avx512"))
-    yield
-    K.cap_isa(kernels.ISA_LEVELS.index("native"))
-
-
-def test_an_avx512_cpu_without_vnni_serves_k_quants_as_they_are(tmp_path: Path, avx512_cap: None) -> None:
-    """Capped at AVX-512 without VNNI (Skylake-SP/X) the backend picks int16 activations and keeps Q4_K and
-    Q6_K in the file's blocks, multiplied by vpmaddwd on 512 bits; the fused step equals op by op."""
-    assert not K.has_vnni() and K.has_avx512()
-    path = write_gguf(tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True), tmp_path / "k.gguf",
-                      {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
-                       "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"})
-    cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(path)})
-    assert (cfg.weight_format, cfg.activations, cfg.prefill_gemm) == ("gguf", "int16", "float32")
-    config = load_model_config(path)
-    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", progress=False)
-    kinds = {name: (w.kind, w.layout) for name, w in weights.items() if isinstance(w, QuantWeight)}
-    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == ("q4_k", "n16")
-    assert kinds["layers.0.o"] == kinds["layers.1.down"] == ("q6_k", "n16")
-    model = LlamaModel(config, weights)
-    assert model.fused is not None
-    both_ways(model, [3, 20, 45], torch.float16)

@@ -41,7 +41,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
 def test_mixed_kinds_are_stacked_not_requantized(mixed_gguf: Path, layout: str) -> None:
     config = load_model_config(mixed_gguf)
-    native = layout == "n16" and kernels.load().has_vnni()  # type: ignore[union-attr]
+    native = layout == "n16" and kernels.load().has_avx512()  # type: ignore[union-attr]  # K-quant kernels
     weights = load_weights(mixed_gguf, config, torch.float32, CPU, keep_blocks=True, block_layout=layout)
     dense = load_weights(mixed_gguf, config, torch.float32, CPU)  # the file's exact float32 dequantization
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
