@@ -25,7 +25,7 @@ from frontend.dialect import Routes
 from frontend.embeddings import embedding_routes
 from frontend.generate_stream import GenerateDialect
 from frontend.lmtp import LMTP_PATHS, LmtpService, lmtp_routes
-from frontend.lora_routes import adapter_models, lora_routes
+from frontend.lora_routes import adapter_entry, adapter_models, lora_routes
 from frontend.metered_router import MeteredRouter
 from frontend.off_loop import off_loop
 from frontend.openapi_doc import install_openapi
@@ -89,11 +89,11 @@ def create_app(cfg: FrontendConfig, tokenizer: TextTokenizer, admission: Admissi
             data.append({"id": pooling, "object": "model", "created": 0, "owned_by": "kvyard",
                          "max_model_len": cfg.embedding.max_len, "kind": str(cfg.embedding.kind)})
         if cfg.lora:  # the paired backend's adapters, then those only other backends behind the master hold
-            for m in [*await adapter_models(cfg), *await client.adapters()]:
-                if m["id"] not in {d["id"] for d in data}:
-                    data.append({"id": m["id"], "object": "model", "created": m.get("created", 0), "owned_by": "kvyard",
-                                 **({"root": m["root"]} if "root" in m else {}), "parent": cfg.model_name,
-                                 "max_model_len": cfg.max_seq_len})
+            listed = {d["id"] for d in data}
+            for m in [*await adapter_models(cfg), *(adapter_entry(cfg, a["id"]) for a in await client.adapters())]:
+                if m["id"] not in listed:
+                    listed.add(m["id"])
+                    data.append(m)
         return {"object": "list", "data": data}
 
     @app.post("/tokenizer/encode")

@@ -29,13 +29,20 @@ def adapter_of(cfg: FrontendConfig, model: str | None, named: str | None) -> str
     return named or by_model
 
 
+def adapter_entry(cfg: FrontendConfig, name: str, created: int = 0, root: str | None = None) -> dict[str, Any]:
+    """An adapter of this frontend's model as a /v1/models entry (vLLM's: its base model as `parent`)."""
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "kvyard"}
+    if root is not None:
+        entry["root"] = root
+    return {**entry, "parent": cfg.model_name, "max_model_len": cfg.max_seq_len}
+
+
 async def adapter_models(cfg: FrontendConfig) -> list[dict[str, Any]]:
     """The paired backend's adapters as /v1/models entries; none when it has none or does not answer."""
     try:
         resp = await call_paired(cfg, "/v1/lora_adapters", None, "GET")
         held = resp.json()["data"] if resp.status_code == 200 else []
-        return [{"id": a["name"], "object": "model", "created": a["created"], "owned_by": "kvyard",
-                 "root": a["path"], "parent": cfg.model_name, "max_model_len": cfg.max_seq_len} for a in held]
+        return [adapter_entry(cfg, a["name"], a["created"], a["path"]) for a in held]
     except (RequestError, ValueError, KeyError, TypeError) as exc:
         log.debug("no adapters listed: %s", exc)
         return []
