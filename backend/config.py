@@ -177,8 +177,8 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
 
 
 def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
-    """auto: kernels.default_prefill_gemm() (bfloat16 through AMX where the CPU has it, else float32 on
-    exactly dequantized tiles). Only prefill chunks (ops.N16_GEMM_ROWS rows or more) over int16-activation
+    """auto: kernels.default_prefill_gemm() (bfloat16 through AMX where the CPU has it, the int16 kernels
+    on Sapphire/Emerald Rapids without AMX, else float32 on exactly dequantized tiles). Only prefill chunks (ops.N16_GEMM_ROWS rows or more) over int16-activation
     weights read it; decode steps keep the int16 kernels and their batch-invariant bits."""
     from backend import kernels
     choice = env_choice(env, "PREFILL_GEMM", "auto", ("auto", *kernels.PREFILL_GEMMS))
@@ -186,8 +186,8 @@ def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
         raise ValueError(f"PREFILL_GEMM={choice} applies to int16 activations (ACTIVATIONS=int16); "
                          f"this backend runs {activations} activations")
     if choice == "bfloat16" and not kernels.cpu_has_native_bf16():
-        log.warning("PREFILL_GEMM=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16: oneDNN emulates it, "
-                    "several times slower than float32")
+        log.warning("PREFILL_GEMM=bfloat16 on a CPU without AMX-BF16: the operands are rounded to bfloat16 "
+                    "in copies and multiplied in float32, slower than float32")
     if activations != "int16":
         return "float32"  # float32-activation blocks: prefill chunks dequantize to float32 and call the GEMM
     return kernels.default_prefill_gemm() if choice == "auto" else choice

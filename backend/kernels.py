@@ -60,16 +60,26 @@ def isa_cap() -> str:
 
 
 def default_prefill_gemm() -> str:
-    """What prefill-sized batches over n16 weights (int16 activations) multiply in by default: bfloat16
-    through oneDNN where the CPU has AMX-BF16 (tile multiply-adds; the issue's AMX Xeon ran torch.matmul
-    bf16 at 977 GFLOP/s, its int16 kernels ~300 and the float32 GEMM 259: docs/performance.md);
-    elsewhere float32 on exactly dequantized tiles (AVX-512 VNNI without AMX: 1.3-1.9x the int16 kernels)."""
-    return "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+    """What prefill-sized batches over n16 weights (int16 activations) multiply in by default:
+    - bfloat16 through oneDNN where the CPU has AMX-BF16 (tile multiply-adds; the issue's AMX Xeon ran
+      torch.matmul bf16 at 977 GFLOP/s, its int16 kernels ~300 and the float32 GEMM 259);
+    - int16, the decode kernels, on Sapphire/Emerald Rapids cores without AMX (AVX512-FP16 marks them): they
+      issue two vpdpwssd a cycle, twice the float32 FMAs' multiply-adds (an Emerald Rapids Xeon, the 1.7B's
+      940-token prefill: 8.8 s against 11.3 s on float32 tiles);
+    - elsewhere float32 on exactly dequantized tiles (Ice Lake, one vpdpwssd a cycle: 1.3-1.9x the kernels).
+    docs/performance.md has the measurements."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    module = load() if "avx512_fp16" in flags else None
+    return "int16" if module is not None and module.has_vnni() else "float32"  # has_vnni: below any ISA cap
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether bfloat16 matrix products run in hardware here (AMX-BF16 or AVX512-BF16), not emulated."""
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    """Whether oneDNN multiplies float32 operands in bfloat16 here under its bf16 math mode: AMX-BF16 tiles.
+    The mode only permits the rounding: on an Emerald Rapids Xeon whose OS grants no AMX (AVX512-BF16 only,
+    oneDNN 3.12) it kept computing float32, errors ~1e-7 of the product, where bfloat16 gives ~1e-3."""
+    return "amx_bf16" in cpu_flags()
 
 
 def load(verbose: bool = False) -> ModuleType | None:

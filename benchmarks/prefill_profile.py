@@ -2,11 +2,13 @@
 where the CPU has AVX-512 VNNI, a float16 KV cache), and the prefill attention kernel against SDPA.
 
     .venv/bin/python benchmarks/prefill_profile.py [--gguf PATH] [--tokens 940] [--reps 3]
+                                                   [--gemms int16,float32,bfloat16]
 
 One prompt of --tokens random tokens in one chunk (the engine's budget holds it whole), driven through the
 model runner. Each rep runs the prompt with the attention kernel on and off, interleaved (a shared machine
 drifts: compare within a run); the op table is the fastest rep with the kernel on. Then torch.matmul at the
-model's linear shapes, the float32 GEMM rate the linears can reach here."""
+model's linear shapes, the float32 GEMM rate the linears can reach here. --gemms times the whole prompt once
+per rep with each PREFILL_GEMM choice for the n16 linears, interleaved (which one a CPU kind should default to)."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--tokens", type=int, default=940)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gemms", default="", help="also time the whole prompt with each of these PREFILL_GEMMs "
+                    "(e.g. int16,float32,bfloat16), interleaved, after the op table")
     args = ap.parse_args()
     module = kernels.load()
     if module is None:
@@ -77,6 +81,17 @@ def main() -> None:
                 best = (totals[on][-1], dict(spent))
     ops.prefill_kernel = kernel_on
     assert best is not None
+    if args.gemms:  # the prefill linears' GEMM choice (KernelOps.n16_gemm), each rep interleaved
+        chosen, by_gemm = ops.n16_gemm, defaultdict(list)
+        for _ in range(args.reps):
+            for gemm in args.gemms.split(","):
+                ops.n16_gemm = None if gemm == "int16" else getattr(torch, gemm)
+                t0 = time.perf_counter()
+                runner.run(prompt)
+                by_gemm[gemm].append(time.perf_counter() - t0)
+        ops.n16_gemm = chosen
+        print("PREFILL_GEMM, each rep (ms): " + "; ".join(
+            f"{g} {', '.join(f'{t * 1000:.0f}' for t in ts)}" for g, ts in by_gemm.items()))
     print(f"{torch.get_num_threads()} threads, {n}-token prompt, {path.name}: fastest rep {best[0] * 1000:.0f} ms")
     for name, s in sorted(best[1].items(), key=lambda kv: -kv[1]):
         print(f"  {name:12s} {s * 1000:8.1f} ms  {100 * s / best[0]:5.1f} %")

@@ -66,6 +66,15 @@ inline __m512 halves_ps(const half_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Q6_K's float part for half h of block b: acc = fma(dot_h, (d sc_h) s_x, acc).
+template <int R>
+inline void q6k_half_sums(const __m512i* dot, const half_t* d, const uint8_t* sub, int64_t b, int64_t sb, int64_t h,
+                          const float* xs, int64_t lds, __m512* acc) {
+  const __m512 scale = _mm512_mul_ps(halves_ps(d + sb * 16), bytes_ps<true>(sub + b * 32 + 16 * h));
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
+}
+
 // A block's float part for R token rows, in one fixed order (the same bits from either decode): Q4_K
 // acc = fma(dot, (d sc) s_x, acc) then fma(-(dmin mn), S_x, acc); Q6_K per half h acc = fma(dot_h, (d sc_h) s_x,
 // acc). dot1: Q6_K's second half.
@@ -81,14 +90,18 @@ inline void kquant_block_sums(const __m512i* dot0, const __m512i* dot1, const ha
       acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * lds + b]), acc[r]);
     }
   } else {
-    const __m512 dv = halves_ps(d + sb * 16);
-    for (int h = 0; h < 2; ++h) {
-      const __m512 scale = _mm512_mul_ps(dv, bytes_ps<true>(sub + b * 32 + 16 * h));
-      const __m512i* dot = h ? dot1 : dot0;
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * lds + b])), acc[r]);
-    }
+    q6k_half_sums<R>(dot0, d, sub, b, sb, 0, xs, lds, acc);
+    q6k_half_sums<R>(dot1, d, sub, b, sb, 1, xs, lds, acc);
   }
+}
+
+// Decodes one group's codes (nb blocks) into int16 weight pairs: wp[b * 16 + j] is step j of block b, as
+// group_weights / q6_weights give it (VBMI's decode gives the same values).
+template <BlockKind KIND>
+inline void unpack_group_k(const uint8_t* codes, int64_t nb, __m512i* wp) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t j = 0; j < 16; ++j)
+      wp[b * 16 + j] = KIND == BlockKind::Q4_K ? group_weights<true>(codes, b, j) : q6_weights(codes + b * 384, j);
 }
 
 #pragma GCC pop_options
@@ -192,7 +205,9 @@ template <BlockKind KIND>
 void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const bool vnni = int16_code() == I16_VNNI;  // else AVX-512 alone (K-quants are served on AVX-512 only)
-  if (KIND == BlockKind::Q6_K && vnni && vbmi_on()) return group_item16_q6k_vbmi(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
+  // Many rows: the decoded weights once per group (either namespace's group_item16_k), whatever the decode.
+  if (KIND == BlockKind::Q6_K && vnni && vbmi_on() && m1 - m0 <= kChunkRows)
+    return group_item16_q6k_vbmi(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
   if (vnni) return vnni::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
   bw::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
 }

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "simd.h"
 
@@ -58,19 +59,20 @@ struct Int16Rows {
 // changes the speed, never the bits. kernel(R, g, xq, xs, xsum, out) runs one chunk of R rows (a
 // std::integral_constant: 12, 8, 4, 3, 2 or 1) against group g; every n16 kernel walks this way (plain code:
 // outside the AVX-512 target, so AVX2 builds call it too).
+constexpr int64_t kChunkRows = 12;  // the most token rows one step loop carries (their accumulators in registers)
 template <class Kernel>
 inline void walk_row_chunks(const Int16Rows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1, float* y,
                             int64_t ldy, Kernel&& kernel) {
   const int64_t nb = x.nb, ldq = nb * 16;
   for (int64_t m = m0; m < m1;) {
-    const int64_t left = m1 - m, rows = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const int64_t left = m1 - m, rows = left >= kChunkRows ? kChunkRows : left >= 8 ? 8 : left >= 4 ? 4 : left;
     const int32_t* xq = x.q + m * ldq;
     const float* xs = x.s + m * nb;
     const float* xsum = x.sum + m * nb;
     for (int64_t g = g0; g < g1; ++g) {
       float* out = y + m * ldy + g * G16;
       switch (rows) {
-        case 12: kernel(std::integral_constant<int, 12>{}, g, xq, xs, xsum, out); break;
+        case kChunkRows: kernel(std::integral_constant<int, kChunkRows>{}, g, xq, xs, xsum, out); break;
         case 8: kernel(std::integral_constant<int, 8>{}, g, xq, xs, xsum, out); break;
         case 4: kernel(std::integral_constant<int, 4>{}, g, xq, xs, xsum, out); break;
         case 3: kernel(std::integral_constant<int, 3>{}, g, xq, xs, xsum, out); break;
@@ -79,6 +81,29 @@ inline void walk_row_chunks(const Int16Rows& x, int64_t m0, int64_t m1, int64_t 
       }
     }
     m += rows;
+  }
+}
+
+struct alignas(64) Lanes16 {  // one 512-bit vector's worth of scratch (decoded weights), cache-line aligned
+  int32_t v[16];
+};
+
+// walk_row_chunks for more rows than one chunk: each group's weights are decoded once into this thread's
+// scratch by unpack(g, wp) (16 vectors a block, K * 32 bytes: in L2), and every chunk of rows then runs over
+// them, kernel(R, g, wp, xq, xs, xsum, out), instead of each chunk decoding them again. The same values reach
+// the same multiply-adds: the speed changes, never the bits. Plain code, as walk_row_chunks.
+template <class Unpack, class Kernel>
+inline void walk_decoded_groups(const Int16Rows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1, float* y,
+                                int64_t ldy, Unpack&& unpack, Kernel&& kernel) {
+  thread_local std::vector<Lanes16> scratch;
+  if (scratch.size() < static_cast<size_t>(x.nb * 16)) scratch.resize(x.nb * 16);
+  auto* wp = reinterpret_cast<__m512i*>(scratch.data());
+  for (int64_t g = g0; g < g1; ++g) {
+    unpack(g, wp);
+    walk_row_chunks(x, m0, m1, g, g + 1, y, ldy, [&](auto rows, int64_t, const int32_t* xq, const float* xs,
+                                                     const float* xsum, float* out) {
+      kernel(rows, g, wp, xq, xs, xsum, out);
+    });
   }
 }
 

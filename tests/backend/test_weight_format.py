@@ -60,11 +60,24 @@ def test_kv_cache_dtype_follows_the_kernels() -> None:
 
 @pytest.mark.skipif(kernels.load() is None, reason="needs the C++ kernels (int16 activations)")
 def test_prefill_gemm_resolves_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PREFILL_GEMM=auto: bfloat16 where the CPU has AMX-BF16, float32 on other int16-activation CPUs;
-    explicit choices kept; one that cannot apply (float32 activations multiply no int16) refused."""
+    """PREFILL_GEMM=auto: bfloat16 where the CPU has AMX-BF16, the int16 kernels on a Sapphire/Emerald Rapids
+    core without AMX (AVX512-FP16; not when KVYARD_CPU_ISA caps the kernels), float32 on other
+    int16-activation CPUs; explicit choices kept; one that cannot apply (float32 activations multiply no
+    int16) refused."""
     no_amx, amx = frozenset({"avx512_vnni"}), frozenset({"avx512_vnni", "amx_tile", "amx_bf16"})
+    rapids = frozenset({"avx512_vnni", "avx512_bf16", "avx512_fp16"})
     monkeypatch.setattr(kernels, "cpu_flags", lambda: no_amx)
     assert cfg().prefill_gemm == "float32"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: rapids)
+    module = kernels.load()
+    assert cfg().prefill_gemm == ("int16" if module.has_vnni() else "float32")  # the kernels this machine runs
+    module.cap_isa(kernels.ISA_LEVELS.index("avx512"))  # as KVYARD_CPU_ISA=avx512 caps them at load
+    try:
+        assert cfg().prefill_gemm == "float32"
+    finally:
+        module.cap_isa(kernels.ISA_LEVELS.index("native"))
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: amx | rapids)
+    assert cfg().prefill_gemm == "bfloat16"
     monkeypatch.setattr(kernels, "cpu_flags", lambda: amx)
     assert cfg().prefill_gemm == "bfloat16"
     assert cfg(PREFILL_GEMM="int16").prefill_gemm == "int16"
