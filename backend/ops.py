@@ -30,7 +30,8 @@ DENSE_ROWS = 64
 DENSE_MAX_NUMEL = 8 << 20
 # From this many rows a linear over "n16" blocks dequantizes tiles of the weight (exactly, float32) and
 # calls the GEMM instead of the int16 kernel (prefill chunks), in the dtype PREFILL_GEMM picks
-# (kernels.default_prefill_gemm: bfloat16 where the CPU has AMX-BF16, else float32). Measured on an Intel
+# (kernels.default_prefill_gemm: bfloat16 where the CPU has AMX-BF16, None — the int16 kernels — on Sapphire/
+# Emerald Rapids without AMX, else float32). Measured on an Intel
 # Xeon with AVX-512 VNNI but no AMX or AVX512-BF16, 930 rows, 1.7B-shaped matrices, one thread: 1.3x (Q4_K)
 # to 1.9x (Q6_K) the kernel's rate, and exact float32 activations. Decode batches (at most 64 rows, the
 # fused step) never reach it: they keep the int16 kernels and their batch-invariant bits.

@@ -61,7 +61,8 @@ def test_blocks_are_kept_and_small(model_blocks: LlamaModel, model_reference: Ll
 def test_teacher_forced_agreement_with_float32(model_blocks: LlamaModel, model_reference: LlamaModel,
                                               model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
     """Top-1 agreement >= 0.98 over >= 500 tokens of ordinary text (the issue's quality bar); in fact
-    1.00 for both activation formats, with the logits as close as MAX_LOGIT_DIFF says."""
+    1.00 for both activation formats with float32 prefill tiles (0.998, logits within 0.019, where the CPU's
+    default PREFILL_GEMM is int16), with the logits as close as MAX_LOGIT_DIFF says."""
     ids = tokenizer.encode(TEXT.read_text())[:640]
     assert len(ids) >= 500
     got = full_logits(model_blocks, model_config, ids)
@@ -71,23 +72,26 @@ def test_teacher_forced_agreement_with_float32(model_blocks: LlamaModel, model_r
     assert (got - want).abs().max().item() < MAX_LOGIT_DIFF[layout_of(model_blocks)]
 
 
-def test_bfloat16_prefill_gemm_keeps_the_answers(model_blocks: LlamaModel, model_reference: LlamaModel,
-                                                 model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
-    """PREFILL_GEMM=bfloat16 (the default where the CPU has AMX-BF16): prefill chunks multiply x and each
-    dequantized weight tile in bfloat16 (oneDNN; emulated, slowly, on a CPU without it). The same bar
-    over a >= 500-token prefill, which takes that path in every layer."""
+@pytest.mark.parametrize("gemm, max_diff", [("bfloat16", BF16_PREFILL_MAX_LOGIT_DIFF), ("int16", MAX_LOGIT_DIFF["n16"])])
+def test_prefill_gemm_keeps_the_answers(model_blocks: LlamaModel, model_reference: LlamaModel,
+                                        model_config: ModelConfig, tokenizer: TextTokenizer, gemm: str,
+                                        max_diff: float) -> None:
+    """PREFILL_GEMM=bfloat16 (the default where the CPU has AMX-BF16: prefill chunks multiply x and each
+    dequantized weight tile in bfloat16, oneDNN; emulated, slowly, elsewhere) and PREFILL_GEMM=int16 (the
+    default on Sapphire/Emerald Rapids without AMX: the decode kernels at prefill sizes, each group's weights
+    decoded once). The same bar over a >= 500-token prefill, which takes that path in every layer."""
     if layout_of(model_blocks) != "n16":
         pytest.skip("PREFILL_GEMM applies to the int16-activation (n16) layout")
-    bf16 = LlamaModel(model_config, model_blocks.w, ops=ops.KernelOps(kernels.load(), "bfloat16"))
+    model = LlamaModel(model_config, model_blocks.w, ops=ops.KernelOps(kernels.load(), gemm))
     ids = tokenizer.encode(TEXT.read_text())[:640]
     assert len(ids) >= ops.N16_GEMM_ROWS and len(ids) >= 500
-    got = full_logits(bf16, model_config, ids)
+    got = full_logits(model, model_config, ids)
     want = full_logits(model_reference, model_config, ids)
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     diff = (got - want).abs().max().item()
-    print(f"bfloat16 prefill GEMM: top-1 agreement {agreement:.4f}, max logit diff {diff:.3f}")
+    print(f"{gemm} prefill GEMM: top-1 agreement {agreement:.4f}, max logit diff {diff:.3f}")
     assert agreement >= 0.98, agreement
-    assert diff < BF16_PREFILL_MAX_LOGIT_DIFF, diff
+    assert diff < max_diff, diff
 
 
 def decode_logits(model: LlamaModel, config: ModelConfig, token_ids: list[int], start: int,
