@@ -98,7 +98,7 @@ inline void kquant_block_sums(const __m512i* dot0, const __m512i* dot1, const ha
 // Decodes one group's codes (nb blocks) into int16 weight pairs: wp[b * 16 + j] is step j of block b, as
 // group_weights / q6_weights give it (VBMI's decode gives the same values).
 template <BlockKind KIND>
-inline void unpack_group_k(const uint8_t* codes, int64_t nb, __m512i* wp) {
+inline void decode_group_k(const uint8_t* codes, int64_t nb, __m512i* wp) {
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t j = 0; j < 16; ++j)
       wp[b * 16 + j] = KIND == BlockKind::Q4_K ? group_weights<true>(codes, b, j) : q6_weights(codes + b * 384, j);

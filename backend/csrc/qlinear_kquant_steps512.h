@@ -42,11 +42,11 @@ inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t*
 }
 
 
-// group_rows16_k over weights already decoded (unpack_group_k): step j of block b is wp[b * 16 + j]. The same
+// group_rows16_k over weights already decoded (decode_group_k, walk_decoded_groups): step j of block b is wp[b * 16 + j]. The same
 // integer dots and float chain, hence the same bits; Q6_K adds each half's float part as the half ends (the
 // same order as kquant_block_sums), so only R dot registers are live.
 template <BlockKind KIND, int R>
-inline void group_rows16_k_packed(const __m512i* wp, const half_t* d, const uint8_t* sub, int64_t nb,
+inline void group_rows16_k_decoded(const __m512i* wp, const half_t* d, const uint8_t* sub, int64_t nb,
                                   const int32_t* xq, const float* xs, const float* xsum, int64_t ldq, int64_t lds,
                                   float* y, int64_t ldy) {
   __m512 acc[R];
@@ -78,9 +78,9 @@ void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* q
   const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
   if (m1 - m0 > kChunkRows) {
     return walk_decoded_groups(
-        x, m0, m1, g0, g1, y, ldy, [&](int64_t g, __m512i* wp) { unpack_group_k<KIND>(qs + g * nb * code_bytes, nb, wp); },
+        x, m0, m1, g0, g1, y, ldy, [&](int64_t g, __m512i* wp) { decode_group_k<KIND>(qs + g * nb * code_bytes, nb, wp); },
         [&](auto rows, int64_t g, const __m512i* wp, const int32_t* xq, const float* xs, const float* xsum, float* out) {
-          group_rows16_k_packed<KIND, decltype(rows)::value>(wp, d + g * nsb * d_halves, sub + g * nb * 32, nb, xq,
+          group_rows16_k_decoded<KIND, decltype(rows)::value>(wp, d + g * nsb * d_halves, sub + g * nb * 32, nb, xq,
                                                              xs, xsum, ldq, nb, out, ldy);
         });
   }
