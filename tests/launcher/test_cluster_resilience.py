@@ -138,13 +138,17 @@ def test_a_stopped_backend_costs_its_requests_a_deadline_not_an_answer(cluster: 
     the frontend sent it before the master saw it stop are re-routed after the deadline; later ones go to
     the other backend (tests/frontend/test_deadlines.py pins the re-route itself down)."""
     engine = cluster.engine_pid(1)
+    mark = len(cluster.output())
     os.kill(engine, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(4) as pool:
             def timed(i: int) -> tuple[int, float]:
                 started = time.monotonic()
                 return chat(cluster.frontend, f"Question {i}: what is a shuttle? " * (i + 1)), time.monotonic() - started
-            results = list(pool.map(timed, range(8)))
+            try:
+                results = list(pool.map(timed, range(8)))
+            except AssertionError as exc:  # which backend each try went to is in the frontend's log lines
+                raise AssertionError(f"{exc}\n--- the cluster's log since SIGSTOP ---\n{cluster.output()[mark:][-6000:]}") from None
         assert [status for status, _ in results] == [200] * 8, results
         assert max(took for _, took in results) < 2 * DEADLINE_S + 15, results  # hung 30 s and more before
     finally:
