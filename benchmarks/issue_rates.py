@@ -15,8 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.kernels import cpu_flags  # noqa: E402  (what the kernels read: /proc/cpuinfo's flags)
 
 CHAINS = 16
 SOURCE = r"""
@@ -54,13 +59,6 @@ int main(void) {
 """
 BF16_RATE = ("RATE(vdpbf16ps, __m512, _mm512_setzero_ps(), _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_castps_si512(fw), "
              "(__m512bh)_mm512_castps_si512(fx)), _mm512_reduce_add_ps(acc[i]))")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
 
 
 def main() -> None:
