@@ -49,7 +49,11 @@ class KVCache:
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, numel: int) -> torch.Tensor:
-        """A flat buffer of at least numel elements, kept and grown across steps."""
+        """A flat buffer of at least numel elements, kept and grown across steps. While a CUDA graph is being
+        captured, a fresh one from the graph's pool instead: a kept buffer that a later step grows (frees)
+        would leave the graph writing into freed memory."""
+        if self.data.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.empty(numel, dtype=self.data.dtype, device=self.data.device)
         buf = self._scratch.get(name)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=self.data.dtype,

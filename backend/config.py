@@ -51,6 +51,7 @@ class BackendConfig:
     lora_root: str = ""          # LORA_ROOT: run-time loads (/v1/load_lora_adapter, /update) only from under it;
                                  # "" = run-time loading off
     max_loras: int = 0           # MAX_LORAS: adapters held at once, least recently used evicted; 0 = no bound
+    cuda_graphs: bool = True     # CUDA_GRAPHS: decode steps replay CUDA graphs (DEVICE=cuda; 0: every step eagerly)
     vit_addresses: tuple[str, ...] = ()  # VIT_ADDRESSES: ROLE_TYPE=VIT processes (gRPC host:port) that embed this
                                  # backend's images; () = it runs its own tower
 
@@ -109,6 +110,7 @@ class BackendConfig:
             lora_root=env_str(env, "LORA_ROOT", ""),
             max_loras=env_int(env, "MAX_LORAS", 0, minimum=0),
             vit_addresses=vits,
+            cuda_graphs=_cuda_graphs(env, device),
         )
 
 
@@ -191,6 +193,14 @@ def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:
     if activations != "int16":
         return "float32"  # float32-activation blocks: prefill chunks dequantize to float32 and call the GEMM
     return kernels.default_prefill_gemm() if choice == "auto" else choice
+
+
+def _cuda_graphs(env: Mapping[str, str], device: str) -> bool:
+    """On by default where DEVICE=cuda; CUDA_GRAPHS=1 elsewhere is refused (there is nothing to record)."""
+    choice = env_choice(env, "CUDA_GRAPHS", "auto", ("auto", "1", "0"))
+    if choice == "1" and device != "cuda":
+        raise ValueError(f"CUDA_GRAPHS=1 needs DEVICE=cuda (got {device})")
+    return choice != "0" and device == "cuda"
 
 
 def _default_device() -> str:

@@ -63,12 +63,15 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
     ops = default_ops(device, torch.float32, cfg.prefill_gemm) if cfg.weight_format == "gguf" else None
-    model = LlamaModel(model_cfg, weights, ops=ops, max_positions=max_model_len)
+    model = LlamaModel(model_cfg, weights, ops=ops, max_positions=max_model_len, cuda_graphs=cfg.cuda_graphs)
     loaded, load_peak = resident_mb(), peak_resident_mb()
     log.info("weights: %.0f MB as %s, %s, %s activations%s, on %s in %s", model.weight_bytes() / 2**20,
              cfg.weight_format, type(model.ops).__name__, cfg.activations,
              f" (prefill chunks: {cfg.prefill_gemm} GEMM)" if cfg.activations == "int16" else "",
              model.device.type, cfg.dtype)
+    if model.graphs is not None:
+        log.info("decode steps: CUDA graphs (up to %d rows; captured per padded shape on first use; CUDA_GRAPHS=0: "
+                 "eager)", model.graphs.max_rows)
     kv_dtype = getattr(torch, cfg.kv_cache_dtype)
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads,
                                         model_cfg.head_dim, kv_dtype)

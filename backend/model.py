@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from backend.attention import AttentionMetadata, KVCache
+from backend.cuda_graphs import GraphedDecoder
 from backend.lora import LoraBatch
 from backend.lora_weights import FUSED_TARGETS, LoraAdapter
 from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
@@ -45,9 +46,10 @@ class LlamaModel:
     A weight is a dense tensor or a QuantWeight (GGUF blocks, computed on by the C++ kernels)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], ops: TorchOps | None = None,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, cuda_graphs: bool = True) -> None:
         """max_positions: the longest sequence served (RoPE tables are built that long; default the model's
-        context), e.g. MAX_SEQ_LEN's cap on a 128K-context model."""
+        context), e.g. MAX_SEQ_LEN's cap on a 128K-context model. cuda_graphs: on a GPU, decode-only steps
+        replay CUDA graphs of this forward (backend/cuda_graphs.py; CUDA_GRAPHS)."""
         self.config = config
         self.w = weights
         self.lm_head = weights.get("lm_head", weights["embed"])  # tied when the checkpoint has none
@@ -68,6 +70,9 @@ class LlamaModel:
         # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
         self.fused = None if config.qk_norm else self.ops.fused_decoder(config, weights, self.lm_head)
+        # On a GPU, decode-only steps of up to DENSE_ROWS rows replay CUDA graphs of the op-by-op step below.
+        self.graphs = (GraphedDecoder(self._decode_step, self.device, DENSE_ROWS)
+                       if cuda_graphs and self.device.type == "cuda" and self.fused is None else None)
 
     def fused_lora(self, adapter: LoraAdapter) -> Any:
         """An adapter in the fused decode step's form: A and B^T per layer and projection, empty where none
@@ -101,9 +106,26 @@ class LlamaModel:
             if lora is None:
                 return self.fused.forward(*args)
             return self.fused.forward_lora(*args, lora.fused(self.fused_lora), lora.row_owner)
+        if (self.graphs is not None and meta.decode_only and self.graphs.takes(input_ids.shape[0]) and embeds is None
+                and lora is None and mrope is None):
+            assert meta.decode_blocks is not None and meta.decode_lens is not None
+            logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
+                                     cache, cache.data)
+            if logits is not None:
+                return logits[logits_rows]
         x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora, mrope)
         x = self.ops.rms_norm(x[logits_rows], self.w["norm"], self.config.rms_norm_eps)  # only rows that sample
         return self.ops.linear(x, self.lm_head).float()                                   # [S, V]
+
+    def _decode_step(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     blocks: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """A decode-only step from its bare tensors (what a CUDA graph records): logits [B, V] of every row."""
+        keys = torch.arange(blocks.shape[1] * cache.block_size, device=lens.device)
+        meta = AttentionMetadata(slot_mapping=slots, decode_rows=torch.arange(input_ids.shape[0], device=lens.device),
+                                 decode_blocks=blocks, decode_key_mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+                                 decode_lens=lens, prefills=[])
+        x = self.hidden_states(input_ids, positions, cache, meta)
+        return self.ops.linear(self.ops.rms_norm(x, self.w["norm"], self.config.rms_norm_eps), self.lm_head).float()
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -1,11 +1,13 @@
 """The engine on a CUDA GPU against transformers' `generate` on the same GPU and weights (`make bench-cuda`).
 
     python benchmarks/cuda_engine.py [--layers 24 --hidden 2048 --heads 32 --ffn 8192] [--rounds 2] [--out 128]
+                                     [--eager]        (also kvyard with CUDA_GRAPHS=0, same weights, interleaved)
                                      [--device cpu]   (a dry run of the script with a small --layers/--hidden)
 
 Builds a random Llama-architecture model in bfloat16 (default: SmolLM2-1.7B's shape, vocabulary 49152) on the
 GPU, saves it as a Hugging Face directory, loads that with kvyard's loader (DEVICE=cuda's path: bfloat16
-dense weights, PyTorch ops, a bfloat16 paged KV cache) and with transformers, then times, interleaved:
+dense weights, PyTorch ops, a bfloat16 paged KV cache, decode steps replayed from CUDA graphs) and with
+transformers, then times, interleaved:
   single   one request, a 128-token prompt, --out greedy tokens (ignore_eos): tok/s, first token included
   agg@32   32 such requests at once (kvyard: continuous batching; transformers: one static batch): tok/s
   ttft     a 940-token prompt, one token out: ms
@@ -61,9 +63,9 @@ def build_checkpoint(args: argparse.Namespace, path: Path) -> torch.nn.Module:
     return model
 
 
-def kvyard_engine(path: Path) -> Engine:
+def kvyard_engine(path: Path, graphs: bool = True) -> Engine:
     config = load_model_config(path)
-    model = LlamaModel(config, load_weights(path, config, torch.bfloat16, DEVICE, progress=False))
+    model = LlamaModel(config, load_weights(path, config, torch.bfloat16, DEVICE, progress=False), cuda_graphs=graphs)
     block = 16
     num_blocks = (STREAMS * (PROMPT + 256) + TTFT_PROMPT + 64) // block + STREAMS
     cache = KVCache(config.num_layers, num_blocks, block, config.num_kv_heads, config.head_dim, torch.bfloat16, DEVICE)
@@ -108,6 +110,7 @@ def main() -> None:
     for name, default in {**SMOLLM2_1_7B, "rounds": 3, "out": 128}.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--eager", action="store_true", help="also kvyard with CUDA_GRAPHS=0 (every step eagerly)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -117,8 +120,11 @@ def main() -> None:
         t0 = time.perf_counter()
         hf = build_checkpoint(args, Path(tmp))
         engine = kvyard_engine(Path(tmp))
-        print(f"built and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
         runners = {"kvyard": lambda b, n: run_kvyard(engine, b, n), "transformers": lambda b, n: run_transformers(hf, b, n)}
+        if args.eager:
+            eager = kvyard_engine(Path(tmp), graphs=False)
+            runners["kvyard-eager"] = lambda b, n: run_kvyard(eager, b, n)
+        print(f"built and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
         rng = random.Random(1)
         for name, run in runners.items():  # warm-up at every shape: kernels, allocator, cuBLAS handles
             run(prompts(1, PROMPT, rng), 4), run(prompts(STREAMS, PROMPT, rng), 4), run(prompts(1, TTFT_PROMPT, rng), 1)
@@ -132,11 +138,14 @@ def main() -> None:
                 got.setdefault("ttft", []).append(1e3 * run(prompts(1, TTFT_PROMPT, rng), 1))
                 print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()), flush=True)
     print(f"\nmedians over {args.rounds} rounds, {args.layers} layers, hidden {args.hidden}, bfloat16")
-    print(f"{'workload':22} {'kvyard':>9} {'transformers':>13} {'kvyard/transformers':>20}")
+    eager = "kvyard-eager" in runners
+    print(f"{'workload':22} {'kvyard':>9} {'transformers':>13} {'kvyard/transformers':>20}"
+          + (f" {'kvyard-eager':>13} {'graphs/eager':>13}" if eager else ""))
     for label, key, better in (("one stream tok/s", "single", 1), (f"{STREAMS} streams tok/s", "agg", 1),
                                (f"TTFT {TTFT_PROMPT} tokens ms", "ttft", -1)):
-        a, b = (statistics.median(samples[n][key]) for n in runners)
-        print(f"{label:22} {a:9.1f} {b:13.1f} {(a / b) ** better:19.2f}x")
+        a, b, *c = (statistics.median(samples[n][key]) for n in runners)
+        print(f"{label:22} {a:9.1f} {b:13.1f} {(a / b) ** better:19.2f}x"
+              + (f" {c[0]:13.1f} {(a / c[0]) ** better:12.2f}x" if c else ""))
 
 
 if __name__ == "__main__":

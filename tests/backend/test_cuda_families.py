@@ -34,6 +34,7 @@ from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.pooling_model import load_pooling_spec
 from tests.backend.conftest import build_engine, full_logits
+from tests.backend.test_cuda_graphs import decode_all
 from tests.backend.test_encoder import SENTENCES, _batch, _tokenizer
 from tests.backend.test_lora import ADAPTERS, Setup, prompt
 from tests.backend.test_model_families import CASES, STEPS, Case, _build, engine_run, prompt_ids
@@ -84,6 +85,27 @@ def test_float32_engine_matches_transformers(case: Case) -> None:
         assert (ours, reuse) == (theirs, reused), request_id
         diff = max(float((a.float().cpu() - b).abs().max()) for a, b in zip(our_logits, their_logits))
         assert diff <= ATOL, f"{request_id}: max |logit diff| {diff:.2e}"
+    if DEVICE.type == "cuda":  # the decode steps above replayed CUDA graphs
+        assert model.graphs is not None and model.graphs.enabled and model.graphs.num_graphs > 0
+
+
+def test_cuda_graphs_replay_the_eager_steps(tmp_path: Path) -> None:
+    """Five sequences of different lengths decoding together (batches padded to 8 and 4 rows, block tables
+    to powers of two, a sliding window) through CUDA graphs and op by op: the same tokens and logits."""
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need the GPU (tests/backend/test_cuda_graphs.py runs the padding on the CPU)")
+    path = save_hf_dir(tiny_model("mistral", sliding_window=24, max_positions=128), tmp_path / "mistral")
+    config = load_model_config(path)
+    weights = load_weights(path, config, torch.float32, DEVICE, progress=False)
+    graphed, eager = LlamaModel(config, weights), LlamaModel(config, dict(weights), cuda_graphs=False)
+    assert eager.graphs is None and graphed.graphs is not None
+    want_tokens, want_logits = decode_all(build_engine(eager, config, num_blocks=64))
+    tokens, logits = decode_all(build_engine(graphed, config, num_blocks=64))
+    assert graphed.graphs.enabled and graphed.graphs.num_graphs >= 4, graphed.graphs._graphs.keys()
+    assert tokens == want_tokens
+    worst = max(float((a - b).abs().max()) for r in want_logits for a, b in zip(want_logits[r], logits[r]))
+    print(f"CUDA graphs against eager steps: {graphed.graphs.num_graphs} graphs, max |logit diff| {worst:.2e}")
+    assert worst <= ATOL
 
 
 def test_bfloat16_teacher_forced(case: Case) -> None:
@@ -168,6 +190,8 @@ def test_served_with_its_defaults(tmp_path: Path) -> None:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=180)
         want = "float32" if DEVICE.type == "cpu" else "bfloat16"
         proc.wait_for_log(f"activations, on {DEVICE.type} in {want}")
+        if DEVICE.type == "cuda":
+            proc.wait_for_log("decode steps: CUDA graphs")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         kwargs = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
