@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_engine.py [--layers 24 --hidden 2048 --heads 32 --ffn 8192] [--rounds 2] [--out 128]
                                      [--eager]        (also kvyard with CUDA_GRAPHS=0, same weights, interleaved)
+                                     [--profile N]    (only: cProfile of one kvyard stream of N tokens)
                                      [--device cpu]   (a dry run of the script with a small --layers/--hidden)
 
 Builds a random Llama-architecture model in bfloat16 (default: SmolLM2-1.7B's shape, vocabulary 49152) on the
@@ -105,12 +106,28 @@ def run_transformers(model: torch.nn.Module, batch: list[list[int]], out: int) -
     return time.perf_counter() - start
 
 
+def profile(engine: Engine, out: int) -> None:
+    """Where one stream's step goes on the host: cProfile over `out` decode steps after a warm-up."""
+    import cProfile
+    import pstats
+    rng = random.Random(2)
+    run_kvyard(engine, prompts(1, PROMPT, rng), out)  # warm-up: the graphs of every shape met below
+    prof = cProfile.Profile()
+    prof.enable()
+    seconds = run_kvyard(engine, prompts(1, PROMPT, rng), out)
+    prof.disable()
+    print(f"one stream, {out} tokens: {1e3 * seconds / out:.2f} ms a token (prefill included)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in {**SMOLLM2_1_7B, "rounds": 3, "out": 128}.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eager", action="store_true", help="also kvyard with CUDA_GRAPHS=0 (every step eagerly)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="instead: one stream of N tokens under cProfile (kvyard only), the functions costing most")
     args = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -120,6 +137,8 @@ def main() -> None:
         t0 = time.perf_counter()
         hf = build_checkpoint(args, Path(tmp))
         engine = kvyard_engine(Path(tmp))
+        if args.profile:
+            return profile(engine, args.profile)
         runners = {"kvyard": lambda b, n: run_kvyard(engine, b, n), "transformers": lambda b, n: run_transformers(hf, b, n)}
         if args.eager:
             eager = kvyard_engine(Path(tmp), graphs=False)
