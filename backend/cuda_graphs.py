@@ -24,6 +24,9 @@ log = logging.getLogger("kvyard.backend")
 
 # Padded row counts (vLLM pads alike): a step of B rows runs the graph of the smallest bucket >= B.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+# Block tables longer than this (8192 tokens at 16 a block) run eagerly: a graph keeps its step's gathered keys
+# and values in the shared pool for good, and one for a rare very long row is not worth holding.
+MAX_GRAPH_BLOCKS = 512
 
 # (cache, ids, positions, slots, block tables, key counts) → logits of every row
 Step = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,10 +69,11 @@ class GraphedDecoder:
     KV cache (its storage: a graph has its address baked in)."""
 
     def __init__(self, step: Step, device: torch.device, max_rows: int = ROW_BUCKETS[-1],
-                 capture: Capture | None = None) -> None:
+                 capture: Capture | None = None, max_blocks: int = MAX_GRAPH_BLOCKS) -> None:
         self.step = step
         self.device = device
         self.max_rows = max_rows
+        self.max_blocks = max_blocks
         self._capture = capture
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self.enabled = True  # False once a capture failed: every step then runs eagerly (logged once)
@@ -78,8 +82,9 @@ class GraphedDecoder:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def takes(self, rows: int) -> bool:
-        return self.enabled and rows <= self.max_rows
+    def takes(self, rows: int, blocks: int) -> bool:
+        """Whether a decode-only step of this many rows and block-table columns replays a graph."""
+        return self.enabled and rows <= self.max_rows and blocks <= self.max_blocks
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
             lens: torch.Tensor, cache: Any, storage: torch.Tensor) -> torch.Tensor | None:

@@ -106,9 +106,9 @@ class LlamaModel:
             if lora is None:
                 return self.fused.forward(*args)
             return self.fused.forward_lora(*args, lora.fused(self.fused_lora), lora.row_owner)
-        if (self.graphs is not None and meta.decode_only and self.graphs.takes(input_ids.shape[0]) and embeds is None
-                and lora is None and mrope is None):
-            assert meta.decode_blocks is not None and meta.decode_lens is not None
+        if (self.graphs is not None and meta.decode_only and embeds is None and lora is None and mrope is None
+                and meta.decode_blocks is not None and meta.decode_lens is not None
+                and self.graphs.takes(input_ids.shape[0], meta.decode_blocks.shape[1])):
             logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                                      cache, cache.data)
             if logits is not None:

@@ -89,6 +89,20 @@ def test_padded_static_steps_compute_the_eager_steps(model: LlamaModel) -> None:
     assert all(rows in ROW_BUCKETS and blocks & (blocks - 1) == 0 for rows, blocks in shapes), shapes
 
 
+def test_long_block_tables_run_eagerly(model: LlamaModel) -> None:
+    """Past max_blocks (MAX_GRAPH_BLOCKS) a step runs op by op: the rows that reach 3 and 4 blocks here."""
+    eager_tokens, eager_logits = decode_all(build_engine(model, model.config, num_blocks=64))
+    model.graphs = GraphedDecoder(model._decode_step, CPU, DENSE_ROWS, capture=EagerCapture(), max_blocks=2)
+    try:
+        tokens, logits = decode_all(build_engine(model, model.config, num_blocks=64))
+        shapes = {key[:2] for key in model.graphs._graphs}
+    finally:
+        model.graphs = None
+    assert shapes and max(blocks for _, blocks in shapes) == 2, shapes
+    assert tokens == eager_tokens
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=0) for r in eager_logits for a, b in zip(eager_logits[r], logits[r]))
+
+
 def test_a_failed_capture_serves_eagerly(model: LlamaModel) -> None:
     eager_tokens, _ = decode_all(build_engine(model, model.config, num_blocks=64))
     model.graphs = GraphedDecoder(model._decode_step, CPU, DENSE_ROWS, capture=EagerCapture(fail=True))
