@@ -52,7 +52,7 @@ class DecoderPoolingModel:
             weights["score"] = _score_from_lm_head(weights, spec)
         if spec.kind is ModelKind.CLASSIFY and "score" not in weights:
             raise ModelFileError(f"{spec.path}: a sequence classifier without its `score.weight`")
-        self.llama = LlamaModel(config, weights, max_positions=spec.max_len)
+        self.llama = LlamaModel(config, weights, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
         self.cfg = DecoderPoolingConfig(config.vocab_size)
         self.device, self.dtype = self.llama.device, self.llama.dtype
         pad = json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
