@@ -127,10 +127,14 @@ void group_item16_avx2(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t
   const int64_t nb = x.nb, ldq = nb * 16, code_bytes = Q4 ? 256 : 512;
   walk_row_chunks(x, m0, m1, g0, g1, y, ldy, [&](auto rows, int64_t g, const int32_t* xq, const float* xs,
                                                   const float* xsum, float* out) {
-    constexpr int R = decltype(rows)::value, SUB = R % AVX2_ROWS == 0 ? AVX2_ROWS : R;
-    for (int r0 = 0; r0 < R; r0 += SUB)
-      group_rows16_avx2<Q4, SUB>(qs + g * nb * code_bytes, d + g * nb * 16, Q4 ? mins + g * nb * 16 : nullptr, nb,
-                                 xq + r0 * ldq, xs + r0 * nb, xsum + r0 * nb, ldq, nb, out + r0 * ldy, ldy);
+    constexpr int R = decltype(rows)::value, TAIL = R % AVX2_ROWS;  // AVX2_ROWS at a time, then the rest
+    auto sub = [&](auto n, int r0) {
+      group_rows16_avx2<Q4, decltype(n)::value>(qs + g * nb * code_bytes, d + g * nb * 16, Q4 ? mins + g * nb * 16 : nullptr,
+                                                nb, xq + r0 * ldq, xs + r0 * nb, xsum + r0 * nb, ldq, nb, out + r0 * ldy, ldy);
+    };
+    int r0 = 0;
+    for (; r0 + AVX2_ROWS <= R; r0 += AVX2_ROWS) sub(std::integral_constant<int, AVX2_ROWS>{}, r0);
+    if constexpr (TAIL != 0) sub(std::integral_constant<int, TAIL>{}, r0);
   });
 }
 

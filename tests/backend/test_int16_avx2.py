@@ -51,7 +51,7 @@ def both_codes(run) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-unt
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 17, 32, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 17, 32, 65])
 def test_avx2_int16_linear_has_the_vnni_bits(kind: str, rows: int) -> None:
     w = random_blocks(kind, 80, 96 if rows % 2 else 544, seed=rows).to_n16()
     gen = torch.Generator().manual_seed(rows)
