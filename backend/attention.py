@@ -24,7 +24,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] where each new token's K/V is written
     decode_rows: torch.Tensor | None    # [B] rows that are single-token queries (decodes)
     decode_blocks: torch.Tensor | None  # [B, nblk] KV blocks each decode row reads (padded with 0)
-    decode_key_mask: torch.Tensor | None   # [B, 1, 1, nblk * block_size] True where a key is real
     decode_lens: torch.Tensor | None    # [B] keys each decode row sees (its position + 1)
     prefills: list[PrefillSpan]
 
@@ -85,17 +84,18 @@ def attend_decode_gathered(q: torch.Tensor, cache: KVCache, layer: int, meta: At
                            window: int = 0) -> torch.Tensor:
     """Decode rows the portable way: gather each row's blocks, then SDPA. q: [B, H, d] → [B, H, d].
     window > 0: each row sees only its last `window` keys (a sliding window, itself included)."""
-    assert meta.decode_blocks is not None and meta.decode_key_mask is not None and meta.decode_lens is not None
+    assert meta.decode_blocks is not None and meta.decode_lens is not None
     k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     bs = cache.block_size
     n = meta.decode_blocks.numel() * bs * k_cache.shape[1] * k_cache.shape[2]
     kd = _gather_blocks(k_cache, meta.decode_blocks, bs, cache.scratch("k", n)).transpose(1, 2)  # [B, Hkv, Kmax, d]
     vd = _gather_blocks(v_cache, meta.decode_blocks, bs, cache.scratch("v", n)).transpose(1, 2)
     kd, vd = kd.to(q.dtype), vd.to(q.dtype)  # a float16 cache under a float32 model: convert what was read
-    mask = meta.decode_key_mask  # [B, 1, 1, Kmax]
+    key_pos = torch.arange(kd.shape[2], device=q.device)
+    lens = meta.decode_lens[:, None, None, None]
+    mask = key_pos < lens  # [B, 1, 1, Kmax]: the row's real keys (its table is padded with block 0)
     if window:
-        key_pos = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (key_pos >= (meta.decode_lens - window)[:, None, None, None])
+        mask &= key_pos >= lens - window
     od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
     return od.squeeze(2)
 

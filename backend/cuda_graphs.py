@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
 import torch
+
+from backend.attention import KVCache
 
 log = logging.getLogger("kvyard.backend")
 
@@ -29,7 +29,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 MAX_GRAPH_BLOCKS = 512
 
 # (cache, ids, positions, slots, block tables, key counts) → logits of every row
-Step = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Step = Callable[[KVCache, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
 
@@ -66,7 +66,7 @@ class _Graph:
 
 class GraphedDecoder:
     """Runs decode-only steps of up to max_rows rows through graphs of `step`, one graph per padded shape and
-    KV cache (its storage: a graph has its address baked in)."""
+    KV cache storage (a graph has its address baked in)."""
 
     def __init__(self, step: Step, device: torch.device, max_rows: int = ROW_BUCKETS[-1],
                  capture: Capture | None = None, max_blocks: int = MAX_GRAPH_BLOCKS) -> None:
@@ -87,16 +87,16 @@ class GraphedDecoder:
         return self.enabled and rows <= self.max_rows and blocks <= self.max_blocks
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
-            lens: torch.Tensor, cache: Any, storage: torch.Tensor) -> torch.Tensor | None:
+            lens: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits [B, V] of the step's rows, or None where the step could not be captured (the caller then
         runs it eagerly; graphs stay off from then on)."""
         rows, nblk = ids.shape[0], blocks.shape[1]
         padded_rows = next(b for b in ROW_BUCKETS if b >= rows)
         padded_blocks = 1 << max(0, nblk - 1).bit_length()
-        key = (padded_rows, padded_blocks, storage.data_ptr(), *storage.shape)
+        key = (padded_rows, padded_blocks, cache.data.data_ptr(), *cache.data.shape)
         graph = self._graphs.get(key)
         fresh = graph is None
-        if graph is None:
+        if fresh:
             graph = self._buffers(padded_rows, padded_blocks)
         _fill(graph, ids, positions, slots, blocks, lens)
         if fresh:

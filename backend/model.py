@@ -110,7 +110,7 @@ class LlamaModel:
                 and meta.decode_blocks is not None and meta.decode_lens is not None
                 and self.graphs.takes(input_ids.shape[0], meta.decode_blocks.shape[1])):
             logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
-                                     cache, cache.data)
+                                     cache)
             if logits is not None:
                 return logits[logits_rows]
         x = self.hidden_states(input_ids, positions, cache, meta, embeds, lora, mrope)
@@ -120,10 +120,8 @@ class LlamaModel:
     def _decode_step(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      blocks: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """A decode-only step from its bare tensors (what a CUDA graph records): logits [B, V] of every row."""
-        keys = torch.arange(blocks.shape[1] * cache.block_size, device=lens.device)
         meta = AttentionMetadata(slot_mapping=slots, decode_rows=torch.arange(input_ids.shape[0], device=lens.device),
-                                 decode_blocks=blocks, decode_key_mask=(keys[None, :] < lens[:, None])[:, None, None, :],
-                                 decode_lens=lens, prefills=[])
+                                 decode_blocks=blocks, decode_lens=lens, prefills=[])
         x = self.hidden_states(input_ids, positions, cache, meta)
         return self.ops.linear(self.ops.rms_norm(x, self.w["norm"], self.config.rms_norm_eps), self.lm_head).float()
 

@@ -112,19 +112,16 @@ class ModelRunner:
             logits_rows.extend(row0 + r for r in rows)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_rows=None, decode_blocks=None,
-                                 decode_key_mask=None, decode_lens=None, prefills=prefills)
+                                 decode_lens=None, prefills=prefills)
         if decode_rows:
             max_blocks = max((n + bs - 1) // bs for n in decode_lens)
             table = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
             for r, (tbl, n) in enumerate(zip(decode_tables, decode_lens)):
                 used = (n + bs - 1) // bs
                 table[r, :used] = torch.tensor(tbl[:used], dtype=torch.long)
-            lens = torch.tensor(decode_lens, dtype=torch.long)
-            mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
             meta.decode_rows = self._tensor(decode_rows)
             meta.decode_blocks = table.to(self.device)
-            meta.decode_key_mask = mask[:, None, None, :].to(self.device)
-            meta.decode_lens = lens.to(self.device)
+            meta.decode_lens = self._tensor(decode_lens)
         embeds = (self._tensor(image_rows), torch.cat(image_values)) if image_values else None
         lora = None
         if any(a is not None for a in adapters):

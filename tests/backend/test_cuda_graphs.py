@@ -114,7 +114,7 @@ def test_a_failed_capture_serves_eagerly(model: LlamaModel) -> None:
     assert tokens == eager_tokens
 
 
-def test_cuda_graphs_setting(model: LlamaModel, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_cuda_graphs_setting(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = save_hf_dir(tiny_model("qwen2", tie=True), tmp_path_factory.mktemp("q"))
     base = {"CHECKPOINT_PATH": str(path), "DEVICE": "cpu"}
     assert BackendConfig.from_env(base).cuda_graphs is False

@@ -218,9 +218,8 @@ def test_decode_attention_reads_paged_blocks_in_place(head_dim: int, kv_dtype: t
     lens = torch.tensor([1, 7, 16, 17, 33, 200])   # block edges, partial blocks, one key
     nblk = 13
     table = torch.randint(0, 64, (len(lens), nblk))  # any block anywhere, as after reuse
-    mask = (torch.arange(nblk * bs)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
-                             decode_blocks=table, decode_key_mask=mask, decode_lens=lens, prefills=[])
+                             decode_blocks=table, decode_lens=lens, prefills=[])
     q = torch.randn(len(lens), n_heads, head_dim) * 3
     want = attend_decode_gathered(q, cache, 0, meta, window)
     got = KernelOps(K).attention(q, cache, 0, meta, window)
@@ -249,9 +248,8 @@ def test_decode_attention_row_alone_equals_its_batch(kv_dtype: torch.dtype, wind
         alone = K.decode_attention(q[b:b + 1], cache.data[0, 0], cache.data[0, 1], table[b:b + 1], lens[b:b + 1],
                                    bs, head_dim ** -0.5, window)
         assert torch.equal(alone[0], batch[b]), b
-    mask = (torch.arange(13 * bs)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
-                             decode_blocks=table, decode_key_mask=mask, decode_lens=lens, prefills=[])
+                             decode_blocks=table, decode_lens=lens, prefills=[])
     torch.testing.assert_close(batch, attend_decode_gathered(q, cache, 0, meta, window), rtol=1e-5, atol=1e-5)
 
 
@@ -285,7 +283,6 @@ def test_prefill_attention_matches_sdpa(head_dim: int, kv_dtype: torch.dtype, he
         meta = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), prefills=spans,
             decode_rows=torch.tensor([0]) if decode else None, decode_blocks=blocks[None, :2] if decode else None,
-            decode_key_mask=(torch.arange(2 * bs) < 20)[None, None, None, :] if decode else None,
             decode_lens=torch.tensor([20]) if decode else None)
         q = torch.randn(rows, n_heads, head_dim) * 2
         want = TorchOps().attention(q, cache, 0, meta, window)
