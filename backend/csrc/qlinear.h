@@ -253,7 +253,10 @@ inline LinearInput prepare_input(const QMatrix& w, const float* x, int64_t M, in
     int32_t* q = reinterpret_cast<int32_t*>(scratch);
     float* s = scratch + M * nb * 16;
     float* sum = s + M * nb;
-    quantize_rows16(x, w.K, m0, m1, q, s, sum, w.kind == BlockKind::Q6_K);
+    if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K)
+      quantize_rows_super(x, w.K, m0, m1, q, s, sum, w.kind == BlockKind::Q6_K);
+    else
+      quantize_rows16(x, w.K, m0, m1, q, s, sum);
     in.x16 = Int16Rows{q, s, sum, nb};
   } else if (needs_block_sums(w, M)) {
     block_sums(x, w.K, m0, m1, scratch);

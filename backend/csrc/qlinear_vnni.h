@@ -14,6 +14,7 @@
 // part is one chain per lane, acc = fma(float(dot_b), d_b * s_b, acc) then acc = fma(m_b, S_b, acc) for
 // b = 0, 1, ... So an output has the same bits whatever else shares the batch and however the rows are
 // chunked: batches equal runs alone, and the fused decode step equals the op-by-op path.
+// (The K-quant kernels, qlinear_kquant.h, round per 256-wide super-block instead: quantize_rows_super.)
 #pragma once
 #include <immintrin.h>
 
@@ -153,6 +154,40 @@ inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m
           adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
                    : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
       _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
+    }
+}
+
+// The K-quant kernels' rounding (qlinear_kquant.h): one scale per token row and 256-wide super-block,
+// s = max|x| / 8191 (14-bit values: error <= s/2 per value, ~6e-5 of the super-block's largest), repeated in
+// s[m][b] for its 8 blocks; the pairs and exact float sums per 32-wide block as quantize_rows16_512's. With
+// |x| <= 8191 a super-block's dot product with Q4_K's sub-scaled codes (|sc q| <= 945) and 64 weights' with
+// Q6_K's (|sc (q - 32)| <= 4096) stay exact 32-bit integers, so the sub-scales join the integer sums and the
+// float part runs once a super-block (Q4_K) or every 64 weights (Q6_K) instead of every 32 or 16.
+constexpr float kSuperLevels = 8191.f;
+
+inline void quantize_rows_super(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
+                                bool adjacent) {
+  const int64_t nb = K / QK;
+  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const float* xs = x + m * K + b0 * QK;
+      __m512 big = _mm512_setzero_ps();
+      for (int64_t i = 0; i < 16; ++i) big = _mm512_max_ps(big, _mm512_abs_ps(_mm512_loadu_ps(xs + 16 * i)));
+      const float amax = _mm512_reduce_max_ps(big);
+      const float inv = amax > 0.f ? kSuperLevels / amax : 0.f;
+      for (int64_t b = b0; b < b0 + 8; ++b) {
+        const float* xb = x + m * K + b * QK;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        s[m * nb + b] = amax / kSuperLevels;
+        sum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
+        const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
+        const __m512i pairs =
+            adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
+                     : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
+        _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
+      }
     }
 }
 

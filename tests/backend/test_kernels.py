@@ -137,12 +137,13 @@ def test_n16_layout_holds_the_same_blocks(kind: str) -> None:
     assert torch.equal(K.dequant_rows(w16.qs, w16.d, mins, rows, kind == "q4_1"), w.dequantize()[rows])
 
 
-def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """|error| of rounding each 32 activations to int16 with scale max|x|/32767: at most half a step per
-    value, times the weights it meets; plus float32's rounding of the sums."""
+def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor, block: int = 32, levels: int = 32767) -> torch.Tensor:
+    """|error| of rounding each `block` activations to integers with scale max|x|/levels (Q4_1 / Q8_0: 32
+    and 32767; the K-quants: 256 and 8191): at most half a step per value, times the weights it meets; plus
+    float32's rounding of the sums."""
     rows, k = x.shape
-    step = x.abs().view(rows, k // 32, 32).amax(-1) / 32767  # [M, nb]
-    w_block = dense.abs().view(dense.shape[0], k // 32, 32).sum(-1)  # [N, nb]
+    step = x.abs().view(rows, k // block, block).amax(-1) / levels  # [M, k / block]
+    w_block = dense.abs().view(dense.shape[0], k // block, block).sum(-1)  # [N, k / block]
     return 0.5 * step.double() @ w_block.double().T * 1.001 + 2e-6 * (x.abs().double() @ dense.abs().double().T)
 
 

@@ -73,16 +73,79 @@ def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
 def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
     n, k = 80, 256 if rows % 2 else 768
-    w = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=rows), k).to_n16()
+    w_rows = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=rows), k)
+    w = w_rows.to_n16()
     dense = w.dequantize()
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     x[0, :7] = 0.0
     bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
     want = TorchOps().linear(x.double(), dense.double(), bias.double(), residual.double())
-    bound = int16_rounding_bound(x, dense) + 1e-6 * want.abs()
+    bound = int16_rounding_bound(x, dense, block=QK_K, levels=8191) + 1e-6 * want.abs()
     got = KernelOps(K).linear(x, w, bias, residual).double()
     assert ((got - want).abs() <= bound).all(), float((got - want).abs().max())
+    # Tighter: what the kernel computes is the exact product of the activations as it rounds them (per row
+    # and 256-wide super-block, 14 bits) with the scaled codes, minus Q4_K's minimums times the unrounded
+    # activations' sums, up to float32's rounding of the float part.
+    minimums = k_minimums(w_rows)
+    rounded = super_block_rounding(x)
+    exact = (rounded @ (dense.double() + minimums).T - x.double() @ minimums.T + bias.double()
+             + residual.double())
+    scale = rounded.abs() @ (dense.double() + minimums).abs().T + x.abs().double() @ minimums.abs().T + 1.0
+    assert ((got - exact).abs() <= 2e-6 * scale).all(), float(((got - exact).abs() / scale).max())
+
+
+def k_minimums(w: QuantWeight) -> torch.Tensor:
+    """[n, k] float64: what a Q4_K weight subtracts, dmin mn (zeros for Q6_K); w in the "rows" layout."""
+    n, k = w.shape
+    if w.kind == "q6_k":
+        return torch.zeros(n, k, dtype=torch.float64)
+    dmin = w.d[..., 1].double().repeat_interleave(QK_K, dim=1)  # [n, k]
+    mn = w.m[..., 1].double().repeat_interleave(32, dim=1)
+    return dmin * mn
+
+
+def super_block_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x as the K-quant kernels round it: per row and 256 values, to integers of at most 8191 in magnitude
+    times max|x| / 8191 (float64)."""
+    rows, k = x.shape
+    xb = x.double().view(rows, k // QK_K, QK_K)
+    amax = xb.abs().amax(-1, keepdim=True).float()  # the kernel's float32 scale and its reciprocal
+    # 8191 / amax divided as the kernel does (a scalar over a tensor is a reciprocal times 8191 in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 8191.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb.float() * inv)
+    assert q.abs().max() <= 8191
+    return (q.double() * (amax / 8191.0).double()).view(rows, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
+    """The sub-scales join the 32-bit integer sums (a Q4_K super-block's, 64 Q6_K weights'): at the largest
+    codes and sub-scales a format allows (Q4_K: q 15, sc 63; Q6_K: q - 32 = -32, sc -128) times activations at
+    their largest rounded value (8191), the sums reach 1.98e9 and 2.147e9 of int32's 2.147e9 and must not
+    wrap. A wrapped sum would be off by ~4.3e9 steps."""
+    n, k = 32, 512
+    raw = random_k_raw(kind, n, k, seed=9).reshape(n, k // QK_K, -1)
+    if kind == "q4_k":
+        raw[..., 4:16] = 0xFF  # every 6-bit scale and minimum 63
+        raw[..., 16:] = 0xFF  # every code 15
+        raw[..., 0:2] = np.array([0.001], dtype=np.float16).view(np.uint8)  # d > 0
+    else:
+        raw[..., 0:192] = 0  # every code 0: q - 32 = -32
+        raw[..., 192:208] = 0x80  # every scale -128
+        raw[..., 208:210] = np.array([0.0001], dtype=np.float16).view(np.uint8)
+    w = k_blocks_from_gguf(kind, raw.reshape(n, -1), k).to_n16()
+    dense = w.dequantize()
+    x = torch.full((rows, k), 0.75)
+    x[:, QK_K:] = 1.5  # each super-block at its own scale
+    x[1::2] *= -1  # rows of either sign (a row's sums all of one sign: their errors could not cancel)
+    got = KernelOps(K).linear(x, w).double()
+    minimums = k_minimums(k_blocks_from_gguf(kind, raw.reshape(n, -1), k))
+    rounded = super_block_rounding(x)
+    exact = rounded @ (dense.double() + minimums).T - x.double() @ minimums.T
+    scale = rounded.abs() @ (dense.double() + minimums).abs().T + x.abs().double() @ minimums.abs().T
+    assert ((got - exact).abs() <= 1e-6 * scale).all(), float(((got - exact).abs() / scale).max())
 
 
 def random_n16(kind: str, n: int, k: int, seed: int) -> QuantWeight:
