@@ -17,8 +17,10 @@
 // after its eight minimum terms acc = fma(-(dmin mn), S_x, acc) with S_x the block's exact float sum) or every
 // 64 weights (Q6_K) instead of every 32 or 16: at 32 token rows the 1.7B's K-quant linears run 1.1-1.2x as
 // fast as with a float step per block (qlinear_vnni.h's per-32 scales). Q6_K's two scales per 32 weights
-// meet its activations paired k=2j, 2j+1 (quantize_rows_super's `adjacent`). As in qlinear_vnni.h every
-// integer sum is exact and every output one fixed float chain: the same bits whatever the batch.
+// meet its activations paired k=2j, 2j+1 (quantize_rows_super's `adjacent`). Q4_K's minimum terms run as a
+// second float chain per output (q4k_minimum_chain), added at the end. More rows than one chunk run two
+// groups' decoded weights against each chunk at once (group_pair_rows16_k_decoded). As in qlinear_vnni.h every
+// integer sum is exact and every output the same two float chains: the same bits whatever the batch.
 #pragma once
 #include <immintrin.h>
 
@@ -95,6 +97,17 @@ inline void q4k_minimums(const half_t* d, const uint8_t* sub, int64_t b, const f
   const __m512 minimum = _mm512_sub_ps(
       _mm512_setzero_ps(), _mm512_mul_ps(halves_ps(d + b / SUPER * 32 + 16), bytes_ps<false>(sub + b * 32 + 16)));
   for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * lds + b]), acc[r]);
+}
+
+// Q4_K's minimum terms for R token rows: their own float chain per row, over the blocks in order, m = fma(-(dmin
+// mn), S_x, m), added to the scaled sums' chain at the end (every path adds the two the same way).
+template <int R>
+inline void q4k_minimum_chain(const half_t* d, const uint8_t* sub, int64_t nb, const float* xsum, int64_t lds,
+                              __m512* acc) {
+  __m512 m[R];
+  for (int r = 0; r < R; ++r) m[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) q4k_minimums<R>(d, sub, b, xsum, lds, m);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], m[r]);
 }
 
 // The float part of R rows' integer sums over a super-block (Q4_K) or 64 weights (Q6_K): acc = fma(float(sum),

@@ -220,7 +220,7 @@ def test_bf16_matmul_asks_onednn_for_bf16_math_where_the_cpu_has_it(monkeypatch:
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
-    w = k_blocks_from_gguf(kind, random_k_raw(kind, 96, 512, seed=9), 512).to_n16()
+    w = k_blocks_from_gguf(kind, random_k_raw(kind, 112, 512, seed=9), 512).to_n16()  # 7 groups: pairs and one alone
     x = torch.randn(130, 512, generator=torch.Generator().manual_seed(9))
     ops = KernelOps(K)
     batched = ops.linear(x, w)
