@@ -135,11 +135,23 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
 // Plain AVX-512 (no VNNI): both builds of the step loops below call these.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
+// One 32-wide block of a row, lo = x_0..15 and hi = x_16..31, rounded to integers times inv into 16 words q
+// (x_j in the low half of word j, x_{j+16} in the high half; `adjacent`: x_2j and x_2j+1), and its exact sum.
+inline void round_block16(__m512 lo, __m512 hi, float inv, bool adjacent, int32_t* q, float* sum) {
+  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
+  const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
+  const __m512i pairs =
+      adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
+               : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
+  _mm512_storeu_si512(q, pairs);
+}
+
 // adjacent: word j holds x_2j and x_2j+1 instead (Q6_K's layout, qlinear_kquant.h): the same int16 values.
 inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
                                 float* sum, bool adjacent = false) {
   const int64_t nb = K / QK;
-  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * QK;
@@ -147,13 +159,7 @@ inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
       s[m * nb + b] = amax / 32767.f;
-      sum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
-      const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
-      const __m512i pairs =
-          adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
-                   : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
-      _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
+      round_block16(lo, hi, inv, adjacent, q + (m * nb + b) * 16, sum + m * nb + b);
     }
 }
 
@@ -168,7 +174,6 @@ constexpr float kSuperLevels = 8191.f;
 inline void quantize_rows_super(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
                                 bool adjacent) {
   const int64_t nb = K / QK;
-  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
       const float* xs = x + m * K + b0 * QK;
@@ -180,13 +185,7 @@ inline void quantize_rows_super(const float* x, int64_t K, int64_t m0, int64_t m
         const float* xb = x + m * K + b * QK;
         const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
         s[m * nb + b] = amax / kSuperLevels;
-        sum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        const __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round);
-        const __m512i qh = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round);
-        const __m512i pairs =
-            adjacent ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(ql)), _mm512_cvtepi32_epi16(qh), 1)
-                     : _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(qh, 16));
-        _mm512_storeu_si512(q + (m * nb + b) * 16, pairs);
+        round_block16(lo, hi, inv, adjacent, q + (m * nb + b) * 16, sum + m * nb + b);
       }
     }
 }
