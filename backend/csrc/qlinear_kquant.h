@@ -13,12 +13,12 @@
 // Activations are rounded per token row and super-block of 256 (quantize_rows_super: 14-bit values, one
 // scale), so the sub-scales can join the integer sums: Σ_k (sc q_k) x_k over a whole Q4_K super-block, or
 // Σ (sc (q_k - 32)) x_k over 64 Q6_K weights, is an exact 32-bit integer (at most 1.98e9 and 2.147e9 of
-// int32's 2.147e9), and the float part, acc = fma(float(sum), d s_x, acc), runs once a super-block (Q4_K,
-// after its eight minimum terms acc = fma(-(dmin mn), S_x, acc) with S_x the block's exact float sum) or every
-// 64 weights (Q6_K) instead of every 32 or 16: at 32 token rows the 1.7B's K-quant linears run 1.1-1.2x as
-// fast as with a float step per block (qlinear_vnni.h's per-32 scales). Q6_K's two scales per 32 weights
+// int32's 2.147e9), and the float part, acc = fma(float(sum), d s_x, acc), runs once a super-block (Q4_K) or
+// every 64 weights (Q6_K) instead of every 32 or 16: at 32 token rows the 1.7B's K-quant linears ran 1.1-1.2x
+// as fast as with a float step per block (qlinear_vnni.h's per-32 scales). Q6_K's two scales per 32 weights
 // meet its activations paired k=2j, 2j+1 (quantize_rows_super's `adjacent`). Q4_K's minimum terms run as a
-// second float chain per output (q4k_minimum_chain), added at the end. More rows than one chunk run two
+// second float chain per output, m = fma(-(dmin mn), S_x, m) with S_x each block's exact float sum
+// (q4k_minimum_chain), added at the end. More rows than one chunk run two
 // groups' decoded weights against each chunk at once (group_pair_rows16_k_decoded). As in qlinear_vnni.h every
 // integer sum is exact and every output the same two float chains: the same bits whatever the batch.
 #pragma once
@@ -72,6 +72,12 @@ inline __m512 bytes_ps(const uint8_t* p) {
 inline __m512 halves_ps(const half_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+// Up to this many token rows the K-quant loops decode the weights as they go, one chunk of at most kChunkRows
+// rows after another (13-16 rows: two passes over the weights); more rows decode each pair of groups once and
+// run every chunk over it (decoding a 8192x2048 Q4_K matrix alone costs ~1 ms a thread: at 13 rows that path
+// took 2.97 ms against 2.0 for 12 rows).
+constexpr int64_t kDecodeAsYouGoRows = 16;
 
 // Integer sums that carry the sub-scales: at most kMulDotsRows token rows multiply each block's (half's)
 // dot products by its sub-scales (vpmulld, one a row), more rows multiply the step's weight pairs instead
@@ -258,7 +264,7 @@ void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* q
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const bool vnni = int16_code() == I16_VNNI;  // else AVX-512 alone (K-quants are served on AVX-512 only)
   // Many rows: the decoded weights once per group (either namespace's group_item16_k), whatever the decode.
-  if (KIND == BlockKind::Q6_K && vnni && vbmi_on() && m1 - m0 <= kChunkRows)
+  if (KIND == BlockKind::Q6_K && vnni && vbmi_on() && m1 - m0 <= kDecodeAsYouGoRows)
     return group_item16_q6k_vbmi(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
   if (vnni) return vnni::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
   bw::group_item16_k<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);

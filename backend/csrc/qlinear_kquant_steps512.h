@@ -5,7 +5,8 @@
 // group_rows16 for Q4_K / Q6_K). codes, d, sub: this group's. The portable decode (no VBMI); its step loops
 // unrolled as qlinear_vnni.h's. Each block's (Q6_K: each half's) dots carry their sub-scales into one integer
 // sum per row (qlinear_kquant.h: on the dots for few rows, on the weights for more), which meets the float
-// part once a super-block (Q4_K, after its eight minimum terms) or every 64 weights (Q6_K).
+// part once a super-block (Q4_K) or every 64 weights (Q6_K); Q4_K's minimum terms are a second float chain,
+// added at the end (q4k_minimum_chain).
 template <BlockKind KIND, int R>
 inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t* sub, int64_t nb, const int32_t* xq,
                            const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
@@ -65,7 +66,7 @@ inline void group_rows16_k_decoded(const __m512i* wp, const half_t* d, const uin
 
 // Two groups' decoded weights against the same R token rows at once: each activation pair read once for 32
 // output rows instead of 16 (a bare loop of vpdpwssd over decoded weights: 4.0 G a second with one group and
-// 11 rows, 4.6 G with two and 7). The float accumulators wait in memory between the float steps, so the 2R
+// 11 rows, 4.5 G with two and 8). The float accumulators wait in memory between the float steps, so the 2R
 // integer sums keep the registers. The same integer sums and float chains as group_rows16_k_decoded: the
 // same bits. y: the first group's outputs, the second's 16 floats on.
 template <BlockKind KIND, int R>
@@ -121,13 +122,13 @@ inline void pair_chunk(int64_t rows, const __m512i* wp0, const __m512i* wp1, con
 }
 
 // Token rows [m0, m1) against groups [g0, g1) (qlinear_kquant.h's group_item16_k): more rows than one chunk
-// over each group's weights decoded once (walk_decoded_groups), fewer decoding as they go.
+// over two groups' weights decoded once at a time, fewer decoding as they go.
 template <BlockKind KIND>
 void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, nsb = nb / SUPER;
   const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
-  if (m1 - m0 > kChunkRows) {
+  if (m1 - m0 > kDecodeAsYouGoRows) {
     // Many rows: the weights of two groups at a time decoded once (with their sub-scales) into this thread's
     // scratch, then every chunk of at most kPairChunkRows rows against both; an odd last group alone.
     thread_local std::vector<Lanes16> scratch;
