@@ -18,9 +18,9 @@
 // as fast as with a float step per block (qlinear_vnni.h's per-32 scales). Q6_K's two scales per 32 weights
 // meet its activations paired k=2j, 2j+1 (quantize_rows_super's `adjacent`). Q4_K's minimum terms run as a
 // second float chain per output, m = fma(-(dmin mn), S_x, m) with S_x each block's exact float sum
-// (q4k_minimum_chain), added at the end. More rows than one chunk run two
-// groups' decoded weights against each chunk at once (group_pair_rows16_k_decoded). As in qlinear_vnni.h every
-// integer sum is exact and every output the same two float chains: the same bits whatever the batch.
+// (q4k_minimum_chain), added at the end. More than kDecodeAsYouGoRows rows run two groups' decoded weights
+// against each chunk of rows at once (group_pair_rows16_k_decoded). As in qlinear_vnni.h every integer sum is
+// exact and every output the same two float chains: the same bits whatever the batch.
 #pragma once
 #include <immintrin.h>
 
@@ -204,7 +204,7 @@ inline void group_rows16_q6k_vbmi(const uint8_t* codes, const half_t* d, const u
   __m512i whole[R];  // integer sums over the current 64 weights, sub-scales included
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (b % 2 == 0)
+    if (b % kFloatSpan<BlockKind::Q6_K> == 0)
       for (int r = 0; r < R; ++r) whole[r] = _mm512_setzero_si512();
     const __m512i sc[2] = {sub_pairs<true>(sub + b * 32), sub_pairs<true>(sub + b * 32 + 16)};
     const uint8_t* cb = codes + b * 384;
@@ -240,7 +240,8 @@ inline void group_rows16_q6k_vbmi(const uint8_t* codes, const half_t* d, const u
       for (int r = 0; r < R; ++r)
         whole[r] = _mm512_add_epi32(whole[r], fold ? dot[h][0][r]
                                                    : _mm512_mullo_epi32(dot[h][0][r], sub_lanes<true>(sub + b * 32 + 16 * h)));
-    if (b % 2 == 1) super_sums<R>(whole, super_scale<BlockKind::Q6_K>(d, b / SUPER), xs + b / SUPER * SUPER, lds, acc);
+    if (b % kFloatSpan<BlockKind::Q6_K> == kFloatSpan<BlockKind::Q6_K> - 1)
+      super_sums<R>(whole, super_scale<BlockKind::Q6_K>(d, b / SUPER), xs + b / SUPER * SUPER, lds, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
