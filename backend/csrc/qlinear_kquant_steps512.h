@@ -40,7 +40,7 @@ inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t*
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// group_rows16_k over weights already decoded with their sub-scales (decode_group_k, walk_decoded_groups):
+// group_rows16_k over weights already decoded with their sub-scales (decode_group_k, group_item16_k):
 // step j of block b is wp[b * 16 + j]. The same integer sums and float chain, hence the same bits.
 template <BlockKind KIND, int R>
 inline void group_rows16_k_decoded(const __m512i* wp, const half_t* d, const uint8_t* sub, int64_t nb,
@@ -110,17 +110,6 @@ inline void group_pair_rows16_k_decoded(const __m512i* wp0, const __m512i* wp1, 
 
 constexpr int64_t kPairChunkRows = 8;  // the most rows group_pair_rows16_k_decoded carries (2 x 8 integer sums)
 
-template <BlockKind KIND, int R>
-inline void pair_chunk(int64_t rows, const __m512i* wp0, const __m512i* wp1, const half_t* d0, const half_t* d1,
-                       const uint8_t* sub0, const uint8_t* sub1, int64_t nb, const int32_t* xq, const float* xs,
-                       const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
-  if constexpr (R > 1) {
-    if (rows < R)
-      return pair_chunk<KIND, R - 1>(rows, wp0, wp1, d0, d1, sub0, sub1, nb, xq, xs, xsum, ldq, lds, y, ldy);
-  }
-  group_pair_rows16_k_decoded<KIND, R>(wp0, wp1, d0, d1, sub0, sub1, nb, xq, xs, xsum, ldq, lds, y, ldy);
-}
-
 // Token rows [m0, m1) against groups [g0, g1) (qlinear_kquant.h's group_item16_k): more rows than one chunk
 // over two groups' weights decoded once at a time, fewer decoding as they go.
 template <BlockKind KIND>
@@ -131,31 +120,34 @@ void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* q
   if (m1 - m0 > kDecodeAsYouGoRows) {
     // Many rows: the weights of two groups at a time decoded once (with their sub-scales) into this thread's
     // scratch, then every chunk of at most kPairChunkRows rows against both; an odd last group alone.
+    auto decode = [&](int64_t g, __m512i* wp) { decode_group_k<KIND>(qs + g * nb * code_bytes, sub + g * nb * 32, nb, wp); };
     thread_local std::vector<Lanes16> scratch;
     if (scratch.size() < static_cast<size_t>(2 * nb * 16)) scratch.resize(2 * nb * 16);
     auto* wp0 = reinterpret_cast<__m512i*>(scratch.data());
     __m512i* wp1 = wp0 + nb * 16;
-    for (int64_t g = g0; g < g1;) {
+    for (int64_t g = g0; g < g1; g += 2) {
+      if (g + 1 == g1) {
+        walk_decoded_groups(x, m0, m1, g, g1, y, ldy, decode, [&](auto rows, int64_t one, const __m512i* wp, const int32_t* xq,
+                                                                   const float* xs, const float* xsum, float* out) {
+          group_rows16_k_decoded<KIND, decltype(rows)::value>(wp, d + one * nsb * d_halves, sub + one * nb * 32, nb, xq,
+                                                             xs, xsum, ldq, nb, out, ldy);
+        });
+        break;
+      }
+      decode(g, wp0);
+      decode(g + 1, wp1);
       const half_t* dg = d + g * nsb * d_halves;
       const uint8_t* sg = sub + g * nb * 32;
-      decode_group_k<KIND>(qs + g * nb * code_bytes, sg, nb, wp0);
-      if (g + 1 == g1) {  // an odd last group alone
-        walk_row_chunks(x, m0, m1, g, g + 1, y, ldy, [&](auto rows, int64_t, const int32_t* xq, const float* xs,
-                                                         const float* xsum, float* out) {
-          group_rows16_k_decoded<KIND, decltype(rows)::value>(wp0, dg, sg, nb, xq, xs, xsum, ldq, nb, out, ldy);
-        });
-        g += 1;
-        continue;
-      }
-      decode_group_k<KIND>(qs + (g + 1) * nb * code_bytes, sg + nb * 32, nb, wp1);
+      auto pair = [&](auto rows, int64_t, const int32_t* xq, const float* xs, const float* xsum, float* out) {
+        group_pair_rows16_k_decoded<KIND, decltype(rows)::value>(wp0, wp1, dg, dg + nsb * d_halves, sg, sg + nb * 32, nb,
+                                                                 xq, xs, xsum, ldq, nb, out, ldy);
+      };
       for (int64_t m = m0; m < m1;) {
-        const int64_t chunks = (m1 - m + kPairChunkRows - 1) / kPairChunkRows, rows = (m1 - m + chunks - 1) / chunks;
-        pair_chunk<KIND, static_cast<int>(kPairChunkRows)>(rows, wp0, wp1, dg, dg + nsb * d_halves, sg, sg + nb * 32,
-                                                           nb, x.q + m * ldq, x.s + m * nb, x.sum + m * nb, ldq, nb,
-                                                           y + m * ldy + g * G16, ldy);
+        const int64_t rows = chunk_rows(m1 - m, kPairChunkRows);
+        chunk_kernel<static_cast<int>(kPairChunkRows)>(rows, pair, g, x.q + m * ldq, x.s + m * nb, x.sum + m * nb,
+                                                       y + m * ldy + g * G16);
         m += rows;
       }
-      g += 2;
     }
     return;
   }

@@ -67,9 +67,9 @@ struct Int16Rows {
 // 12 + 12 + 8, each group's weights decoded once either way).
 constexpr int64_t kChunkRows = 12;  // the most token rows one step loop carries (their accumulators in registers)
 
-// The next chunk's rows when `left` rows remain: the fewest chunks of at most kChunkRows, as even as they go.
-constexpr int64_t chunk_rows(int64_t left) {
-  const int64_t chunks = (left + kChunkRows - 1) / kChunkRows;
+// The next chunk's rows when `left` rows remain: the fewest chunks of at most `most` rows, as even as they go.
+constexpr int64_t chunk_rows(int64_t left, int64_t most = kChunkRows) {
+  const int64_t chunks = (left + most - 1) / most;
   return (left + chunks - 1) / chunks;
 }
 
