@@ -7,7 +7,7 @@ and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights
 Two layouts of the same blocks: "rows" (each output row's blocks together, the GGUF's order) for the
 float32-activation kernels, and "n16" (groups of 16 output rows interleaved, backend/csrc/qlinear_vnni.h)
 for the int16-activation kernels on CPUs with AVX-512 VNNI; `to_n16()` converts once at load. There the
-GGUF's K-quants are served as they are too (Q4_K, Q6_K: backend/csrc/qlinear_kquant.h), n16 only: their
+GGUF's K-quants are served as they are too (Q4_K, Q5_K, Q6_K: backend/csrc/qlinear_kquant.h), n16 only: their
 "rows" layout is just the step between the file and the groups (and the reference's way back)."""
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ Q4_1_BYTES, Q8_0_BYTES = 20, 34
 @dataclass
 class QuantWeight:
     """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1).
-    Q4_K and Q6_K (K_KINDS) keep the file's two-level scales instead: d per 256 weights, m the sub-scales
+    Q4_K, Q5_K and Q6_K (K_KINDS) keep the file's two-level scales instead: d per 256 weights, m the sub-scales
     per block (see _k_to_n16 for both layouts)."""
-    kind: str               # "q4_1", "q8_0", "q4_k" or "q6_k"
+    kind: str               # "q4_1", "q8_0", "q4_k", "q5_k" or "q6_k"
     qs: torch.Tensor        # rows: [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K]
                             # int8; n16: [N/16, K/32, 16 j, 16 n] uint8 or [N/16, K/32, 16 j, 16 n, 2] int8
     d: torch.Tensor         # rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
@@ -107,8 +107,8 @@ class QuantWeight:
         nb = k // QK
         if kind in K_KINDS:
             assert layout == "n16", "K-quant blocks are served in the n16 layout only"
-            g, nsb, q4k = n // 16, k // QK_K, kind == "q4_k"
-            return QuantWeight(kind, torch.empty((g, nb, 16 if q4k else 24, 16), dtype=torch.uint8),
+            g, nsb, q4k = n // 16, k // QK_K, kind != "q6_k"  # Q4_K, Q5_K: d and dmin, unsigned sub-scales
+            return QuantWeight(kind, torch.empty((g, nb, K_CODE_ROWS[kind], 16), dtype=torch.uint8),
                                torch.empty((g, nsb, 2, 16) if q4k else (g, nsb, 16), dtype=torch.float16),
                                torch.empty((g, nb, 2, 16), dtype=torch.uint8 if q4k else torch.int8))
         if layout == "n16":
@@ -215,13 +215,15 @@ Q4_0_BYTES = 18          # f16 d, 16 bytes of nibbles: w = d * (q - 8)
 Q4_K_BYTES, QK_K = 144, 256  # per 256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
 
 
-K_KINDS = ("q4_k", "q6_k")
+K_KINDS = ("q4_k", "q5_k", "q6_k")
+K_CODE_ROWS = {"q4_k": 16, "q5_k": 20, "q6_k": 24}  # n16 code bytes per block and 16 rows, / 16
+Q5_K_BYTES = 176         # per 256 weights: Q4_K's d, dmin and 12 scale bytes, 32 of top bits, 128 of nibbles
 Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, f16 d
 
 
 def native_kind(gguf_type: str, kquants: bool) -> str | None:
     """The K-quant kind a GGUF tensor type is served in as it is, or None. kquants: whether the kernels take
-    K-quant blocks (the n16 layout on AVX-512 VNNI; AVX2's n16 kernels take Q4_1 and Q8_0 only)."""
+    K-quant blocks (the n16 layout on AVX-512; AVX2's n16 kernels take Q4_1 and Q8_0 only)."""
     return gguf_type if kquants and gguf_type in K_KINDS else None
 
 
@@ -249,17 +251,26 @@ def blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
 
 
 def k_blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
-    """raw: [n, row bytes] uint8 rows of a Q4_K or Q6_K tensor → the same blocks, "rows" layout (to be
+    """raw: [n, row bytes] uint8 rows of a Q4_K, Q5_K or Q6_K tensor → the same blocks, "rows" layout (to be
     laid out n16): Q4_K codes [n, k/2] in Q4_1's nibble order, d [n, k/256, 2] float16 (d, dmin), sub-scales
-    [n, k/32, 2] uint8 (sc, mn); Q6_K codes [n, k] uint8 (0..63, in order), d [n, k/256], scales [n, k/32, 2]
-    int8 (weights 0-15 and 16-31 of each block)."""
+    [n, k/32, 2] uint8 (sc, mn); Q5_K codes [n, k] uint8 (0..31, in order), d and sub-scales as Q4_K's; Q6_K
+    codes [n, k] uint8 (0..63, in order), d [n, k/256], scales [n, k/32, 2] int8 (weights 0-15 and 16-31 of
+    each block)."""
     n, nsb = raw.shape[0], k // QK_K
-    if gguf_type == "q4_k":
-        blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q4_K_BYTES)
+    if gguf_type in ("q4_k", "q5_k"):
+        q5 = gguf_type == "q5_k"
+        blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q5_K_BYTES if q5 else Q4_K_BYTES)
         d = blocks[..., 0:4].copy().view(np.float16).reshape(n, nsb, 2)
         sc, mn = _q4_k_scales(blocks[..., 4:16])
         sub = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(n, nsb * 8, 2)
-        return QuantWeight("q4_k", torch.from_numpy(_q4_k_codes(blocks)), torch.from_numpy(d), torch.from_numpy(sub))
+        if q5:  # nibbles as Q4_K's (after the 32 top-bit bytes); top bits: byte i bit r = run r's weight i
+            lo = _q4_k_codes(blocks).reshape(n, nsb * 8, 16)
+            tops = (blocks[..., 16:48].reshape(n, nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = np.concatenate([lo & 0x0F, lo >> 4], axis=-1) | (tops.reshape(n, nsb * 8, 32) << 4)
+            codes = q.astype(np.uint8).reshape(n, k)
+        else:
+            codes = _q4_k_codes(blocks)
+        return QuantWeight(gguf_type, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(sub))
     if gguf_type == "q6_k":
         blocks = np.ascontiguousarray(raw).reshape(n, nsb, Q6_K_BYTES)
         # Low nibbles: bytes [h*64 + i] hold weight h*128 + i (low half) and h*128 + 64 + i (high half); top
@@ -289,10 +300,10 @@ def _q4_k_scales(sc_raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4_k_codes(blocks: np.ndarray) -> np.ndarray:
-    """[n, nsb, 144] Q4_K blocks → codes [n, k/2] in Q4_1's order (byte j of a run: weights j | j+16 << 4).
-    Run 2i is the low nibbles of pair i's 32 bytes, run 2i + 1 the high ones."""
+    """[n, nsb, 144] Q4_K blocks (their last 128 bytes the nibbles) → codes [n, k/2] in Q4_1's order (byte j
+    of a run: weights j | j+16 << 4). Run 2i is the low nibbles of pair i's 32 bytes, run 2i + 1 the high ones."""
     n, nsb = blocks.shape[:2]
-    q = blocks[..., 16:].reshape(n, nsb, 4, 32)
+    q = blocks[..., -128:].reshape(n, nsb, 4, 32)
     codes = np.stack([q & 0x0F, q >> 4], axis=3).reshape(n, nsb, 8, 32)
     return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8).reshape(n, nsb * 8 * 16)
 
@@ -311,7 +322,8 @@ def _rows_of(t: np.ndarray) -> np.ndarray:
 
 def _k_to_n16(w: QuantWeight) -> QuantWeight:
     """K-quant "rows" blocks → n16 (backend/csrc/qlinear_kquant.h): Q4_K codes as Q4_1's n16 [G, nb, 16 j,
-    16 n], d [G, nsb, 2, 16], sub-scales [G, nb, 2, 16]; Q6_K codes [G, nb, 24, 16] (rows 0-15: step j, low
+    16 n], d [G, nsb, 2, 16], sub-scales [G, nb, 2, 16]; Q5_K codes [G, nb, 20, 16]: Q4_K's nibbles, then 16
+    little-endian uint32 words, word n = row n's top bits (bit k: weight k of the block); Q6_K codes [G, nb, 24, 16] (rows 0-15: step j, low
     nibbles of weights 2j | 2j+1 << 4; rows 16-23: pair i, top bits of weights 4i..4i+3, 2 bits each),
     d [G, nsb, 16], scales [G, nb, 2, 16]."""
     n, k = w.shape
@@ -319,6 +331,12 @@ def _k_to_n16(w: QuantWeight) -> QuantWeight:
     qs = w.qs.numpy()
     if w.kind == "q4_k":
         codes = _groups(qs.reshape(n, nb, 16))                                  # [G, nb, 16 j, 16 n]
+    elif w.kind == "q5_k":
+        q = qs.reshape(n, nb, QK)
+        nibbles = _groups((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4))  # [G, nb, 16 j, 16 n]
+        words = ((q >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+        tops = np.ascontiguousarray(_groups(words)).view(np.uint8).reshape(n // 16, nb, 4, 16)  # words' bytes
+        codes = np.concatenate([nibbles, tops], axis=2)
     else:
         q = _groups(qs.reshape(n, nb, QK))                                      # [G, nb, 32 k, 16 n]
         lows = (q[:, :, 0::2] & 0x0F) | ((q[:, :, 1::2] & 0x0F) << 4)
@@ -334,6 +352,13 @@ def _k_to_rows(w: QuantWeight) -> QuantWeight:
     codes = w.qs.numpy()
     if w.kind == "q4_k":
         qs = _rows_of(codes).reshape(n, k // 2)
+    elif w.kind == "q5_k":
+        g, nb = codes.shape[:2]
+        nibbles = codes[:, :, :16]
+        words = np.ascontiguousarray(codes[:, :, 16:]).view(np.uint32).reshape(g, nb, 16)     # [G, nb, 16 n]
+        tops = ((words[:, :, None, :] >> np.arange(QK, dtype=np.uint32).reshape(1, 1, QK, 1)) & 1).astype(np.uint8)
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2) | (tops << 4)               # [G, nb, 32 k, 16 n]
+        qs = _rows_of(q).reshape(n, k)
     else:
         g, nb = codes.shape[:2]
         q = np.empty((g, nb, QK, 16), dtype=np.uint8)
@@ -347,14 +372,17 @@ def _k_to_rows(w: QuantWeight) -> QuantWeight:
 
 def _k_dequantize(w: QuantWeight) -> torch.Tensor:
     """The float32 [N, K] a K-quant "rows" weight encodes, with gguf's reference arithmetic: (d sc) q -
-    (dmin mn) for Q4_K, (d sc) (q - 32) for Q6_K."""
+    (dmin mn) for Q4_K and Q5_K, (d sc) (q - 32) for Q6_K."""
     n, k = w.shape
     nb = k // QK
     sub = w.m.numpy().astype(np.float32)  # type: ignore[union-attr]  # [n, nb, 2]
     d = np.repeat(w.d.numpy().astype(np.float32), 8, axis=1)   # [n, nb(, 2)]: each super-block's 8 blocks
-    if w.kind == "q4_k":
-        qs = w.qs.numpy().reshape(n, nb, 16)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # [n, nb, 32]
+    if w.kind in ("q4_k", "q5_k"):
+        if w.kind == "q4_k":
+            qs = w.qs.numpy().reshape(n, nb, 16)
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # [n, nb, 32]
+        else:
+            q = w.qs.numpy().reshape(n, nb, QK).astype(np.float32)
         out = (d[..., 0] * sub[..., 0])[..., None] * q - (d[..., 1] * sub[..., 1])[..., None]
     else:
         q = w.qs.numpy().reshape(n, nb, 2, 16).astype(np.float32) - np.float32(32)

@@ -10,10 +10,11 @@ Loading streams: every matrix is allocated once in its serving format and filled
 time, read with pread from the file (no memory map, whose touched pages would count as resident), so
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
-- keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K and Q6_K in the
-  n16 layout on AVX-512 VNNI (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become
+- keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K, Q5_K and Q6_K
+  in the n16 layout on AVX-512 (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become
   Q4_1 (the same weights; Q4_K's scale products rounded to float16); every other type (F32, F16, BF16,
-  Q5_*, Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows at a time.
+  Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows
+  at a time.
   A fused matrix whose parts are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q
   and k in half the layers) is a StackedWeight: each part in its own kind, none requantized for the
   others' sake.
@@ -81,11 +82,11 @@ class _Target:
     device: torch.device
     keep_blocks: bool
     block_layout: str
-    kquants: bool  # Q4_K / Q6_K served as they are
+    kquants: bool  # Q4_K / Q5_K / Q6_K served as they are
 
 
 def _kquant_kernels() -> bool:
-    """Whether the C++ kernels take Q4_K / Q6_K blocks as they are (AVX-512, with or without VNNI); AVX2's n16
+    """Whether the C++ kernels take Q4_K / Q5_K / Q6_K blocks as they are (AVX-512, with or without VNNI); AVX2's n16
     kernels take them as Q4_1 / Q8_0."""
     from backend import kernels
     module = kernels.load()

@@ -3,7 +3,8 @@ Q4_K_M GGUF (benchmarks/scale_model.py: random weights, quantized by llama.cpp's
 served by both, same workloads, interleaved rounds.
 
     .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama,vllm] [--kvyard-env KEY=VALUE ...]
-                                         [--gguf PATH] [--before CHECKOUT] [--workloads single,agg,ttft]
+                                         [--gguf PATH | --quant Q5_K_M] [--before CHECKOUT]
+                                         [--workloads single,agg,ttft]
                                          [--json out.json]
 
 --before runs a second kvyard from another checkout (e.g. `git worktree add --detach /tmp/before <commit>`
@@ -70,13 +71,15 @@ def main() -> None:
     ap.add_argument("--only", default="kvyard,llama")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gguf", type=Path, help="another GGUF instead of the 1.7B-shaped Q4_K_M")
+    ap.add_argument("--quant", default="Q4_K_M", help="the 1.7B-shaped model quantized another way by llama-quantize "
+                    "(e.g. Q5_K_M; built on first use)")
     ap.add_argument("--kvyard-env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--before", type=Path, help="another kvyard checkout, served too as 'before'")
     ap.add_argument("--workloads", default="single,agg,ttft", help="a subset, e.g. single,agg (decode only)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its servers (finally)
-    gguf = args.gguf or scale_gguf()
+    gguf = args.gguf or scale_gguf(args.quant)
     kvyard_env = {"CHECKPOINT_PATH": str(gguf), **dict(kv.split("=", 1) for kv in args.kvyard_env)}
     only = set(args.only.split(","))
     workloads = set(args.workloads.split(","))

@@ -4,7 +4,9 @@ tokenizer and chat template, quantized Q4_K_M by llama.cpp's own `llama-quantize
 build as the llama-server peer). Built once into ~/.cache/kvyard (a 3.4 GB float16 file on the way,
 deleted after quantizing; a few minutes on 2 cores).
 
-    .venv/bin/python benchmarks/scale_model.py     # prints the path, building it if missing
+    .venv/bin/python benchmarks/scale_model.py [Q5_K_M]    # prints the path, building it if missing
+
+Another llama-quantize type (e.g. Q5_K_M, the other K-quant mix people run) is built the same way beside it.
 """
 from __future__ import annotations
 
@@ -23,18 +25,18 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, CONTEXT = 2048, 24, 32, 32, 8192, 8192
 NAME = "kvyard-scale-1.7b"
 
 
-def scale_gguf() -> Path:
-    """The Q4_K_M file, built on first use."""
-    out = CACHE / f"{NAME}.Q4_K_M.gguf"
+def scale_gguf(quant: str = "Q4_K_M") -> Path:
+    """The file quantized `quant` (llama-quantize's type name), built on first use."""
+    out = CACHE / f"{NAME}.{quant}.gguf"
     if out.exists():
         return out
     f16 = CACHE / f"{NAME}.F16.gguf"
     if not f16.exists():
         print(f"writing the random-weight float16 GGUF {f16} ...", flush=True)
         _write_f16(f16)
-    print("quantizing it Q4_K_M with llama-quantize ...", flush=True)
+    print(f"quantizing it {quant} with llama-quantize ...", flush=True)
     tmp = out.with_suffix(".partial")
-    subprocess.run([str(llama_binary("llama-quantize")), str(f16), str(tmp), "Q4_K_M", "2"], check=True,
+    subprocess.run([str(llama_binary("llama-quantize")), str(f16), str(tmp), quant, "2"], check=True,
                    stdout=subprocess.DEVNULL)
     tmp.rename(out)
     f16.unlink()
@@ -91,4 +93,4 @@ def _write_f16(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(scale_gguf())
+    print(scale_gguf(*sys.argv[1:2]))

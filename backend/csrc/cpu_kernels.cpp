@@ -365,7 +365,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::gil_scoped_release;
   m.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1)^T (+ bias) (+ residual)", call_guard<release>());
   m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0)^T (+ bias) (+ residual)", call_guard<release>());
-  m.def("kquant_linear", &kquant_linear, "x @ dequant(Q4_K or Q6_K, n16)^T (+ bias) (+ residual)",
+  m.def("kquant_linear", &kquant_linear, "x @ dequant(Q4_K, Q5_K or Q6_K, n16)^T (+ bias) (+ residual)",
         call_guard<release>());
   m.def("dequant_rows", &dequant_rows, "rows of a block matrix as float32 (mins: K-quants' sub-scales)",
         call_guard<release>());

@@ -25,8 +25,10 @@ inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, fl
       float* o = col + b * QK * ldo;
       switch (w.kind) {
         case BlockKind::Q4_1:
-        case BlockKind::Q4_K: {
-          const uint8_t* codes = w.qs + g * nb * 256;
+        case BlockKind::Q4_K:
+        case BlockKind::Q5_K: {
+          const bool q5 = w.kind == BlockKind::Q5_K;
+          const uint8_t* codes = w.qs + g * nb * (q5 ? 320 : 256);
           __m512 scale, minimum;
           if (w.kind == BlockKind::Q4_1) {
             scale = halves_ps(w.d + (g * nb + b) * G16);
@@ -38,9 +40,10 @@ inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, fl
             minimum = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves_ps(dd + 16), bytes_ps<false>(s + 16)));
           }
           for (int64_t j = 0; j < 16; ++j) {
-            const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * 16 + j) * 16)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(by, _mm512_set1_epi32(0x0F)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(by, 4));
+            // lane n: the pair (k=j, k=j+16) of row n as int16 halves (Q5_K: with their top bits)
+            const __m512i pair = q5 ? q5_weights(codes + b * 320, j) : group_weights<true>(codes, b, j);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16));
             _mm512_storeu_ps(o + j * ldo, _mm512_add_ps(_mm512_mul_ps(lo, scale), minimum));
             _mm512_storeu_ps(o + (j + 16) * ldo, _mm512_add_ps(_mm512_mul_ps(hi, scale), minimum));
           }
@@ -117,7 +120,7 @@ inline void dequantize_groups_t_avx2(const QMatrix& w, int64_t g0, int64_t g1, f
 
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
 inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
-  if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K || int16_code() != I16_AVX2)
+  if (is_k_quant(w.kind) || int16_code() != I16_AVX2)
     return dequantize_groups_t_512(w, g0, g1, out, ldo);
   dequantize_groups_t_avx2(w, g0, g1, out, ldo);
 }

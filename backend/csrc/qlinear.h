@@ -26,7 +26,7 @@ struct QMatrix {                 // one [N, K] weight in blocks of 32 along K
   const uint8_t* qs = nullptr;   // rows: [N, K/2] (Q4_1) or [N, K] (Q8_0) codes; n16: qlinear_vnni.h's layout
   const half_t* d = nullptr;     // rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
   const half_t* m = nullptr;     // minimums (Q4_1 only), laid out as d
-  const uint8_t* sub = nullptr;  // Q4_K / Q6_K (n16 only, qlinear_kquant.h): the per-block sub-scales; d then
+  const uint8_t* sub = nullptr;  // Q4_K / Q5_K / Q6_K (n16 only, qlinear_kquant.h): the per-block sub-scales; d then
                                  // holds the per-256 scales
   int64_t N = 0, K = 0;
   BlockKind kind = BlockKind::Q4_1;
@@ -151,7 +151,7 @@ inline void dot_row(const float* x, int64_t ldx, int rows, const uint8_t* qs, co
 // Row n of a quantized matrix as float32 into out (K floats).
 inline void decode_row(const QMatrix& w, int64_t n, float* out) {
   const int64_t nb = w.nb();
-  if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K) return decode_row_k(w.kind, w.qs, w.d, w.sub, nb, n, out);
+  if (is_k_quant(w.kind)) return decode_row_k(w.kind, w.qs, w.d, w.sub, nb, n, out);
   if (w.n16) {  // the row's codes are strided across its group (embedding lookups only: a few rows a step)
     const int64_t g = n / G16, i = n % G16;
     for (int64_t b = 0; b < nb; ++b) {
@@ -253,7 +253,7 @@ inline LinearInput prepare_input(const QMatrix& w, const float* x, int64_t M, in
     int32_t* q = reinterpret_cast<int32_t*>(scratch);
     float* s = scratch + M * nb * 16;
     float* sum = s + M * nb;
-    if (w.kind == BlockKind::Q4_K || w.kind == BlockKind::Q6_K)
+    if (is_k_quant(w.kind))
       quantize_rows_super(x, w.K, m0, m1, q, s, sum, w.kind == BlockKind::Q6_K);
     else
       quantize_rows16(x, w.K, m0, m1, q, s, sum);
@@ -340,6 +340,8 @@ inline void run_linear_item(int64_t item, const LinearInput& in, const QMatrix& 
   item_bounds(item, in.M, w, m0, m1, n0, n1);
   if (w.kind == BlockKind::Q4_K)
     return group_item16_k<BlockKind::Q4_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
+  if (w.kind == BlockKind::Q5_K)
+    return group_item16_k<BlockKind::Q5_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
   if (w.kind == BlockKind::Q6_K)
     return group_item16_k<BlockKind::Q6_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
   if (w.n16) {

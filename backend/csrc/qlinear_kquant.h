@@ -1,20 +1,23 @@
-// The GGUF's K-quant blocks (Q4_K, Q6_K) served as they are by the int16-activation kernels of
+// The GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) served as they are by the int16-activation kernels of
 // qlinear_vnni.h (AVX-512, with or without VNNI), in groups of 16 output rows ("n16", backend/quant.py lays
 // them out):
 //   Q4_K: per 256 weights a float16 scale d and minimum dmin, per 32 a 6-bit scale sc and minimum mn:
 //         w = (d sc) q - (dmin mn), q in 0..15. Codes exactly as Q4_1's n16 ([G][nb][16 j][16 n] bytes:
 //         k=j low nibble, k=j+16 high); d [G][nb/8][2][16] float16 (d, dmin); sub [G][nb][2][16] uint8 (sc, mn).
+//   Q5_K: Q4_K with a fifth bit: q in 0..31. Codes [G][nb][20][16] bytes: rows 0-15 Q4_K's nibbles, then
+//         16 little-endian uint32 words, word n = row n's 32 top bits (bit k: weight k); d and sub as Q4_K.
 //   Q6_K: per 256 weights a float16 scale d, per 16 an int8 scale sc: w = (d sc) (q - 32), q in 0..63.
 //         Codes [G][nb][24][16] bytes: rows 0-15 step j, byte n = low 4 bits of row n's k=2j | k=2j+1 << 4;
 //         rows 16-23 pair i, byte n = the top 2 bits of k=4i..4i+3, 2 bits each from the bottom;
 //         d [G][nb/8][16] float16; sub [G][nb][2][16] int8 (the scales of k 0-15 and 16-31).
-// 4.625 and 6.5625 bits a weight, as in the file: no requantizing step (Q4_1: 5, Q8_0: 8.5 bits).
+// 4.625, 5.625 and 6.5625 bits a weight, as in the file: no requantizing step (Q4_1: 5, Q8_0: 8.5 bits).
 //
 // Activations are rounded per token row and super-block of 256 (quantize_rows_super: 14-bit values, one
 // scale), so the sub-scales can join the integer sums: Σ_k (sc q_k) x_k over a whole Q4_K super-block, or
 // Σ (sc (q_k - 32)) x_k over 64 Q6_K weights, is an exact 32-bit integer (at most 1.98e9 and 2.147e9 of
-// int32's 2.147e9), and the float part, acc = fma(float(sum), d s_x, acc), runs once a super-block (Q4_K) or
-// every 64 weights (Q6_K) instead of every 32 or 16: at 32 token rows the 1.7B's K-quant linears ran 1.1-1.2x
+// int32's 2.147e9; Q5_K's codes reach 31, so its sums span half a super-block: 2.05e9), and the float part,
+// acc = fma(float(sum), d s_x, acc), runs once a super-block (Q4_K), every 128 weights (Q5_K) or every 64
+// (Q6_K) instead of every 32 or 16: at 32 token rows the 1.7B's K-quant linears ran 1.1-1.2x
 // as fast as with a float step per block (qlinear_vnni.h's per-32 scales). Q6_K's two scales per 32 weights
 // meet its activations paired k=2j, 2j+1 (quantize_rows_super's `adjacent`). Q4_K's minimum terms run as a
 // second float chain per output, m = fma(-(dmin mn), S_x, m) with S_x each block's exact float sum
@@ -25,15 +28,30 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "qlinear_vnni.h"
 #include "simd.h"
 
 namespace kvyard {
 
-enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3 };
+enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q5_K = 4 };
 
 constexpr int64_t SUPER = 8;  // 32-weight blocks per K-quant super-block of 256
+
+constexpr bool is_k_quant(BlockKind kind) {
+  return kind == BlockKind::Q4_K || kind == BlockKind::Q5_K || kind == BlockKind::Q6_K;
+}
+
+// What the K-quant kinds differ in: code bytes per block of 16 rows, d's float16 values per super-block and
+// 16 rows (Q4_K / Q5_K: d and dmin), the sub-scales' sign, and whether minimums are subtracted.
+template <BlockKind KIND>
+struct KTraits {
+  static constexpr bool q6 = KIND == BlockKind::Q6_K;
+  static constexpr int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : KIND == BlockKind::Q5_K ? 320 : 384;
+  static constexpr int64_t d_halves = q6 ? 16 : 32;
+  static constexpr bool signed_sub = q6, minimums = !q6;
+};
 
 inline bool cpu_has_vbmi() {
   static const bool yes = __builtin_cpu_supports("avx512vbmi");
@@ -60,6 +78,15 @@ inline __m512i q6_weights(const uint8_t* codes, int64_t j) {
   const __m512i hp = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x3)), 4),
                                      _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0xC)), 18));
   return _mm512_sub_epi16(_mm512_or_si512(lo, hp), _mm512_set1_epi16(32));
+}
+
+// Step j of a Q5_K block (codes: the block's 320 bytes): Q4_K's nibble pairs (k=j, k=j+16) with their top bits
+// at bit 4 of each int16, rotated out of the row's word (bits j and 16 + j to 4 and 20).
+inline __m512i q5_weights(const uint8_t* codes, int64_t j) {
+  const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+  const __m512i nib = _mm512_and_si512(_mm512_or_si512(by, _mm512_slli_epi32(by, 12)), _mm512_set1_epi32(0x000F000F));
+  const __m512i top = _mm512_rorv_epi32(_mm512_loadu_si512(codes + 256), _mm512_set1_epi32(static_cast<int>((j - 4) & 31)));
+  return _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi32(0x00100010), 0xF8);  // nib | (top & mask)
 }
 
 // 16 int8 or uint8 sub-scales as floats.
@@ -124,31 +151,38 @@ inline void super_sums(const __m512i* sum, __m512 dv, const float* xs, int64_t l
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * lds])), acc[r]);
 }
 
-// The blocks one float step covers, and that step's scale d for super-block sb.
+// The blocks one float step covers (Q5_K: |sc q x| <= 63 * 31 * 8191, 128 of them 2.05e9), and that step's
+// scale d for super-block sb.
 template <BlockKind KIND>
-constexpr int64_t kFloatSpan = KIND == BlockKind::Q4_K ? SUPER : 2;
+constexpr int64_t kFloatSpan = KIND == BlockKind::Q4_K ? SUPER : KIND == BlockKind::Q5_K ? SUPER / 2 : 2;
 
 template <BlockKind KIND>
 inline __m512 super_scale(const half_t* d, int64_t sb) {
-  return halves_ps(d + sb * (KIND == BlockKind::Q4_K ? 32 : 16));
+  return halves_ps(d + sb * KTraits<KIND>::d_halves);
 }
 
-// The sub-scales of block b's half h (Q4_K: one half, the whole block).
+// The sub-scales of block b's half h (Q4_K, Q5_K: one half, the whole block).
 template <BlockKind KIND>
 inline const uint8_t* half_scales(const uint8_t* sub, int64_t b, int64_t h) {
-  return sub + b * 32 + (KIND == BlockKind::Q4_K ? 0 : 16 * h);
+  return sub + b * 32 + (KTraits<KIND>::q6 ? 16 * h : 0);
+}
+
+// Step j of block b of one group's codes, as int16 weight pairs (Q6_K: minus 32).
+template <BlockKind KIND>
+inline __m512i k_weights(const uint8_t* codes, int64_t b, int64_t j) {
+  if constexpr (KIND == BlockKind::Q4_K) return group_weights<true>(codes, b, j);
+  else if constexpr (KIND == BlockKind::Q5_K) return q5_weights(codes + b * 320, j);
+  else return q6_weights(codes + b * 384, j);
 }
 
 // Decodes one group's codes (nb blocks) into int16 weight pairs times their sub-scales: wp[b * 16 + j] is step
-// j of block b, as group_weights / q6_weights give it, times sc (|sc q| <= 945, |sc (q - 32)| <= 4096).
+// j of block b, as k_weights gives it, times sc (|sc q| <= 945 (Q4_K), 1953 (Q5_K), |sc (q - 32)| <= 4096).
 template <BlockKind KIND>
 inline void decode_group_k(const uint8_t* codes, const uint8_t* sub, int64_t nb, __m512i* wp) {
-  constexpr bool Q4 = KIND == BlockKind::Q4_K;
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < 2; ++h) {
-      const __m512i sc = sub_pairs<!Q4>(half_scales<KIND>(sub, b, h));
-      for (int64_t j = 8 * h; j < 8 * h + 8; ++j)
-        wp[b * 16 + j] = _mm512_mullo_epi16(Q4 ? group_weights<true>(codes, b, j) : q6_weights(codes + b * 384, j), sc);
+      const __m512i sc = sub_pairs<KTraits<KIND>::signed_sub>(sub + b * 32 + (KTraits<KIND>::q6 ? 16 * h : 0));
+      for (int64_t j = 8 * h; j < 8 * h + 8; ++j) wp[b * 16 + j] = _mm512_mullo_epi16(k_weights<KIND>(codes, b, j), sc);
     }
 }
 
@@ -279,14 +313,20 @@ inline void decode_row_k(BlockKind kind, const uint8_t* qs, const half_t* d, con
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sb = b / SUPER;
     const uint8_t* s = sub + (g * nb + b) * 32;
-    if (kind == BlockKind::Q4_K) {
+    if (kind == BlockKind::Q4_K || kind == BlockKind::Q5_K) {
+      const bool q5 = kind == BlockKind::Q5_K;
+      const uint8_t* cb = qs + (g * nb + b) * (q5 ? 320 : 256);
       const half_t* dd = d + (g * nsb + sb) * 32;
       const float scale = half_to_float(dd[i]) * static_cast<float>(s[i]);
       const float minimum = half_to_float(dd[16 + i]) * static_cast<float>(s[16 + i]);
+      uint32_t top = 0;
+      if (q5) std::memcpy(&top, cb + 256 + 4 * i, 4);
       for (int64_t j = 0; j < 16; ++j) {
-        const uint8_t byte = qs[((g * nb + b) * 16 + j) * G16 + i];
-        out[b * QK + j] = scale * static_cast<float>(byte & 0x0F) - minimum;
-        out[b * QK + j + 16] = scale * static_cast<float>(byte >> 4) - minimum;
+        const uint8_t byte = cb[j * G16 + i];
+        const int lo = (byte & 0x0F) | static_cast<int>((top >> j) & 1) << 4;
+        const int hi = (byte >> 4) | static_cast<int>((top >> (j + 16)) & 1) << 4;
+        out[b * QK + j] = scale * static_cast<float>(lo) - minimum;
+        out[b * QK + j + 16] = scale * static_cast<float>(hi) - minimum;
       }
     } else {
       const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);

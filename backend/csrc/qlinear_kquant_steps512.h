@@ -2,16 +2,17 @@
 // qlinear_kquant.h includes this file twice, in namespaces vnni and bw, each with qlinear_vnni.h's dot16.
 
 // y[r, 0..15] for R token rows against one group of 16 output rows of a K-quant matrix (qlinear_vnni.h's
-// group_rows16 for Q4_K / Q6_K). codes, d, sub: this group's. The portable decode (no VBMI); its step loops
+// group_rows16 for Q4_K / Q5_K / Q6_K). codes, d, sub: this group's. The portable decode (no VBMI); its step loops
 // unrolled as qlinear_vnni.h's. Each block's (Q6_K: each half's) dots carry their sub-scales into one integer
 // sum per row (qlinear_kquant.h: on the dots for few rows, on the weights for more), which meets the float
-// part once a super-block (Q4_K) or every 64 weights (Q6_K); Q4_K's minimum terms are a second float chain,
-// added at the end (q4k_minimum_chain).
+// part once every kFloatSpan blocks; Q4_K's and Q5_K's minimum terms are a second float chain, added at the
+// end (q4k_minimum_chain).
 template <BlockKind KIND, int R>
 inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t* sub, int64_t nb, const int32_t* xq,
                            const float* xs, const float* xsum, int64_t ldq, int64_t lds, float* y, int64_t ldy) {
-  constexpr bool Q4 = KIND == BlockKind::Q4_K, fold = R > kMulDotsRows;
-  constexpr int64_t code_bytes = Q4 ? 256 : 384, halves = Q4 ? 1 : 2, steps = 16 / halves;
+  using T = KTraits<KIND>;
+  constexpr bool fold = R > kMulDotsRows;
+  constexpr int64_t code_bytes = T::code_bytes, halves = T::q6 ? 2 : 1, steps = 16 / halves;
   __m512 acc[R];
   __m512i whole[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -26,17 +27,17 @@ inline void group_rows16_k(const uint8_t* codes, const half_t* d, const uint8_t*
       for (int r = 0; r < R; ++r) dot[r] = fold ? whole[r] : _mm512_setzero_si512();
 #pragma GCC unroll 16
       for (int64_t j = h * steps; j < h * steps + steps; ++j) {
-        __m512i w = Q4 ? group_weights<true>(codes, b, j) : q6_weights(codes + b * 384, j);
-        if constexpr (fold) w = _mm512_mullo_epi16(w, sub_pairs<!Q4>(sc));
+        __m512i w = k_weights<KIND>(codes, b, j);
+        if constexpr (fold) w = _mm512_mullo_epi16(w, sub_pairs<T::signed_sub>(sc));
         for (int r = 0; r < R; ++r) dot[r] = dot16(dot[r], w, _mm512_set1_epi32(xq[r * ldq + b * 16 + j]));
       }
       for (int r = 0; r < R; ++r)
-        whole[r] = fold ? dot[r] : _mm512_add_epi32(whole[r], _mm512_mullo_epi32(dot[r], sub_lanes<!Q4>(sc)));
+        whole[r] = fold ? dot[r] : _mm512_add_epi32(whole[r], _mm512_mullo_epi32(dot[r], sub_lanes<T::signed_sub>(sc)));
     }
     if (b % kFloatSpan<KIND> == kFloatSpan<KIND> - 1)
       super_sums<R>(whole, super_scale<KIND>(d, b / SUPER), xs + b / SUPER * SUPER, lds, acc);
   }
-  if constexpr (Q4) q4k_minimum_chain<R>(d, sub, nb, xsum, lds, acc);
+  if constexpr (T::minimums) q4k_minimum_chain<R>(d, sub, nb, xsum, lds, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
@@ -60,7 +61,7 @@ inline void group_rows16_k_decoded(const __m512i* wp, const half_t* d, const uin
     if (b % kFloatSpan<KIND> == kFloatSpan<KIND> - 1)
       super_sums<R>(whole, super_scale<KIND>(d, b / SUPER), xs + b / SUPER * SUPER, lds, acc);
   }
-  if constexpr (KIND == BlockKind::Q4_K) q4k_minimum_chain<R>(d, sub, nb, xsum, lds, acc);
+  if constexpr (KTraits<KIND>::minimums) q4k_minimum_chain<R>(d, sub, nb, xsum, lds, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
@@ -102,7 +103,7 @@ inline void group_pair_rows16_k_decoded(const __m512i* wp0, const __m512i* wp1, 
   for (int half = 0; half < 2; ++half) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_load_ps(acc_mem[half][r]);
-    if constexpr (KIND == BlockKind::Q4_K)
+    if constexpr (KTraits<KIND>::minimums)
       q4k_minimum_chain<R>(half ? d1 : d0, half ? sub1 : sub0, nb, xsum, lds, acc);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + 16 * half, acc[r]);
   }
@@ -116,7 +117,7 @@ template <BlockKind KIND>
 void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = x.nb, ldq = nb * 16, nsb = nb / SUPER;
-  const int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : 384, d_halves = KIND == BlockKind::Q4_K ? 32 : 16;
+  constexpr int64_t code_bytes = KTraits<KIND>::code_bytes, d_halves = KTraits<KIND>::d_halves;
   if (m1 - m0 > kDecodeAsYouGoRows) {
     // Many rows: the weights of two groups at a time decoded once (with their sub-scales) into this thread's
     // scratch, then every chunk of at most kPairChunkRows rows against both; an odd last group alone.

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512:
+"""Q4_K, Q5_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512:
 backend/csrc/qlinear_kquant.h): the blocks decode to gguf's own reference dequantization, the kernels'
 linears equal dequantize-then-matmul within the int16 activations' rounding, a row's bits do not depend
 on its batch, and a K-quant GGUF loads into them and decodes the same fused as op by op."""
@@ -15,7 +15,7 @@ from backend import kernels
 from backend.model import LlamaModel
 from backend import ops as ops_module
 from backend.ops import N16_GEMM_ROWS, KernelOps, TorchOps
-from backend.quant import Q4_K_BYTES, Q6_K_BYTES, QK_K, QuantWeight, k_blocks_from_gguf
+from backend.quant import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, QuantWeight, k_blocks_from_gguf
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from tests.backend.conftest import CPU, full_logits
@@ -26,7 +26,8 @@ from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
 K = kernels.load()
 pytestmark = pytest.mark.skipif(K is None or not K.has_avx512(),
                                 reason="K-quant blocks are served by the 512-bit int16 kernels (AVX-512)")
-KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
+         "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
 def random_k_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -34,9 +35,9 @@ def random_k_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     signed, -128 included), float16 scales of either sign."""
     rng = np.random.default_rng(seed)
     nsb = k // QK_K
-    size = Q4_K_BYTES if kind == "q4_k" else Q6_K_BYTES
+    size = {"q4_k": Q4_K_BYTES, "q5_k": Q5_K_BYTES, "q6_k": Q6_K_BYTES}[kind]
     raw = rng.integers(0, 256, size=(n, nsb, size), dtype=np.uint8)
-    if kind == "q4_k":  # d, dmin
+    if kind != "q6_k":  # d, dmin
         raw[..., 0:4] = rng.uniform(-0.004, 0.004, size=(n, nsb, 2)).astype(np.float16).view(np.uint8)
     else:
         raw[..., 208:210] = rng.uniform(-0.0004, 0.0004, size=(n, nsb, 1)).astype(np.float16).view(np.uint8)
@@ -48,7 +49,7 @@ def reference(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]).astype(np.float32).reshape(n, k))
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     n, k = 48, 512
     raw = random_k_raw(kind, n, k, seed=1)
@@ -60,8 +61,8 @@ def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     back = w16.to_rows()
     assert all(torch.equal(a, b) for a, b in ((back.qs, w.qs), (back.d, w.d), (back.m, w.m)))
     assert torch.equal(w16.dequantize(), want)
-    # bits a weight, as in the file (scales included): 4.625 and 6.5625
-    assert w16.nbytes() * 8 / (n * k) == (4.625 if kind == "q4_k" else 6.5625)
+    # bits a weight, as in the file (scales included): 4.625, 5.625 and 6.5625
+    assert w16.nbytes() * 8 / (n * k) == {"q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625}[kind]
     rows = torch.tensor([0, 15, 16, 47])  # the embedding lookup reads rows out of the groups
     assert torch.equal(K.dequant_rows(w16.qs, w16.d, w16.m, rows, False), want[rows])
     out = torch.empty(n, k)
@@ -69,7 +70,7 @@ def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
 def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
     n, k = 80, 256 if rows % 2 else 768
@@ -96,7 +97,7 @@ def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
 
 
 def k_minimums(w: QuantWeight) -> torch.Tensor:
-    """[n, k] float64: what a Q4_K weight subtracts, dmin mn (zeros for Q6_K); w in the "rows" layout."""
+    """[n, k] float64: what a Q4_K or Q5_K weight subtracts, dmin mn (zeros for Q6_K); w in the "rows" layout."""
     n, k = w.shape
     if w.kind == "q6_k":
         return torch.zeros(n, k, dtype=torch.float64)
@@ -118,18 +119,19 @@ def super_block_rounding(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 8191.0).double()).view(rows, k)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
-    """The sub-scales join the 32-bit integer sums (a Q4_K super-block's, 64 Q6_K weights'): at the largest
-    codes and sub-scales a format allows (Q4_K: q 15, sc 63; Q6_K: q - 32 = -32, sc -128) times activations at
-    their largest rounded value (8191), the sums reach 1.98e9 and 2.147e9 of int32's 2.147e9 and must not
-    wrap. A wrapped sum would be off by ~4.3e9 steps."""
+    """The sub-scales join the 32-bit integer sums (a Q4_K super-block's, 128 Q5_K weights', 64 Q6_K
+    weights'): at the largest codes and sub-scales a format allows (Q4_K: q 15, sc 63; Q5_K: q 31, sc 63;
+    Q6_K: q - 32 = -32, sc -128) times activations at their largest rounded value (8191), the sums reach
+    1.98e9, 2.05e9 and 2.147e9 of int32's 2.147e9 and must not wrap (Q5_K's over a whole super-block would:
+    4.1e9). A wrapped sum would be off by ~4.3e9 steps."""
     n, k = 32, 512
     raw = random_k_raw(kind, n, k, seed=9).reshape(n, k // QK_K, -1)
-    if kind == "q4_k":
+    if kind in ("q4_k", "q5_k"):
         raw[..., 4:16] = 0xFF  # every 6-bit scale and minimum 63
-        raw[..., 16:] = 0xFF  # every code 15
+        raw[..., 16:] = 0xFF  # every code 15 (Q5_K: every top bit set too, 31)
         raw[..., 0:2] = np.array([0.001], dtype=np.float16).view(np.uint8)  # d > 0
     else:
         raw[..., 0:192] = 0  # every code 0: q - 32 = -32
@@ -150,12 +152,12 @@ def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
 
 def random_n16(kind: str, n: int, k: int, seed: int) -> QuantWeight:
     """A random [n, k] matrix of any served block kind, in the n16 layout."""
-    if kind in ("q4_k", "q6_k"):
+    if kind in KINDS:
         return k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=seed), k).to_n16()
     return random_blocks(kind, n, k, seed=seed).to_n16()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
 def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     """From N16_GEMM_ROWS rows (where the CPU prefers it) the n16 weight is dequantized tile by tile into
     W^T and multiplied by torch's GEMM: float32 activations, so within float32 rounding of the exact product
@@ -170,7 +172,7 @@ def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     tiled_linear_is_exact(ops, w, N16_GEMM_ROWS + 5, seed=3, rel=1e-5)  # three tiles of 32 rows
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q5_k", "q6_k"])
 def test_prefill_gemm_choice_picks_the_multiply(kind: str) -> None:
     """PREFILL_GEMM's three choices over the same n16 weight and prefill-sized batch: int16 gives the int16
     kernel's bits (what a short batch gets), float32 the exact product within float32 rounding, bfloat16
@@ -218,7 +220,7 @@ def test_bf16_matmul_asks_onednn_for_bf16_math_where_the_cpu_has_it(monkeypatch:
     assert got.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
     w = k_blocks_from_gguf(kind, random_k_raw(kind, 112, 512, seed=9), 512).to_n16()  # 7 groups: pairs and one alone
     x = torch.randn(130, 512, generator=torch.Generator().manual_seed(9))
@@ -244,7 +246,7 @@ def test_q6_k_vbmi_decode_gives_the_portable_bits(rows: int) -> None:
 
 
 @pytest.mark.skipif(K is None or not K.has_vnni(), reason="compares the VNNI code with the plain AVX-512 one")
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 17, 64])
 def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -> None:
     """On AVX-512 without VNNI the step loops multiply with vpmaddwd + vpaddd: the same integer dots, so the
@@ -263,25 +265,29 @@ def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -
 
 K_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
            "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"}
+# A Q5_K_M file's kinds: Q5_K, with Q6_K where llama-quantize spends more bits
+K5_TYPES = {**K_TYPES, "attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q5_K", "ffn_gate": "Q5_K", "ffn_up": "Q5_K"}
 
 
-@pytest.fixture(scope="module")
-def k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["q4_k", "q5_k"])
+def k_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tiny = tiny_model("llama", hidden=256, heads=4, kv_heads=2, layers=2, tie=True)
-    return write_gguf(tiny, tmp_path_factory.mktemp("kq") / "k.gguf", K_TYPES)
+    types = K_TYPES if request.param == "q4_k" else K5_TYPES
+    return write_gguf(tiny, tmp_path_factory.mktemp("kq") / f"{request.param}.gguf", types), request.param
 
 
-def test_k_quant_gguf_is_served_as_it_is(k_gguf: Path) -> None:
-    """n16: every Q4_K or Q6_K matrix kept in its own blocks (the file's bytes, no requantizing), the
+def test_k_quant_gguf_is_served_as_it_is(k_gguf: tuple[Path, str]) -> None:
+    """n16: every Q4_K, Q5_K or Q6_K matrix kept in its own blocks (the file's bytes, no requantizing), the
     fused decode step equal to the op-by-op loop bit for bit, and both within int16 rounding of the
-    dense float32 model. The rows layout (no VNNI) keeps converting: Q4_K to Q4_1, Q6_K to Q8_0."""
-    config = load_model_config(k_gguf)
-    weights = load_weights(k_gguf, config, torch.float32, CPU, keep_blocks=True, block_layout="n16")
+    dense float32 model. The rows layout (no VNNI) keeps converting: Q4_K to Q4_1, Q5_K and Q6_K to Q8_0."""
+    path, main_kind = k_gguf
+    config = load_model_config(path)
+    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16")
     kinds = {name: w.kind for name, w in weights.items() if isinstance(w, QuantWeight)}
-    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == "q4_k"
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == main_kind
     assert kinds["layers.0.o"] == kinds["layers.1.down"] == "q6_k"
     assert config.vocab_size % 16 and kinds["embed"] == "q8_0"  # rows not in groups of 16: requantized, as before
-    dense = load_weights(k_gguf, config, torch.float32, CPU)  # the file's exact dequantization
+    dense = load_weights(path, config, torch.float32, CPU)  # the file's exact dequantization
     for name, w in weights.items():
         if isinstance(w, QuantWeight) and w.kind != "q8_0":
             assert torch.equal(w.dequantize(), dense[name]), name
