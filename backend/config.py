@@ -31,6 +31,7 @@ class BackendConfig:
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     activations: str             # ACTIVATIONS: what the GGUF-block linears multiply by, "int16" or "float32"
     prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in, kernels.PREFILL_GEMMS
+    kquants: str                 # KQUANTS: a GGUF's Q4_K/Q5_K/Q6_K blocks "native" (as the file has them) or "convert"
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once
@@ -89,6 +90,7 @@ class BackendConfig:
             weight_format=weight_format,
             activations=(activations := _activations(env, weight_format)),
             prefill_gemm=_prefill_gemm(env, activations),
+            kquants=_kquants(env, activations),
             kv_cache_dtype=_kv_cache_dtype(env, dtype, weight_format),
             block_size=env_int(env, "BLOCK_SIZE", 16, minimum=1),
             kv_cache_mb=env_int(env, "KV_CACHE_MB", 1024, minimum=1),
@@ -176,6 +178,21 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
             raise ValueError("ACTIVATIONS=int16 needs the GGUF-block kernels (WEIGHT_FORMAT=gguf)")
         return "float32"
     return "int16" if choice == "auto" else choice
+
+
+def _kquants(env: Mapping[str, str], activations: str) -> str:
+    """auto: native where the int16 kernels run on AVX-512; on an AVX2-only CPU convert (Q4_K to Q4_1, Q5_K and
+    Q6_K requantized to Q8_0): its 256-bit K-quant loops (qlinear_kquant_avx2.h) measured 1.4x slower a 1.7B
+    token than the converted blocks, for top-1 agreement with float32 0.997 instead of 0.93 (docs/performance.md).
+    native: the file's blocks on either; convert: the converted ones. K-quant blocks need int16 activations."""
+    choice = env_choice(env, "KQUANTS", "auto", ("auto", "native", "convert"))
+    if choice == "native" and activations != "int16":
+        raise ValueError(f"KQUANTS=native needs int16 activations (ACTIVATIONS=int16); this backend runs {activations}")
+    if choice != "auto" or activations != "int16":
+        return choice if activations == "int16" else "convert"
+    from backend import kernels
+    module = kernels.load()
+    return "native" if module is not None and module.has_avx512() else "convert"
 
 
 def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:

@@ -48,7 +48,7 @@ PREFILL_GEMMS = ("int16", "float32", "bfloat16")
 
 # KVYARD_CPU_ISA: the widest instruction set the kernels may use, in the C++ module's order (IsaLevel in
 # csrc/simd.h). "avx2" and "avx512" run the paths of an AVX2-only CPU and of an AVX-512 CPU without VNNI on
-# this one: int16 activations on the AVX2 kernels (qlinear_n16_avx2.h), K-quants converted to Q4_1 / Q8_0,
+# this one: int16 activations on the AVX2 kernels (qlinear_n16_avx2.h, qlinear_kquant_avx2.h),
 # SDPA in place of the AVX-512 attention kernels (AVX2), as docs/performance.md's table of CPU kinds says. For
 # tests and for measuring those paths.
 ISA_LEVELS = ("avx2", "avx512", "native")

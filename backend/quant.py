@@ -6,7 +6,7 @@ and minimums stay float16, as the GGUF stores them: 20 bytes per 32 Q4_1 weights
 
 Two layouts of the same blocks: "rows" (each output row's blocks together, the GGUF's order) for the
 float32-activation kernels, and "n16" (groups of 16 output rows interleaved, backend/csrc/qlinear_vnni.h)
-for the int16-activation kernels on CPUs with AVX-512 VNNI; `to_n16()` converts once at load. There the
+for the int16-activation kernels (AVX-512 or AVX2); `to_n16()` converts once at load. There the
 GGUF's K-quants are served as they are too (Q4_K, Q5_K, Q6_K: backend/csrc/qlinear_kquant.h), n16 only: their
 "rows" layout is just the step between the file and the groups (and the reference's way back)."""
 from __future__ import annotations
@@ -223,7 +223,7 @@ Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top 
 
 def native_kind(gguf_type: str, kquants: bool) -> str | None:
     """The K-quant kind a GGUF tensor type is served in as it is, or None. kquants: whether the kernels take
-    K-quant blocks (the n16 layout on AVX-512; AVX2's n16 kernels take Q4_1 and Q8_0 only)."""
+    K-quant blocks (the n16 layout, AVX-512 or AVX2)."""
     return gguf_type if kquants and gguf_type in K_KINDS else None
 
 

@@ -11,10 +11,10 @@ time, read with pread from the file (no memory map, whose touched pages would co
 the peak stays near the served weights however large the model (backend/main.py logs it;
 benchmarks/load_weights.py measures it per format). Serving formats:
 - keep_blocks (the C++ kernels): GGUF blocks. Q4_1 and Q8_0 stay as they are; so do Q4_K, Q5_K and Q6_K
-  in the n16 layout on AVX-512 (int16 activations). Elsewhere (AVX2, either layout) Q4_0 and Q4_K become
-  Q4_1 (the same weights; Q4_K's scale products rounded to float16); every other type (F32, F16, BF16,
-  Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact dequantization, rows
-  at a time.
+  in the n16 layout (int16 activations, AVX-512 or AVX2). In the rows layout (ACTIVATIONS=float32) Q4_0 and
+  Q4_K become Q4_1 (the same weights; Q4_K's scale products rounded to float16); every other type (F32,
+  F16, BF16, Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*...) is requantized to Q8_0 from its exact
+  dequantization, rows at a time.
   A fused matrix whose parts are served in different kinds (Q4_K_M files give v a Q6_K beside a Q4_K q
   and k in half the layers) is a StackedWeight: each part in its own kind, none requantized for the
   others' sake.
@@ -48,9 +48,11 @@ BLOCK_CHUNK_ELEMENTS = CHUNK_ELEMENTS // 4
 
 
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 keep_blocks: bool = False, block_layout: str = "rows", progress: bool = True) -> dict[str, Tensor]:
+                 keep_blocks: bool = False, block_layout: str = "rows", progress: bool = True,
+                 kquants: bool = True) -> dict[str, Tensor]:
     """block_layout: how kept blocks are laid out, "rows" (float32-activation kernels) or "n16" (the
-    int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows")."""
+    int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows"). kquants: K-quant
+    blocks kept as they are in the n16 layout (KQUANTS), else converted."""
     start = time.monotonic()
     with open_checkpoint(path, config) as source:
         if keep_blocks and not isinstance(source, GGUFSource):
@@ -59,7 +61,7 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
         bar = _Progress(sum(source.nbytes(n) for parts in plan.values() for n in parts), str(path),
                         enabled=progress)
         target = _Target(dtype, device, keep_blocks, block_layout,
-                         kquants=keep_blocks and block_layout == "n16" and _kquant_kernels())
+                         kquants=kquants and keep_blocks and block_layout == "n16" and _kquant_kernels())
         out: dict[str, Tensor] = {}
         for name, parts in plan.items():
             out[name] = _load_one(source, parts, target, bar)
@@ -86,11 +88,10 @@ class _Target:
 
 
 def _kquant_kernels() -> bool:
-    """Whether the C++ kernels take Q4_K / Q5_K / Q6_K blocks as they are (AVX-512, with or without VNNI); AVX2's n16
-    kernels take them as Q4_1 / Q8_0."""
+    """Whether the C++ kernels take Q4_K / Q5_K / Q6_K blocks as they are: wherever they load (AVX-512, with
+    or without VNNI, and AVX2: backend/csrc/qlinear_kquant_avx2.h)."""
     from backend import kernels
-    module = kernels.load()
-    return module is not None and module.has_avx512()
+    return kernels.load() is not None
 
 
 def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress) -> Tensor:

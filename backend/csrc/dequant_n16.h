@@ -120,8 +120,10 @@ inline void dequantize_groups_t_avx2(const QMatrix& w, int64_t g0, int64_t g1, f
 
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
 inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
-  if (is_k_quant(w.kind) || int16_code() != I16_AVX2)
-    return dequantize_groups_t_512(w, g0, g1, out, ldo);
+  if (int16_code() != I16_AVX2) return dequantize_groups_t_512(w, g0, g1, out, ldo);
+  if (w.kind == BlockKind::Q4_K) return dequantize_groups_k_avx2<BlockKind::Q4_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
+  if (w.kind == BlockKind::Q5_K) return dequantize_groups_k_avx2<BlockKind::Q5_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
+  if (w.kind == BlockKind::Q6_K) return dequantize_groups_k_avx2<BlockKind::Q6_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
   dequantize_groups_t_avx2(w, g0, g1, out, ldo);
 }
 

@@ -1,5 +1,5 @@
 // The GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) served as they are by the int16-activation kernels of
-// qlinear_vnni.h (AVX-512, with or without VNNI), in groups of 16 output rows ("n16", backend/quant.py lays
+// qlinear_vnni.h (AVX-512, with or without VNNI; AVX2: qlinear_kquant_avx2.h), in groups of 16 output rows ("n16", backend/quant.py lays
 // them out):
 //   Q4_K: per 256 weights a float16 scale d and minimum dmin, per 32 a 6-bit scale sc and minimum mn:
 //         w = (d sc) q - (dmin mn), q in 0..15. Codes exactly as Q4_1's n16 ([G][nb][16 j][16 n] bytes:
@@ -293,11 +293,25 @@ inline void group_item16_q6k_vbmi(const Int16Rows& x, int64_t m0, int64_t m1, co
 
 #pragma GCC pop_options
 
+}  // namespace kvyard
+
+#include "qlinear_kquant_avx2.h"
+
+namespace kvyard {
+
+// The K-quant kernels' rounding of rows [m0, m1) (quantize_rows_super_512), on the CPU's int16 code.
+inline void quantize_rows_super(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
+                                bool adjacent) {
+  if (int16_code() == I16_AVX2) return quantize_rows_super_avx2(x, K, m0, m1, q, s, sum, adjacent);
+  quantize_rows_super_512(x, K, m0, m1, q, s, sum, adjacent);
+}
+
 // Token rows [m0, m1) against groups [g0, g1), as qlinear_vnni.h's group_item16.
 template <BlockKind KIND>
 void group_item16_k(const Int16Rows& x, int64_t m0, int64_t m1, const uint8_t* qs, const half_t* d, const uint8_t* sub,
                     int64_t g0, int64_t g1, float* y, int64_t ldy) {
-  const bool vnni = int16_code() == I16_VNNI;  // else AVX-512 alone (K-quants are served on AVX-512 only)
+  if (int16_code() == I16_AVX2) return group_item16_k_avx2<KIND>(x, m0, m1, qs, d, sub, g0, g1, y, ldy);
+  const bool vnni = int16_code() == I16_VNNI;  // else AVX-512 alone
   // Many rows: the decoded weights once per group (either namespace's group_item16_k), whatever the decode.
   if (KIND == BlockKind::Q6_K && vnni && vbmi_on() && m1 - m0 <= kDecodeAsYouGoRows)
     return group_item16_q6k_vbmi(x, m0, m1, qs, d, sub, g0, g1, y, ldy);

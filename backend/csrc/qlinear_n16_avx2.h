@@ -31,9 +31,16 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// quantize_rows16_512's values, scales and sums: the sum adds in _mm512_reduce_add_ps's order (GCC's
-// avx512fintrin.h) over the 16 lanes of lo + hi (256-bit halves, then 128-bit halves, then pairs), so it has
-// the same bits.
+// A 32-wide block's sum (l0, l1: values 0-15, h0, h1: 16-31) in _mm512_reduce_add_ps's order (GCC's
+// avx512fintrin.h) over the 16 lanes of lo + hi (256-bit halves, then 128-bit halves, then pairs): the same bits.
+inline float block_sum_avx2(__m256 l0, __m256 l1, __m256 h0, __m256 h1) {
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(l1, h1), _mm256_add_ps(l0, h0));
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+// quantize_rows16_512's values, scales and sums (block_sum_avx2), so the same bits.
 inline void quantize_rows16_avx2(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
                                  float* sum) {
   const int64_t nb = K / QK;
@@ -48,10 +55,7 @@ inline void quantize_rows16_avx2(const float* x, int64_t K, int64_t m0, int64_t 
                                              _mm256_max_ps(_mm256_and_ps(h0, abs_mask), _mm256_and_ps(h1, abs_mask))));
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
       s[m * nb + b] = amax / 32767.f;
-      const __m256 t = _mm256_add_ps(_mm256_add_ps(l1, h1), _mm256_add_ps(l0, h0));
-      const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
-      const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
-      sum[m * nb + b] = _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+      sum[m * nb + b] = block_sum_avx2(l0, l1, h0, h1);
       const __m256 vinv = _mm256_set1_ps(inv);
       for (int half = 0; half < 2; ++half) {
         const __m256i ql = _mm256_cvtps_epi32(_mm256_mul_ps(half ? l1 : l0, vinv));

@@ -171,8 +171,8 @@ inline void quantize_rows16_512(const float* x, int64_t K, int64_t m0, int64_t m
 // float part runs once a super-block (Q4_K) or every 64 weights (Q6_K) instead of every 32 or 16.
 constexpr float kSuperLevels = 8191.f;
 
-inline void quantize_rows_super(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s, float* sum,
-                                bool adjacent) {
+inline void quantize_rows_super_512(const float* x, int64_t K, int64_t m0, int64_t m1, int32_t* q, float* s,
+                                    float* sum, bool adjacent) {
   const int64_t nb = K / QK;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {

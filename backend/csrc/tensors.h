@@ -44,7 +44,7 @@ inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Te
   w.q4 = w.kind == BlockKind::Q4_1;
   w.n16 = qs.dim() > 2;
   if (kquant) {
-    TORCH_CHECK(w.n16 && cpu_has_avx512(), "K-quant blocks are served in the n16 layout, on AVX-512 only");
+    TORCH_CHECK(w.n16, "K-quant blocks are served in the n16 layout");
     const bool q4k = w.kind != BlockKind::Q6_K;  // Q4_K or Q5_K: d and dmin
     TORCH_CHECK(qs.dim() == 4 && qs.size(2) == (w.kind == BlockKind::Q4_K ? 16 : q4k ? 20 : 24) && qs.size(3) == G16 && qs.size(1) % SUPER == 0 &&
                 mins.is_contiguous() && mins.dim() == 4 && mins.size(0) == qs.size(0) && mins.size(1) == qs.size(1) &&

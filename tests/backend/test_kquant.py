@@ -263,6 +263,30 @@ def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -
         K.use_int16(code)
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 64, N16_GEMM_ROWS + 3])
+def test_k_quant_linear_on_avx2_gives_the_avx512_bits(kind: str, rows: int) -> None:
+    """An AVX2-only CPU serves K-quant blocks as they are too (qlinear_kquant_avx2.h: 8 lanes a vector, vpmaddwd
+    + vpaddd): the same rounding, integer sums and float chains, so the same bits as the AVX-512 kernels, for
+    decode-sized batches and for prefill tiles (dequantized on AVX2, then torch's GEMM)."""
+    w = random_n16(kind, 48, 768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    ops = KernelOps(K, "float32")  # prefill-sized batches through dequantized tiles; fewer rows the kernel
+    vbmi = K.use_vbmi(False)
+    try:
+        wide = ops.linear(x, w)
+        code = K.use_int16("avx2")
+        try:
+            assert torch.equal(ops.linear(x, w), wide)
+            tile = torch.empty(768, 32)
+            K.dequantize_n16_t(w.qs, w.d, w.m, tile, 1, 3, False)
+            assert torch.equal(tile, w.dequantize()[16:48].T)
+        finally:
+            K.use_int16(code)
+    finally:
+        K.use_vbmi(vbmi)
+
+
 K_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
            "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"}
 # A Q5_K_M file's kinds: Q5_K, with Q6_K where llama-quantize spends more bits
