@@ -68,7 +68,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     loaded, load_peak = resident_mb(), peak_resident_mb()
     log.info("weights: %.0f MB as %s, %s, %s activations%s, on %s in %s", model.weight_bytes() / 2**20,
              cfg.weight_format, type(model.ops).__name__, cfg.activations,
-             f" (prefill chunks: {cfg.prefill_gemm} GEMM)" if cfg.activations == "int16" else "",
+             f" (prefill chunks: {cfg.prefill_gemm} GEMM, K-quants {cfg.kquants})" if cfg.activations == "int16" else "",
              model.device.type, cfg.dtype)
     if model.graphs is not None:
         log.info("decode steps: CUDA graphs (up to %d rows; captured per padded shape on first use; CUDA_GRAPHS=0: "

@@ -97,8 +97,8 @@ inline __m256i sub_pairs8(const uint8_t* p) {  // the scale in both int16 halves
 
 // y[r, 0..15] for R <= AVX2_ROWS token rows against one group (codes, d, sub: the group's):
 // qlinear_kquant_steps512.h's group_rows16_k lane for lane, both sides of 8 lanes in one pass over the codes
-// (two passes, a side each, ran the 1.7B's one-row step 1.5x slower: the first streamed every cache line for
-// half its work). The sub-scales multiply the weights (vpmullw, as the AVX-512 loops do for many rows) and
+// (two passes, a side each, took the 1.7B's one-row step 90 ms against 81-87: each pass streams every cache
+// line for half its work). The sub-scales multiply the weights (vpmullw, as the AVX-512 loops do for many rows) and
 // the float accumulators wait in memory between float steps, so 2R integer sums keep the registers.
 template <BlockKind KIND, int R>
 inline void group_rows16_k_avx2(const uint8_t* codes, const half_t* d, const uint8_t* sub, int64_t nb, const int32_t* xq,

@@ -1,7 +1,8 @@
-"""Q4_K, Q5_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations, AVX-512:
-backend/csrc/qlinear_kquant.h): the blocks decode to gguf's own reference dequantization, the kernels'
-linears equal dequantize-then-matmul within the int16 activations' rounding, a row's bits do not depend
-on its batch, and a K-quant GGUF loads into them and decodes the same fused as op by op."""
+"""Q4_K, Q5_K and Q6_K blocks served as the GGUF stores them (n16 layout, int16 activations: AVX-512,
+backend/csrc/qlinear_kquant.h; AVX2, qlinear_kquant_avx2.h): the blocks decode to gguf's own reference
+dequantization, the kernels' linears equal dequantize-then-matmul within the int16 activations' rounding, a
+row's bits do not depend on its batch, and a K-quant GGUF loads into them and decodes the same fused as op
+by op."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,8 @@ from tests.backend.test_kernels import int16_rounding_bound, random_blocks, tile
 from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
 
 K = kernels.load()
-pytestmark = pytest.mark.skipif(K is None or not K.has_avx512(),
-                                reason="K-quant blocks are served by the 512-bit int16 kernels (AVX-512)")
+pytestmark = pytest.mark.skipif(K is None, reason="K-quant blocks are served by the C++ int16 kernels")
+AVX512 = pytest.mark.skipif(K is None or not K.has_avx512(), reason="compares with the AVX-512 kernels")
 KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
          "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
@@ -230,6 +231,7 @@ def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> No
         assert torch.equal(ops.linear(x[:size], w), batched[:size]), size
 
 
+@AVX512
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 17, 64])
 def test_q6_k_vbmi_decode_gives_the_portable_bits(rows: int) -> None:
     """Where the CPU has AVX-512 VBMI, Q6_K codes are unpacked with byte permutes (and few rows split their
@@ -263,6 +265,7 @@ def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -
         K.use_int16(code)
 
 
+@AVX512
 @pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 64, N16_GEMM_ROWS + 3])
 def test_k_quant_linear_on_avx2_gives_the_avx512_bits(kind: str, rows: int) -> None:
