@@ -31,7 +31,7 @@ class BackendConfig:
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     activations: str             # ACTIVATIONS: what the GGUF-block linears multiply by, "int16" or "float32"
     prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in, kernels.PREFILL_GEMMS
-    kquants: str                 # KQUANTS: a GGUF's Q4_K/Q5_K/Q6_K blocks "native" (as the file has them) or "convert"
+    kquants: str                 # KQUANTS: a GGUF's Q4_K/Q5_K/Q6_K blocks "native", "mixed" or "convert" (quant.py)
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once
@@ -181,13 +181,16 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
 
 
 def _kquants(env: Mapping[str, str], activations: str) -> str:
-    """auto: native where the int16 kernels run on AVX-512; on an AVX2-only CPU convert (Q4_K to Q4_1, Q5_K and
-    Q6_K requantized to Q8_0): its 256-bit K-quant loops (qlinear_kquant_avx2.h) measured 1.4x slower a 1.7B
-    token than the converted blocks, for top-1 agreement with float32 0.997 instead of 0.93 (docs/performance.md).
-    native: the file's blocks on either; convert: the converted ones. K-quant blocks need int16 activations."""
-    choice = env_choice(env, "KQUANTS", "auto", ("auto", "native", "convert"))
-    if choice == "native" and activations != "int16":
-        raise ValueError(f"KQUANTS=native needs int16 activations (ACTIVATIONS=int16); this backend runs {activations}")
+    """native: every Q4_K/Q5_K/Q6_K block as the file has it; convert: Q4_K to Q4_1 (its scale products rounded
+    to float16), Q5_K and Q6_K requantized to Q8_0; mixed: Q4_K converted, Q5_K and Q6_K native. auto: native
+    where the int16 kernels run on AVX-512; convert on an AVX2-only CPU, whose 256-bit K-quant loops
+    (qlinear_kquant_avx2.h) are slower than the converted blocks' kernels (one 1.7B Q4_K_M stream 0.71x native,
+    0.77x mixed), at a cost in agreement with float32 that the random-weight 1.7B, its top two logits 0.14
+    apart, shows at its largest (0.93 converted, 0.992 mixed, 0.997 native; docs/performance.md). K-quant
+    blocks need int16 activations."""
+    choice = env_choice(env, "KQUANTS", "auto", ("auto", "native", "mixed", "convert"))
+    if choice in ("native", "mixed") and activations != "int16":
+        raise ValueError(f"KQUANTS={choice} needs int16 activations (ACTIVATIONS=int16); this backend runs {activations}")
     if choice != "auto" or activations != "int16":
         return choice if activations == "int16" else "convert"
     from backend import kernels

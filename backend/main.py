@@ -60,7 +60,7 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     reset_peak_resident()  # reading the GGUF's vocabulary above peaks higher than the weights of a small model
     weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf",
                            block_layout="n16" if cfg.activations == "int16" else "rows",
-                           kquants=cfg.kquants == "native")
+                           kquants=cfg.kquants)
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
     ops = default_ops(device, torch.float32, cfg.prefill_gemm) if cfg.weight_format == "gguf" else None

@@ -221,10 +221,14 @@ Q5_K_BYTES = 176         # per 256 weights: Q4_K's d, dmin and 12 scale bytes, 3
 Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, f16 d
 
 
-def native_kind(gguf_type: str, kquants: bool) -> str | None:
-    """The K-quant kind a GGUF tensor type is served in as it is, or None. kquants: whether the kernels take
-    K-quant blocks (the n16 layout, AVX-512 or AVX2)."""
-    return gguf_type if kquants and gguf_type in K_KINDS else None
+# KQUANTS (backend/config.py) → the K-quant kinds kept as the file has them; the others are converted.
+KQUANT_CHOICES = {"native": frozenset(K_KINDS), "mixed": frozenset({"q5_k", "q6_k"}), "convert": frozenset()}
+
+
+def native_kind(gguf_type: str, kept: frozenset[str]) -> str | None:
+    """The K-quant kind a GGUF tensor type is served in as it is, or None. kept: the K-quant kinds the kernels
+    take as they are here (the n16 layout, AVX-512 or AVX2; KQUANT_CHOICES)."""
+    return gguf_type if gguf_type in kept else None
 
 
 def serving_kind(gguf_type: str) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from backend.checkpoint import GGUFSource, Source, open_checkpoint
-from backend.quant import QK, BlockWeight, QuantWeight, StackedWeight, native_kind
+from backend.quant import KQUANT_CHOICES, QK, BlockWeight, QuantWeight, StackedWeight, native_kind
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError
 
@@ -49,10 +49,10 @@ BLOCK_CHUNK_ELEMENTS = CHUNK_ELEMENTS // 4
 
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  keep_blocks: bool = False, block_layout: str = "rows", progress: bool = True,
-                 kquants: bool = True) -> dict[str, Tensor]:
+                 kquants: str = "native") -> dict[str, Tensor]:
     """block_layout: how kept blocks are laid out, "rows" (float32-activation kernels) or "n16" (the
-    int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows"). kquants: K-quant
-    blocks kept as they are in the n16 layout (KQUANTS), else converted."""
+    int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows"). kquants: which K-quant
+    blocks are kept as they are in the n16 layout, else converted (KQUANTS, quant.KQUANT_CHOICES)."""
     start = time.monotonic()
     with open_checkpoint(path, config) as source:
         if keep_blocks and not isinstance(source, GGUFSource):
@@ -61,7 +61,8 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
         bar = _Progress(sum(source.nbytes(n) for parts in plan.values() for n in parts), str(path),
                         enabled=progress)
         target = _Target(dtype, device, keep_blocks, block_layout,
-                         kquants=kquants and keep_blocks and block_layout == "n16" and _kquant_kernels())
+                         kquants=KQUANT_CHOICES[kquants] if keep_blocks and block_layout == "n16" and _kquant_kernels()
+                         else frozenset())
         out: dict[str, Tensor] = {}
         for name, parts in plan.items():
             out[name] = _load_one(source, parts, target, bar)
@@ -84,7 +85,7 @@ class _Target:
     device: torch.device
     keep_blocks: bool
     block_layout: str
-    kquants: bool  # Q4_K / Q5_K / Q6_K served as they are
+    kquants: frozenset[str]  # the K-quant kinds served as they are
 
 
 def _kquant_kernels() -> bool:
@@ -126,12 +127,12 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
 
 
 def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kinds: list[str],
-                  layout: str, kquants: bool) -> list[str]:
+                  layout: str, kquants: frozenset[str]) -> list[str]:
     """Each part's serving kind: a K-quant as it is (n16 on AVX-512 VNNI), else Q4_1 or Q8_0
     (source.block_kind). Parts whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all."""
     if layout == "n16" and any(s[0] % 16 for s in shapes):
         return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
-    native = kquants and layout == "n16"
+    native = kquants if layout == "n16" else frozenset()
     return [native_kind(source.gguf_type(p) or "", native) or kd for p, kd in zip(parts, kinds)]
 
 

@@ -1,6 +1,6 @@
 // The GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) served as they are by the int16-activation kernels of
-// qlinear_vnni.h (AVX-512, with or without VNNI; AVX2: qlinear_kquant_avx2.h), in groups of 16 output rows ("n16", backend/quant.py lays
-// them out):
+// qlinear_vnni.h (AVX-512, with or without VNNI; AVX2: qlinear_kquant_avx2.h), in groups of 16 output rows
+// ("n16", backend/quant.py lays them out):
 //   Q4_K: per 256 weights a float16 scale d and minimum dmin, per 32 a 6-bit scale sc and minimum mn:
 //         w = (d sc) q - (dmin mn), q in 0..15. Codes exactly as Q4_1's n16 ([G][nb][16 j][16 n] bytes:
 //         k=j low nibble, k=j+16 high); d [G][nb/8][2][16] float16 (d, dmin); sub [G][nb][2][16] uint8 (sc, mn).
@@ -181,7 +181,7 @@ template <BlockKind KIND>
 inline void decode_group_k(const uint8_t* codes, const uint8_t* sub, int64_t nb, __m512i* wp) {
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < 2; ++h) {
-      const __m512i sc = sub_pairs<KTraits<KIND>::signed_sub>(sub + b * 32 + (KTraits<KIND>::q6 ? 16 * h : 0));
+      const __m512i sc = sub_pairs<KTraits<KIND>::signed_sub>(half_scales<KIND>(sub, b, h));
       for (int64_t j = 8 * h; j < 8 * h + 8; ++j) wp[b * 16 + j] = _mm512_mullo_epi16(k_weights<KIND>(codes, b, j), sc);
     }
 }

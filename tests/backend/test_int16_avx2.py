@@ -116,13 +116,14 @@ def capped(request: pytest.FixtureRequest) -> Iterator[str]:
     K.cap_isa(kernels.ISA_LEVELS.index("native"))
 
 
-# (cap, KQUANTS, Q4_K served as, Q6_K served as): by default AVX2 converts the K-quants to Q4_1 / Q8_0 (faster
-# there), KQUANTS=native keeps the file's blocks (qlinear_kquant_avx2.h, 256 bits); AVX-512 without VNNI
-# (Skylake-SP/X) keeps them, multiplied by vpmaddwd on 512 bits.
-@pytest.mark.parametrize("capped, kquants, q4_k, q6_k", [("avx2", "auto", "q4_1", "q8_0"), ("avx2", "native", "q4_k", "q6_k"),
-                                                         ("avx512", "auto", "q4_k", "q6_k")], indirect=["capped"])
+# (cap, KQUANTS, as resolved, Q4_K served as, Q6_K served as): by default AVX2 converts the K-quants to Q4_1 /
+# Q8_0 (its kernels for those are faster there); KQUANTS=native keeps both (qlinear_kquant_avx2.h, 256 bits),
+# mixed keeps Q6_K only; AVX-512 without VNNI (Skylake-SP/X) keeps them, multiplied by vpmaddwd on 512 bits.
+@pytest.mark.parametrize("capped, kquants, resolved, q4_k, q6_k", [
+    ("avx2", "auto", "convert", "q4_1", "q8_0"), ("avx2", "native", "native", "q4_k", "q6_k"),
+    ("avx2", "mixed", "mixed", "q4_1", "q6_k"), ("avx512", "auto", "native", "q4_k", "q6_k")], indirect=["capped"])
 def test_a_capped_cpu_serves_k_quants_in_n16_with_int16_activations(tmp_path: Path, capped: str, kquants: str,
-                                                                    q4_k: str, q6_k: str) -> None:
+                                                                    resolved: str, q4_k: str, q6_k: str) -> None:
     """Capped below VNNI the backend still picks int16 activations, every matrix in groups of 16 where its
     rows allow, and the fused step equals the op-by-op loop bit for bit."""
     assert not K.has_vnni() and K.has_avx512() is (capped == "avx512")
@@ -131,10 +132,10 @@ def test_a_capped_cpu_serves_k_quants_in_n16_with_int16_activations(tmp_path: Pa
                        "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"})
     cfg = BackendConfig.from_env({"CHECKPOINT_PATH": str(path), "KQUANTS": kquants})
     assert (cfg.weight_format, cfg.activations, cfg.prefill_gemm) == ("gguf", "int16", "float32")
-    assert cfg.kquants == ("native" if q4_k == "q4_k" else "convert")
+    assert cfg.kquants == resolved
     config = load_model_config(path)
     weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", progress=False,
-                           kquants=cfg.kquants == "native")
+                           kquants=cfg.kquants)
     kinds = {name: (w.kind, w.layout) for name, w in weights.items() if isinstance(w, QuantWeight)}
     assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == (q4_k, "n16")
     assert kinds["layers.0.o"] == kinds["layers.1.down"] == (q6_k, "n16")

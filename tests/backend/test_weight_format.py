@@ -92,13 +92,14 @@ def test_prefill_gemm_resolves_once(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(kernels.load() is None, reason="needs the C++ kernels (int16 activations)")
 def test_kquants_resolves_once() -> None:
     """KQUANTS=auto: the file's K-quant blocks where the int16 kernels run on AVX-512, converted on an AVX2-only
-    CPU (KVYARD_CPU_ISA=avx2 caps them so here); native and convert as asked; native without int16 activations
+    CPU (KVYARD_CPU_ISA=avx2 caps them so here); the others as asked; a kept K-quant without int16 activations
     refused, and float32 activations always convert (their rows layout has no K-quant kernels)."""
     module = kernels.load()
     assert cfg().kquants == ("native" if module.has_avx512() else "convert")
     module.cap_isa(kernels.ISA_LEVELS.index("avx2"))
     try:
         assert cfg().kquants == "convert"
+        assert cfg(KQUANTS="mixed").kquants == "mixed"
         assert cfg(KQUANTS="native").kquants == "native"
     finally:
         module.cap_isa(kernels.ISA_LEVELS.index("native"))
@@ -106,5 +107,7 @@ def test_kquants_resolves_once() -> None:
     assert cfg(ACTIVATIONS="float32").kquants == "convert"
     with pytest.raises(ValueError, match="KQUANTS=native needs int16 activations"):
         cfg(ACTIVATIONS="float32", KQUANTS="native")
+    with pytest.raises(ValueError, match="KQUANTS=mixed needs int16 activations"):
+        cfg(ACTIVATIONS="float32", KQUANTS="mixed")
     with pytest.raises(ValueError, match="KQUANTS"):
         cfg(KQUANTS="yes")
