@@ -327,9 +327,9 @@ def _rows_of(t: np.ndarray) -> np.ndarray:
 def _k_to_n16(w: QuantWeight) -> QuantWeight:
     """K-quant "rows" blocks → n16 (backend/csrc/qlinear_kquant.h): Q4_K codes as Q4_1's n16 [G, nb, 16 j,
     16 n], d [G, nsb, 2, 16], sub-scales [G, nb, 2, 16]; Q5_K codes [G, nb, 20, 16]: Q4_K's nibbles, then 16
-    little-endian uint32 words, word n = row n's top bits (bit k: weight k of the block); Q6_K codes [G, nb, 24, 16] (rows 0-15: step j, low
-    nibbles of weights 2j | 2j+1 << 4; rows 16-23: pair i, top bits of weights 4i..4i+3, 2 bits each),
-    d [G, nsb, 16], scales [G, nb, 2, 16]."""
+    little-endian uint32 words, word n = row n's top bits (bit k: weight k of the block); Q6_K codes
+    [G, nb, 24, 16] (rows 0-15: step j, low nibbles of weights 2j | 2j+1 << 4; rows 16-23: pair i, top bits of
+    weights 4i..4i+3, 2 bits each), d [G, nsb, 16], scales [G, nb, 2, 16]."""
     n, k = w.shape
     nb = k // QK
     qs = w.qs.numpy()
