@@ -191,11 +191,10 @@ def _kquants(env: Mapping[str, str], activations: str) -> str:
     choice = env_choice(env, "KQUANTS", "auto", ("auto", "native", "mixed", "convert"))
     if choice in ("native", "mixed") and activations != "int16":
         raise ValueError(f"KQUANTS={choice} needs int16 activations (ACTIVATIONS=int16); this backend runs {activations}")
-    if choice != "auto" or activations != "int16":
-        return choice if activations == "int16" else "convert"
-    from backend import kernels
-    module = kernels.load()
-    return "native" if module is not None and module.has_avx512() else "convert"
+    if activations != "int16":
+        return "convert"
+    from backend.weights import resolve_kquants
+    return resolve_kquants(choice)
 
 
 def _prefill_gemm(env: Mapping[str, str], activations: str) -> str:

@@ -49,10 +49,11 @@ BLOCK_CHUNK_ELEMENTS = CHUNK_ELEMENTS // 4
 
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  keep_blocks: bool = False, block_layout: str = "rows", progress: bool = True,
-                 kquants: str = "native") -> dict[str, Tensor]:
+                 kquants: str = "auto") -> dict[str, Tensor]:
     """block_layout: how kept blocks are laid out, "rows" (float32-activation kernels) or "n16" (the
     int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows"). kquants: which K-quant
-    blocks are kept as they are in the n16 layout, else converted (KQUANTS, quant.KQUANT_CHOICES)."""
+    blocks are kept as they are in the n16 layout, else converted (KQUANTS: quant.KQUANT_CHOICES, or "auto",
+    resolve_kquants)."""
     start = time.monotonic()
     with open_checkpoint(path, config) as source:
         if keep_blocks and not isinstance(source, GGUFSource):
@@ -61,8 +62,8 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
         bar = _Progress(sum(source.nbytes(n) for parts in plan.values() for n in parts), str(path),
                         enabled=progress)
         target = _Target(dtype, device, keep_blocks, block_layout,
-                         kquants=KQUANT_CHOICES[kquants] if keep_blocks and block_layout == "n16" and _kquant_kernels()
-                         else frozenset())
+                         kquants=KQUANT_CHOICES[resolve_kquants(kquants)] if keep_blocks and block_layout == "n16"
+                         and _kquant_kernels() else frozenset())
         out: dict[str, Tensor] = {}
         for name, parts in plan.items():
             out[name] = _load_one(source, parts, target, bar)
@@ -86,6 +87,16 @@ class _Target:
     keep_blocks: bool
     block_layout: str
     kquants: frozenset[str]  # the K-quant kinds served as they are
+
+
+def resolve_kquants(choice: str) -> str:
+    """KQUANTS=auto: native where the int16 kernels run on AVX-512, convert on an AVX2-only CPU (backend/config.py
+    says why); other choices as they are."""
+    if choice != "auto":
+        return choice
+    from backend import kernels
+    module = kernels.load()
+    return "native" if module is not None and module.has_avx512() else "convert"
 
 
 def _kquant_kernels() -> bool:
