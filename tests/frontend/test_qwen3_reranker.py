@@ -26,7 +26,10 @@ DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France border
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     path = tiny_qwen3_reranker(tmp_path_factory.mktemp("qwen3-reranker") / "reranker")
-    with pdfusion(path, "rr", path.parent / "pdfusion.log") as url:
+    # One torch thread: test_rerank_matches_transformers_yes_no compares two requests' scores bit for bit, and
+    # a pooling step's float32 GEMMs may round differently on 1 and 2 threads (MKL's AVX2 code did, make
+    # test-avx2), which the pooling engine picks step by step (backend/step_threads.py).
+    with pdfusion(path, "rr", path.parent / "pdfusion.log", env={"TORCH_NUM_THREADS": "1"}) as url:
         yield url, path
 
 

@@ -102,11 +102,13 @@ class RoleProcess:
 
 
 @contextmanager
-def pdfusion(checkpoint: Path, model_name: str, log_path: Path, timeout_s: float = 180) -> Iterator[str]:
-    """A PDFUSION launch (backend + frontend) serving checkpoint as model_name; yields its base URL."""
+def pdfusion(checkpoint: Path, model_name: str, log_path: Path, timeout_s: float = 180,
+             env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """A PDFUSION launch (backend + frontend) serving checkpoint as model_name (env: more settings); yields its
+    base URL."""
     port = free_port_block()
     proc = RoleProcess({"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "CHECKPOINT_PATH": str(checkpoint),
-                        "MODEL_NAME": model_name}, log_path)
+                        "MODEL_NAME": model_name, **(env or {})}, log_path)
     try:
         proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=timeout_s)
         yield f"http://127.0.0.1:{port}"
