@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from backend.checkpoint import GGUFSource, Source, open_checkpoint
-from backend.quant import KQUANT_CHOICES, QK, BlockWeight, QuantWeight, StackedWeight, native_kind
+from backend.kquant import KQUANT_CHOICES, native_kind
+from backend.quant import QK, BlockWeight, QuantWeight, StackedWeight
 from kvyard.model_config import ModelConfig
 from kvyard.model_path import ModelFileError
 
@@ -52,7 +53,7 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
                  kquants: str = "auto") -> dict[str, Tensor]:
     """block_layout: how kept blocks are laid out, "rows" (float32-activation kernels) or "n16" (the
     int16-activation kernels; matrices whose row count is no multiple of 16 stay "rows"). kquants: which K-quant
-    blocks are kept as they are in the n16 layout, else converted (KQUANTS: quant.KQUANT_CHOICES, or "auto",
+    blocks are kept as they are in the n16 layout, else converted (KQUANTS: kquant.KQUANT_CHOICES, or "auto",
     resolve_kquants)."""
     start = time.monotonic()
     with open_checkpoint(path, config) as source:

@@ -16,7 +16,8 @@ from backend import kernels
 from backend.model import LlamaModel
 from backend import ops as ops_module
 from backend.ops import N16_GEMM_ROWS, KernelOps, TorchOps
-from backend.quant import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, QuantWeight, k_blocks_from_gguf
+from backend.kquant import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
+from backend.quant import QuantWeight, k_blocks_from_gguf
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from tests.backend.conftest import CPU, full_logits
