@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from backend.kquant import K_FILE_KIND
 from backend.quant import K_KINDS, QK, QuantWeight, blocks_from_gguf, k_blocks_from_gguf, q8_0_from_float, serving_kind
 from kvyard.gguf_meta import GGUFTensorInfo, read_gguf_index, read_tensor_bytes
 from kvyard.model_config import ModelConfig
@@ -126,10 +127,10 @@ class GGUFSource(Source):
     def read_blocks(self, name: str, a: int, b: int, kind: str) -> QuantWeight:
         info = self.infos[name]
         own = info.qtype.name.lower()
-        if kind in K_KINDS:  # served as it is (n16 layout)
-            assert own == kind, (own, kind)
+        if kind in K_KINDS:  # served with the file's numbers (n16 layout)
+            assert own == K_FILE_KIND.get(kind, kind), (own, kind)
             raw, pick = self._rows(name, a, b)
-            blocks = k_blocks_from_gguf(own, raw, info.shape[1])
+            blocks = k_blocks_from_gguf(own, raw, info.shape[1], served=kind)
             return blocks if pick is None else blocks.rows(pick)
         if serving_kind(own) == kind and (own in ("q4_1", "q8_0", "q4_0", "q4_k")):
             raw, pick = self._rows(name, a, b)

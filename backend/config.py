@@ -182,12 +182,13 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
 
 def _kquants(env: Mapping[str, str], activations: str) -> str:
     """native: every Q4_K/Q5_K/Q6_K block as the file has it; convert: Q4_K to Q4_1 (its scale products rounded
-    to float16), Q5_K and Q6_K requantized to Q8_0; mixed: Q4_K converted, Q5_K and Q6_K native. auto: native
-    where the int16 kernels run on AVX-512; convert on an AVX2-only CPU, whose 256-bit K-quant loops
-    (qlinear_kquant_avx2.h) are slower than the converted blocks' kernels (one 1.7B Q4_K_M stream 0.71x native,
-    0.77x mixed), at a cost in agreement with float32 that the random-weight 1.7B, its top two logits 0.14
-    apart, shows at its largest (0.93 converted, 0.992 mixed, 0.997 native; docs/performance.md). K-quant
-    blocks need int16 activations."""
+    to float16), Q5_K and Q6_K requantized to Q8_0; mixed: Q4_K converted, Q6_K's codes widened to bytes (Q6_K8:
+    the file's numbers at Q8_0's size and speed), Q5_K native. auto: native where the int16 kernels run on
+    AVX-512; mixed on an AVX2-only CPU, whose 256-bit loops unpack Q4_K's and Q6_K's packed codes slower than the
+    converted blocks' kernels (one 1.7B Q4_K_M stream: native 0.71x convert; mixed 0.91-0.96x, 32 streams
+    0.98-1.0x). Agreement with float32 on the random-weight 1.7B, its top two logits 0.14 apart (the harshest
+    case): 0.93 convert, 0.992 mixed, 0.997 native (docs/performance.md). K-quant blocks need int16
+    activations."""
     choice = env_choice(env, "KQUANTS", "auto", ("auto", "native", "mixed", "convert"))
     if choice in ("native", "mixed") and activations != "int16":
         raise ValueError(f"KQUANTS={choice} needs int16 activations (ACTIVATIONS=int16); this backend runs {activations}")

@@ -3,6 +3,8 @@ read (backend/csrc/qlinear_kquant.h) and back, the float32 they encode, and Q4_K
 numpy in, numpy out: backend/quant.py wraps the results in QuantWeight (this module never sees one)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 QK = 32  # weights per block: Q4_1, Q8_0, and a K-quant's sub-block (backend.quant re-exports it)
@@ -10,22 +12,29 @@ QK = 32  # weights per block: Q4_1, Q8_0, and a K-quant's sub-block (backend.qua
 Q4_K_BYTES, QK_K = 144, 256  # per 256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
 
 
-K_KINDS = ("q4_k", "q5_k", "q6_k")
-K_CODE_ROWS = {"q4_k": 16, "q5_k": 20, "q6_k": 24}  # n16 code bytes per block and 16 rows, / 16
+K_KINDS = ("q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8")  # served in the n16 layout; *8: codes widened to bytes
+K_CODE_ROWS = {"q4_k": 16, "q5_k": 20, "q6_k": 24, "q5_k8": 32, "q6_k8": 32}  # n16 code bytes a block and 16 rows / 16
+K_FILE_KIND = {"q5_k8": "q5_k", "q6_k8": "q6_k"}  # a served kind → the GGUF type its blocks come from (else its own)
 Q5_K_BYTES = 176         # per 256 weights: Q4_K's d, dmin and 12 scale bytes, 32 of top bits, 128 of nibbles
 Q6_K_BYTES = 210         # per 256 weights: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, f16 d
 
 
-# KQUANTS (backend/config.py) → the K-quant kinds kept as the file has them; the others are converted.
-KQUANT_CHOICES = {"native": frozenset(K_KINDS), "mixed": frozenset({"q5_k", "q6_k"}), "convert": frozenset()}
+# KQUANTS (backend/config.py) → for each GGUF K-quant type served with its own numbers, the kind it is served in;
+# the others are converted (Q4_K to Q4_1, Q5_K and Q6_K requantized to Q8_0). mixed: what AVX2 CPUs run fastest
+# without a requantizing step: Q4_K converted, Q5_K's and Q6_K's codes widened to bytes (q5_k8, q6_k8).
+KQUANT_CHOICES: dict[str, dict[str, str]] = {
+    "native": {"q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k"},
+    "mixed": {"q5_k": "q5_k8", "q6_k": "q6_k8"},
+    "convert": {},
+}
 
 Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes, scales, sub-scales (or minimums)
 
 
-def native_kind(gguf_type: str, kept: frozenset[str]) -> str | None:
-    """The K-quant kind a GGUF tensor type is served in as it is, or None. kept: the K-quant kinds the kernels
-    take as they are here (the n16 layout, AVX-512 or AVX2; KQUANT_CHOICES)."""
-    return gguf_type if gguf_type in kept else None
+def native_kind(gguf_type: str, kept: Mapping[str, str]) -> str | None:
+    """The K-quant kind a GGUF tensor type is served in with its own numbers, or None (converted). kept: one of
+    KQUANT_CHOICES (the n16 layout, AVX-512 or AVX2)."""
+    return kept.get(gguf_type)
 
 
 def k_blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> Blocks:
@@ -103,7 +112,9 @@ def k_to_n16(kind: str, qs: np.ndarray, d: np.ndarray, sub: np.ndarray, n: int, 
     16 n], d [G, nsb, 2, 16], sub-scales [G, nb, 2, 16]; Q5_K codes [G, nb, 20, 16]: Q4_K's nibbles, then 16
     little-endian uint32 words, word n = row n's top bits (bit k: weight k of the block); Q6_K codes
     [G, nb, 24, 16] (rows 0-15: step j, low nibbles of weights 2j | 2j+1 << 4; rows 16-23: pair i, top bits of
-    weights 4i..4i+3, 2 bits each), d [G, nsb, 16], scales [G, nb, 2, 16]."""
+    weights 4i..4i+3, 2 bits each), d [G, nsb, 16], scales [G, nb, 2, 16]; Q5_K8 and Q6_K8 (kinds "q5_k8",
+    "q6_k8": Q5_K's and Q6_K's "rows" blocks) codes [G, nb, 32, 16]: step j's 32 bytes, row after row, the pair
+    of codes k=j, j+16 (uint8) and the int8 pair (q - 32) of k=2j, 2j+1."""
     nb = k // QK
     if kind == "q4_k":
         codes = _groups(qs.reshape(n, nb, 16))                                  # [G, nb, 16 j, 16 n]
@@ -113,6 +124,13 @@ def k_to_n16(kind: str, qs: np.ndarray, d: np.ndarray, sub: np.ndarray, n: int, 
         words = ((q >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
         tops = np.ascontiguousarray(_groups(words)).view(np.uint8).reshape(n // 16, nb, 4, 16)  # words' bytes
         codes = np.concatenate([nibbles, tops], axis=2)
+    elif kind == "q5_k8":  # step j: for each row n the codes of k=j and k=j+16
+        q = _groups(qs.reshape(n, nb, QK))                                      # [G, nb, 32 k, 16 n]
+        codes = np.ascontiguousarray(np.stack([q[:, :, :16], q[:, :, 16:]], axis=-1)).reshape(n // 16, nb, 32, 16)
+    elif kind == "q6_k8":  # step j: for each row n the int8 pair (q - 32) of k=2j, 2j+1
+        q = _groups(qs.reshape(n, nb, QK)).astype(np.int16) - 32                # [G, nb, 32 k, 16 n]
+        pairs = q.reshape(n // 16, nb, 16, 2, 16).transpose(0, 1, 2, 4, 3)    # [G, nb, 16 j, 16 n, 2]
+        codes = np.ascontiguousarray(pairs.astype(np.int8)).view(np.uint8).reshape(n // 16, nb, 32, 16)
     else:
         q = _groups(qs.reshape(n, nb, QK))                                      # [G, nb, 32 k, 16 n]
         lows = (q[:, :, 0::2] & 0x0F) | ((q[:, :, 1::2] & 0x0F) << 4)
@@ -133,6 +151,15 @@ def k_to_rows(kind: str, codes: np.ndarray, d: np.ndarray, sub: np.ndarray, n: i
         tops = ((words[:, :, None, :] >> np.arange(QK, dtype=np.uint32).reshape(1, 1, QK, 1)) & 1).astype(np.uint8)
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2) | (tops << 4)               # [G, nb, 32 k, 16 n]
         qs = _rows_of(q).reshape(n, k)
+    elif kind == "q5_k8":
+        g, nb = codes.shape[:2]
+        pairs = codes.reshape(g, nb, 16, 16, 2)                                 # [G, nb, 16 j, 16 n, 2]
+        qs = _rows_of(np.concatenate([pairs[..., 0], pairs[..., 1]], axis=2)).reshape(n, k)
+    elif kind == "q6_k8":
+        g, nb = codes.shape[:2]
+        pairs = codes.view(np.int8).reshape(g, nb, 16, 16, 2).transpose(0, 1, 2, 4, 3)  # [G, nb, 16 j, 2, 16 n]
+        q = (pairs.reshape(g, nb, QK, 16).astype(np.int16) + 32).astype(np.uint8)
+        qs = _rows_of(q).reshape(n, k)
     else:
         g, nb = codes.shape[:2]
         q = np.empty((g, nb, QK, 16), dtype=np.uint8)
@@ -149,7 +176,7 @@ def k_dequantize(kind: str, qs: np.ndarray, d: np.ndarray, sub: np.ndarray, n: i
     nb = k // QK
     sub = sub.astype(np.float32)  # [n, nb, 2]
     d = np.repeat(d.astype(np.float32), 8, axis=1)   # [n, nb(, 2)]: each super-block's 8 blocks
-    if kind in ("q4_k", "q5_k"):
+    if kind in ("q4_k", "q5_k", "q5_k8"):
         if kind == "q4_k":
             qs = qs.reshape(n, nb, 16)
             q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # [n, nb, 32]

@@ -29,7 +29,7 @@ class QuantWeight:
     """One [N, K] matrix as blocks of 32 along K: w[n, k] = d[n, b] * q[n, k] (+ m[n, b] for Q4_1).
     Q4_K, Q5_K and Q6_K (K_KINDS) keep the file's two-level scales instead: d per 256 weights, m the sub-scales
     per block (see backend/kquant.py's k_to_n16 for both layouts)."""
-    kind: str               # "q4_1", "q8_0", "q4_k", "q5_k" or "q6_k"
+    kind: str               # "q4_1", "q8_0", or a K-quant: "q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8" (kquant.K_KINDS)
     qs: torch.Tensor        # rows: [N, K/2] uint8 (Q4_1: byte j of a block = weights j | j+16 << 4) or [N, K]
                             # int8; n16: [N/16, K/32, 16 j, 16 n] uint8 or [N/16, K/32, 16 j, 16 n, 2] int8
     d: torch.Tensor         # rows: [N, K/32] float16 scales; n16: [N/16, K/32, 16]
@@ -109,7 +109,7 @@ class QuantWeight:
         nb = k // QK
         if kind in K_KINDS:
             assert layout == "n16", "K-quant blocks are served in the n16 layout only"
-            g, nsb, q4k = n // 16, k // QK_K, kind != "q6_k"  # Q4_K, Q5_K: d and dmin, unsigned sub-scales
+            g, nsb, q4k = n // 16, k // QK_K, kind not in ("q6_k", "q6_k8")  # Q4_K, Q5_K: d, dmin
             return QuantWeight(kind, torch.empty((g, nb, K_CODE_ROWS[kind], 16), dtype=torch.uint8),
                                torch.empty((g, nsb, 2, 16) if q4k else (g, nsb, 16), dtype=torch.float16),
                                torch.empty((g, nb, 2, 16), dtype=torch.uint8 if q4k else torch.int8))
@@ -239,9 +239,10 @@ def blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
     raise ValueError(f"no direct block conversion from {gguf_type}")
 
 
-def k_blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int) -> QuantWeight:
-    """A Q4_K, Q5_K or Q6_K tensor's [n, row bytes] → its blocks, "rows" layout (kquant.k_blocks_from_gguf)."""
-    return QuantWeight(gguf_type, *_tensors(kquant.k_blocks_from_gguf(gguf_type, raw, k)))
+def k_blocks_from_gguf(gguf_type: str, raw: np.ndarray, k: int, served: str | None = None) -> QuantWeight:
+    """A Q4_K, Q5_K or Q6_K tensor's [n, row bytes] → its blocks, "rows" layout (kquant.k_blocks_from_gguf), as
+    the served kind (q6_k8 for a Q6_K tensor; default: its own)."""
+    return QuantWeight(served or gguf_type, *_tensors(kquant.k_blocks_from_gguf(gguf_type, raw, k)))
 
 
 def _tensors(blocks: kquant.Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

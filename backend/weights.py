@@ -26,6 +26,7 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
                         enabled=progress)
         target = _Target(dtype, device, keep_blocks, block_layout,
                          kquants=KQUANT_CHOICES[resolve_kquants(kquants)] if keep_blocks and block_layout == "n16"
-                         and _kquant_kernels() else frozenset())
+                         and _kquant_kernels() else {})
         out: dict[str, Tensor] = {}
         for name, parts in plan.items():
             out[name] = _load_one(source, parts, target, bar)
@@ -87,17 +88,17 @@ class _Target:
     device: torch.device
     keep_blocks: bool
     block_layout: str
-    kquants: frozenset[str]  # the K-quant kinds served as they are
+    kquants: Mapping[str, str]  # GGUF K-quant type → the kind it is served in (kquant.KQUANT_CHOICES)
 
 
 def resolve_kquants(choice: str) -> str:
-    """KQUANTS=auto: native where the int16 kernels run on AVX-512, convert on an AVX2-only CPU (backend/config.py
+    """KQUANTS=auto: native where the int16 kernels run on AVX-512, mixed on an AVX2-only CPU (backend/config.py
     says why); other choices as they are."""
     if choice != "auto":
         return choice
     from backend import kernels
     module = kernels.load()
-    return "native" if module is not None and module.has_avx512() else "convert"
+    return "native" if module is not None and module.has_avx512() else "mixed"
 
 
 def _kquant_kernels() -> bool:
@@ -139,12 +140,12 @@ def _load_one(source: Source, parts: list[str], target: _Target, bar: _Progress)
 
 
 def _served_kinds(source: Source, parts: list[str], shapes: list[tuple[int, ...]], kinds: list[str],
-                  layout: str, kquants: frozenset[str]) -> list[str]:
+                  layout: str, kquants: Mapping[str, str]) -> list[str]:
     """Each part's serving kind: a K-quant as it is (n16 on AVX-512 VNNI), else Q4_1 or Q8_0
     (source.block_kind). Parts whose rows do not fill groups of 16 cannot be stacked in n16: one kind for all."""
     if layout == "n16" and any(s[0] % 16 for s in shapes):
         return ["q4_1" if all(kd == "q4_1" for kd in kinds) else "q8_0"] * len(parts)
-    native = kquants if layout == "n16" else frozenset()
+    native = kquants if layout == "n16" else {}
     return [native_kind(source.gguf_type(p) or "", native) or kd for p, kd in zip(parts, kinds)]
 
 

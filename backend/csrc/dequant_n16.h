@@ -26,9 +26,9 @@ inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, fl
       switch (w.kind) {
         case BlockKind::Q4_1:
         case BlockKind::Q4_K:
-        case BlockKind::Q5_K: {
-          const bool q5 = w.kind == BlockKind::Q5_K;
-          const uint8_t* codes = w.qs + g * nb * (q5 ? 320 : 256);
+        case BlockKind::Q5_K:
+        case BlockKind::Q5_K8: {
+          const uint8_t* codes = w.qs + g * nb * (w.kind == BlockKind::Q4_1 ? 256 : k_code_bytes(w.kind));
           __m512 scale, minimum;
           if (w.kind == BlockKind::Q4_1) {
             scale = halves_ps(w.d + (g * nb + b) * G16);
@@ -41,7 +41,9 @@ inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, fl
           }
           for (int64_t j = 0; j < 16; ++j) {
             // lane n: the pair (k=j, k=j+16) of row n as int16 halves (Q5_K: with their top bits)
-            const __m512i pair = q5 ? q5_weights(codes + b * 320, j) : group_weights<true>(codes, b, j);
+            const __m512i pair = w.kind == BlockKind::Q5_K    ? k_weights<BlockKind::Q5_K>(codes, b, j)
+                                 : w.kind == BlockKind::Q5_K8 ? k_weights<BlockKind::Q5_K8>(codes, b, j)
+                                                              : group_weights<true>(codes, b, j);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16));
             _mm512_storeu_ps(o + j * ldo, _mm512_add_ps(_mm512_mul_ps(lo, scale), minimum));
@@ -61,13 +63,15 @@ inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, fl
           }
           break;
         }
-        case BlockKind::Q6_K: {
-          const uint8_t* cb = w.qs + (g * nb + b) * 384;
+        case BlockKind::Q6_K:
+        case BlockKind::Q6_K8: {
+          const uint8_t* cb = w.qs + g * nb * k_code_bytes(w.kind);
           const __m512 dv = halves_ps(w.d + (g * nsb + b / SUPER) * 16);
           const uint8_t* s = w.sub + (g * nb + b) * 32;
           const __m512 s0 = _mm512_mul_ps(dv, bytes_ps<true>(s)), s1 = _mm512_mul_ps(dv, bytes_ps<true>(s + 16));
           for (int64_t j = 0; j < 16; ++j) {  // lane n: (k=2j, k=2j+1) of row n, minus 32
-            const __m512i pair = q6_weights(cb, j);
+            const __m512i pair = w.kind == BlockKind::Q6_K ? k_weights<BlockKind::Q6_K>(cb, b, j)
+                                                           : k_weights<BlockKind::Q6_K8>(cb, b, j);
             const __m512 a = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16));
             const __m512 c = _mm512_cvtepi32_ps(_mm512_srai_epi32(pair, 16));
             const __m512 scale = j < 8 ? s0 : s1;
@@ -121,9 +125,10 @@ inline void dequantize_groups_t_avx2(const QMatrix& w, int64_t g0, int64_t g1, f
 // Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
 inline void dequantize_groups_t(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   if (int16_code() != I16_AVX2) return dequantize_groups_t_512(w, g0, g1, out, ldo);
-  if (w.kind == BlockKind::Q4_K) return dequantize_groups_k_avx2<BlockKind::Q4_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
-  if (w.kind == BlockKind::Q5_K) return dequantize_groups_k_avx2<BlockKind::Q5_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
-  if (w.kind == BlockKind::Q6_K) return dequantize_groups_k_avx2<BlockKind::Q6_K>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
+  if (is_k_quant(w.kind))
+    return visit_k_kind(w.kind, [&](auto kind) {
+      dequantize_groups_k_avx2<decltype(kind)::value>(w.qs, w.d, w.sub, w.nb(), g0, g1, out, ldo);
+    });
   dequantize_groups_t_avx2(w, g0, g1, out, ldo);
 }
 

@@ -254,7 +254,7 @@ inline LinearInput prepare_input(const QMatrix& w, const float* x, int64_t M, in
     float* s = scratch + M * nb * 16;
     float* sum = s + M * nb;
     if (is_k_quant(w.kind))
-      quantize_rows_super(x, w.K, m0, m1, q, s, sum, w.kind == BlockKind::Q6_K);
+      quantize_rows_super(x, w.K, m0, m1, q, s, sum, is_q6(w.kind));
     else
       quantize_rows16(x, w.K, m0, m1, q, s, sum);
     in.x16 = Int16Rows{q, s, sum, nb};
@@ -338,12 +338,10 @@ inline void item_bounds(int64_t item, int64_t M, const QMatrix& w, int64_t& m0, 
 inline void run_linear_item(int64_t item, const LinearInput& in, const QMatrix& w, float* y, int64_t ldy, float* wbuf) {
   int64_t m0, m1, n0, n1;
   item_bounds(item, in.M, w, m0, m1, n0, n1);
-  if (w.kind == BlockKind::Q4_K)
-    return group_item16_k<BlockKind::Q4_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
-  if (w.kind == BlockKind::Q5_K)
-    return group_item16_k<BlockKind::Q5_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
-  if (w.kind == BlockKind::Q6_K)
-    return group_item16_k<BlockKind::Q6_K>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
+  if (is_k_quant(w.kind))
+    return visit_k_kind(w.kind, [&](auto kind) {
+      group_item16_k<decltype(kind)::value>(in.x16, m0, m1, w.qs, w.d, w.sub, n0 / G16, n1 / G16, y, ldy);
+    });
   if (w.n16) {
     if (w.q4) group_item16<true>(in.x16, m0, m1, w.qs, w.d, w.m, n0 / G16, n1 / G16, y, ldy);
     else group_item16<false>(in.x16, m0, m1, w.qs, w.d, nullptr, n0 / G16, n1 / G16, y, ldy);

@@ -10,7 +10,12 @@
 //         Codes [G][nb][24][16] bytes: rows 0-15 step j, byte n = low 4 bits of row n's k=2j | k=2j+1 << 4;
 //         rows 16-23 pair i, byte n = the top 2 bits of k=4i..4i+3, 2 bits each from the bottom;
 //         d [G][nb/8][16] float16; sub [G][nb][2][16] int8 (the scales of k 0-15 and 16-31).
-// 4.625, 5.625 and 6.5625 bits a weight, as in the file: no requantizing step (Q4_1: 5, Q8_0: 8.5 bits).
+//   Q5_K8, Q6_K8: Q5_K's and Q6_K's values with each code widened to a byte (AVX2 CPUs, where unpacking the
+//         packed codes cost 2x and 3x a Q8_0 step at one token row): codes [G][nb][32][16] bytes, step j's
+//         32 bytes = for each row n its pair of codes as Q5_K (q of k=j, j+16, uint8) and Q6_K (q - 32 of
+//         k=2j, 2j+1, int8) pair them; d and sub as theirs. Exact: the file's numbers at Q8_0's size.
+// 4.625, 5.625 and 6.5625 bits a weight, as in the file: no requantizing step (Q4_1: 5, Q8_0: 8.5 bits;
+// Q5_K8 8.625, Q6_K8 8.5625).
 //
 // Activations are rounded per token row and super-block of 256 (quantize_rows_super: 14-bit values, one
 // scale), so the sub-scales can join the integer sums: Σ_k (sc q_k) x_k over a whole Q4_K super-block, or
@@ -29,26 +34,52 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "qlinear_vnni.h"
 #include "simd.h"
 
 namespace kvyard {
 
-enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q5_K = 4 };
+enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q5_K = 4, Q6_K8 = 5, Q5_K8 = 6 };
 
 constexpr int64_t SUPER = 8;  // 32-weight blocks per K-quant super-block of 256
 
 constexpr bool is_k_quant(BlockKind kind) {
-  return kind == BlockKind::Q4_K || kind == BlockKind::Q5_K || kind == BlockKind::Q6_K;
+  return kind == BlockKind::Q4_K || kind == BlockKind::Q5_K || kind == BlockKind::Q6_K || kind == BlockKind::Q6_K8 ||
+         kind == BlockKind::Q5_K8;
+}
+
+// Q5_K's numbers (5-bit codes, packed or Q5_K8's bytes): sums over 128 weights, d and dmin.
+constexpr bool is_q5(BlockKind kind) { return kind == BlockKind::Q5_K || kind == BlockKind::Q5_K8; }
+
+// Q6_K's numbers (its 6-bit codes or Q6_K8's bytes): signed sub-scales per 16 weights, no minimums.
+constexpr bool is_q6(BlockKind kind) { return kind == BlockKind::Q6_K || kind == BlockKind::Q6_K8; }
+
+// Code bytes per block of 16 rows.
+constexpr int64_t k_code_bytes(BlockKind kind) {
+  return kind == BlockKind::Q4_K ? 256 : kind == BlockKind::Q5_K ? 320 : kind == BlockKind::Q6_K ? 384 : 512;
+}
+
+// f(std::integral_constant<BlockKind, KIND>{}) for a K-quant kind (is_k_quant): one dispatch to the templates.
+template <class F>
+inline void visit_k_kind(BlockKind kind, F&& f) {
+  switch (kind) {
+    case BlockKind::Q4_K: return f(std::integral_constant<BlockKind, BlockKind::Q4_K>{});
+    case BlockKind::Q5_K: return f(std::integral_constant<BlockKind, BlockKind::Q5_K>{});
+    case BlockKind::Q6_K: return f(std::integral_constant<BlockKind, BlockKind::Q6_K>{});
+    case BlockKind::Q5_K8: return f(std::integral_constant<BlockKind, BlockKind::Q5_K8>{});
+    case BlockKind::Q6_K8: return f(std::integral_constant<BlockKind, BlockKind::Q6_K8>{});
+    default: return;
+  }
 }
 
 // What the K-quant kinds differ in: code bytes per block of 16 rows, d's float16 values per super-block and
 // 16 rows (Q4_K / Q5_K: d and dmin), the sub-scales' sign, and whether minimums are subtracted.
 template <BlockKind KIND>
 struct KTraits {
-  static constexpr bool q6 = KIND == BlockKind::Q6_K;
-  static constexpr int64_t code_bytes = KIND == BlockKind::Q4_K ? 256 : KIND == BlockKind::Q5_K ? 320 : 384;
+  static constexpr bool q6 = is_q6(KIND);
+  static constexpr int64_t code_bytes = k_code_bytes(KIND);
   static constexpr int64_t d_halves = q6 ? 16 : 32;
   static constexpr bool signed_sub = q6, minimums = !q6;
 };
@@ -154,7 +185,7 @@ inline void super_sums(const __m512i* sum, __m512 dv, const float* xs, int64_t l
 // The blocks one float step covers (Q5_K: |sc q x| <= 63 * 31 * 8191, 128 of them 2.05e9), and that step's
 // scale d for super-block sb.
 template <BlockKind KIND>
-constexpr int64_t kFloatSpan = KIND == BlockKind::Q4_K ? SUPER : KIND == BlockKind::Q5_K ? SUPER / 2 : 2;
+constexpr int64_t kFloatSpan = KIND == BlockKind::Q4_K ? SUPER : is_q5(KIND) ? SUPER / 2 : 2;
 
 template <BlockKind KIND>
 inline __m512 super_scale(const half_t* d, int64_t sb) {
@@ -167,12 +198,15 @@ inline const uint8_t* half_scales(const uint8_t* sub, int64_t b, int64_t h) {
   return sub + b * 32 + (KTraits<KIND>::q6 ? 16 * h : 0);
 }
 
-// Step j of block b of one group's codes, as int16 weight pairs (Q6_K: minus 32).
+// Step j of block b of one group's codes, as int16 weight pairs (Q6_K, Q6_K8: minus 32).
 template <BlockKind KIND>
 inline __m512i k_weights(const uint8_t* codes, int64_t b, int64_t j) {
   if constexpr (KIND == BlockKind::Q4_K) return group_weights<true>(codes, b, j);
   else if constexpr (KIND == BlockKind::Q5_K) return q5_weights(codes + b * 320, j);
-  else return q6_weights(codes + b * 384, j);
+  else if constexpr (KIND == BlockKind::Q6_K) return q6_weights(codes + b * 384, j);
+  else if constexpr (KIND == BlockKind::Q5_K8)
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 512 + j * 32)));
+  else return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 512 + j * 32)));
 }
 
 // Decodes one group's codes (nb blocks) into int16 weight pairs times their sub-scales: wp[b * 16 + j] is step
@@ -327,7 +361,16 @@ inline void decode_row_k(BlockKind kind, const uint8_t* qs, const half_t* d, con
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sb = b / SUPER;
     const uint8_t* s = sub + (g * nb + b) * 32;
-    if (kind == BlockKind::Q4_K || kind == BlockKind::Q5_K) {
+    if (kind == BlockKind::Q5_K8) {
+      const uint8_t* cb = qs + (g * nb + b) * 512;
+      const half_t* dd = d + (g * nsb + sb) * 32;
+      const float scale = half_to_float(dd[i]) * static_cast<float>(s[i]);
+      const float minimum = half_to_float(dd[16 + i]) * static_cast<float>(s[16 + i]);
+      for (int64_t j = 0; j < 16; ++j) {
+        out[b * QK + j] = scale * static_cast<float>(cb[j * 32 + 2 * i]) - minimum;
+        out[b * QK + j + 16] = scale * static_cast<float>(cb[j * 32 + 2 * i + 1]) - minimum;
+      }
+    } else if (kind == BlockKind::Q4_K || kind == BlockKind::Q5_K) {
       const bool q5 = kind == BlockKind::Q5_K;
       const uint8_t* cb = qs + (g * nb + b) * (q5 ? 320 : 256);
       const half_t* dd = d + (g * nsb + sb) * 32;
@@ -341,6 +384,13 @@ inline void decode_row_k(BlockKind kind, const uint8_t* qs, const half_t* d, con
         const int hi = (byte >> 4) | static_cast<int>((top >> (j + 16)) & 1) << 4;
         out[b * QK + j] = scale * static_cast<float>(lo) - minimum;
         out[b * QK + j + 16] = scale * static_cast<float>(hi) - minimum;
+      }
+    } else if (kind == BlockKind::Q6_K8) {
+      const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);
+      const int8_t* cb = reinterpret_cast<const int8_t*>(qs) + (g * nb + b) * 512;
+      for (int64_t k = 0; k < QK; ++k) {
+        const float scale = dv * static_cast<float>(static_cast<int8_t>(s[(k / 16) * 16 + i]));
+        out[b * QK + k] = scale * static_cast<float>(cb[(k / 2) * 32 + 2 * i + (k & 1)]);
       }
     } else {
       const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);

@@ -53,7 +53,10 @@ inline void quantize_rows_super_avx2(const float* x, int64_t K, int64_t m0, int6
 // lanes (Q6_K: minus 32).
 template <BlockKind KIND>
 inline __m256i k_weights_avx2(const uint8_t* codes, int64_t b, int64_t j, int h) {
-  if constexpr (KIND == BlockKind::Q6_K) {
+  if constexpr (KIND == BlockKind::Q6_K8 || KIND == BlockKind::Q5_K8) {  // the bytes widened: one vpmov{s,z}xbw
+    const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 512 + j * 32 + 16 * h));
+    return KIND == BlockKind::Q6_K8 ? _mm256_cvtepi8_epi16(by) : _mm256_cvtepu8_epi16(by);
+  } else if constexpr (KIND == BlockKind::Q6_K) {
     const uint8_t* cb = codes + b * 384;
     const __m256i lo8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + j * 16 + 8 * h)));
     const __m256i lo = _mm256_and_si256(_mm256_or_si256(lo8, _mm256_slli_epi32(lo8, 12)), _mm256_set1_epi32(0x000F000F));

@@ -32,21 +32,22 @@ inline void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&&
 // n16 layout (qlinear_vnni.h): qs [G, K/32, 16, 16] (Q4_1) or [G, K/32, 16, 16, 2] (Q8_0), d and mins
 // [G, K/32, 16] (int16 activations: AVX-512 or AVX2). The K-quants (qlinear_kquant.h, n16 only) are told
 // apart by their sub-scales in mins' place: uint8 [G, K/32, 2, 16] for Q4_K and Q5_K (code rows 16 and 20 a
-// block), int8 for Q6_K (q4 false).
+// block; Q5_K8: 32), int8 for Q6_K and Q6_K8 (code rows 24 and 32) (q4 false).
 inline QMatrix as_matrix(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins, bool q4) {
   TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() && qs.is_contiguous(),
               "weights must be contiguous CPU tensors with float16 scales");
   QMatrix w;
   const bool kquant = mins.defined() && (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar);
-  w.kind = kquant ? (mins.scalar_type() == at::kChar ? BlockKind::Q6_K
-                     : qs.dim() == 4 && qs.size(2) == 20 ? BlockKind::Q5_K : BlockKind::Q4_K)
+  const int64_t code_rows = qs.dim() == 4 ? qs.size(2) : 0;
+  w.kind = kquant ? (mins.scalar_type() == at::kChar ? (code_rows == 32 ? BlockKind::Q6_K8 : BlockKind::Q6_K)
+                     : code_rows == 20 ? BlockKind::Q5_K : code_rows == 32 ? BlockKind::Q5_K8 : BlockKind::Q4_K)
                   : (q4 ? BlockKind::Q4_1 : BlockKind::Q8_0);
   w.q4 = w.kind == BlockKind::Q4_1;
   w.n16 = qs.dim() > 2;
   if (kquant) {
     TORCH_CHECK(w.n16, "K-quant blocks are served in the n16 layout");
-    const bool q4k = w.kind != BlockKind::Q6_K;  // Q4_K or Q5_K: d and dmin
-    TORCH_CHECK(qs.dim() == 4 && qs.size(2) == (w.kind == BlockKind::Q4_K ? 16 : q4k ? 20 : 24) && qs.size(3) == G16 && qs.size(1) % SUPER == 0 &&
+    const bool q4k = !is_q6(w.kind);  // Q4_K or Q5_K: d and dmin
+    TORCH_CHECK(qs.dim() == 4 && code_rows == k_code_bytes(w.kind) / 16 && qs.size(3) == G16 && qs.size(1) % SUPER == 0 &&
                 mins.is_contiguous() && mins.dim() == 4 && mins.size(0) == qs.size(0) && mins.size(1) == qs.size(1) &&
                 mins.size(2) == 2 && mins.size(3) == G16 && d.size(0) == qs.size(0) && d.size(1) == qs.size(1) / SUPER &&
                 d.dim() == (q4k ? 4 : 3) && d.size(-1) == G16 && (!q4k || d.size(2) == 2), "bad K-quant weight shapes");

@@ -116,12 +116,13 @@ def capped(request: pytest.FixtureRequest) -> Iterator[str]:
     K.cap_isa(kernels.ISA_LEVELS.index("native"))
 
 
-# (cap, KQUANTS, as resolved, Q4_K served as, Q6_K served as): by default AVX2 converts the K-quants to Q4_1 /
-# Q8_0 (its kernels for those are faster there); KQUANTS=native keeps both (qlinear_kquant_avx2.h, 256 bits),
-# mixed keeps Q6_K only; AVX-512 without VNNI (Skylake-SP/X) keeps them, multiplied by vpmaddwd on 512 bits.
+# (cap, KQUANTS, as resolved, Q4_K served as, Q6_K served as): by default AVX2 serves them mixed: Q4_K
+# converted to Q4_1, Q6_K's codes widened to bytes (q6_k8: the file's numbers at Q8_0's cost); KQUANTS=native
+# keeps both (qlinear_kquant_avx2.h, 256 bits), convert requantizes Q6_K to Q8_0; AVX-512 without VNNI
+# (Skylake-SP/X) keeps them, multiplied by vpmaddwd on 512 bits.
 @pytest.mark.parametrize("capped, kquants, resolved, q4_k, q6_k", [
-    ("avx2", "auto", "convert", "q4_1", "q8_0"), ("avx2", "native", "native", "q4_k", "q6_k"),
-    ("avx2", "mixed", "mixed", "q4_1", "q6_k"), ("avx512", "auto", "native", "q4_k", "q6_k")], indirect=["capped"])
+    ("avx2", "auto", "mixed", "q4_1", "q6_k8"), ("avx2", "native", "native", "q4_k", "q6_k"),
+    ("avx2", "convert", "convert", "q4_1", "q8_0"), ("avx512", "auto", "native", "q4_k", "q6_k")], indirect=["capped"])
 def test_a_capped_cpu_serves_k_quants_in_n16_with_int16_activations(tmp_path: Path, capped: str, kquants: str,
                                                                     resolved: str, q4_k: str, q6_k: str) -> None:
     """Capped below VNNI the backend still picks int16 activations, every matrix in groups of 16 where its

@@ -16,8 +16,8 @@ from backend import kernels
 from backend.model import LlamaModel
 from backend import ops as ops_module
 from backend.ops import N16_GEMM_ROWS, KernelOps, TorchOps
-from backend.kquant import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
-from backend.quant import QuantWeight, k_blocks_from_gguf
+from backend.kquant import K_FILE_KIND, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
+from backend.quant import QuantWeight, StackedWeight, k_blocks_from_gguf
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from tests.backend.conftest import CPU, full_logits
@@ -29,7 +29,13 @@ K = kernels.load()
 pytestmark = pytest.mark.skipif(K is None, reason="K-quant blocks are served by the C++ int16 kernels")
 AVX512 = pytest.mark.skipif(K is None or not K.has_avx512(), reason="compares with the AVX-512 kernels")
 KINDS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
+         "q5_k8": gguf.GGMLQuantizationType.Q5_K, "q6_k8": gguf.GGMLQuantizationType.Q6_K,
          "q6_k": gguf.GGMLQuantizationType.Q6_K}
+
+
+def k_blocks(kind: str, raw: np.ndarray, k: int) -> QuantWeight:
+    """A served K-quant kind's "rows" blocks from its GGUF type's bytes (q6_k8: a Q6_K tensor's)."""
+    return k_blocks_from_gguf(K_FILE_KIND.get(kind, kind), raw, k, served=kind)
 
 
 def random_k_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -37,6 +43,7 @@ def random_k_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     signed, -128 included), float16 scales of either sign."""
     rng = np.random.default_rng(seed)
     nsb = k // QK_K
+    kind = K_FILE_KIND.get(kind, kind)
     size = {"q4_k": Q4_K_BYTES, "q5_k": Q5_K_BYTES, "q6_k": Q6_K_BYTES}[kind]
     raw = rng.integers(0, 256, size=(n, nsb, size), dtype=np.uint8)
     if kind != "q6_k":  # d, dmin
@@ -51,11 +58,11 @@ def reference(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]).astype(np.float32).reshape(n, k))
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     n, k = 48, 512
     raw = random_k_raw(kind, n, k, seed=1)
-    w = k_blocks_from_gguf(kind, raw, k)
+    w = k_blocks(kind, raw, k)
     want = reference(kind, raw, n, k)
     assert torch.equal(w.dequantize(), want)
     w16 = w.to_n16()
@@ -63,8 +70,9 @@ def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     back = w16.to_rows()
     assert all(torch.equal(a, b) for a, b in ((back.qs, w.qs), (back.d, w.d), (back.m, w.m)))
     assert torch.equal(w16.dequantize(), want)
-    # bits a weight, as in the file (scales included): 4.625, 5.625 and 6.5625
-    assert w16.nbytes() * 8 / (n * k) == {"q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625}[kind]
+    # bits a weight, as in the file (scales included): 4.625, 5.625 and 6.5625; codes widened: 8.625, 8.5625
+    assert w16.nbytes() * 8 / (n * k) == {"q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625, "q5_k8": 8.625,
+                                            "q6_k8": 8.5625}[kind]
     rows = torch.tensor([0, 15, 16, 47])  # the embedding lookup reads rows out of the groups
     assert torch.equal(K.dequant_rows(w16.qs, w16.d, w16.m, rows, False), want[rows])
     out = torch.empty(n, k)
@@ -72,11 +80,11 @@ def test_blocks_decode_to_ggufs_own_dequantization(kind: str) -> None:
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 17, 32, 64, 65, 130])
 def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
     n, k = 80, 256 if rows % 2 else 768
-    w_rows = k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=rows), k)
+    w_rows = k_blocks(kind, random_k_raw(kind, n, k, seed=rows), k)
     w = w_rows.to_n16()
     dense = w.dequantize()
     gen = torch.Generator().manual_seed(rows)
@@ -101,7 +109,7 @@ def test_int16_linear_matches_dense_linear(kind: str, rows: int) -> None:
 def k_minimums(w: QuantWeight) -> torch.Tensor:
     """[n, k] float64: what a Q4_K or Q5_K weight subtracts, dmin mn (zeros for Q6_K); w in the "rows" layout."""
     n, k = w.shape
-    if w.kind == "q6_k":
+    if w.kind in ("q6_k", "q6_k8"):
         return torch.zeros(n, k, dtype=torch.float64)
     dmin = w.d[..., 1].double().repeat_interleave(QK_K, dim=1)  # [n, k]
     mn = w.m[..., 1].double().repeat_interleave(32, dim=1)
@@ -121,7 +129,7 @@ def super_block_rounding(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 8191.0).double()).view(rows, k)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
     """The sub-scales join the 32-bit integer sums (a Q4_K super-block's, 128 Q5_K weights', 64 Q6_K
@@ -131,7 +139,7 @@ def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
     4.1e9). A wrapped sum would be off by ~4.3e9 steps."""
     n, k = 32, 512
     raw = random_k_raw(kind, n, k, seed=9).reshape(n, k // QK_K, -1)
-    if kind in ("q4_k", "q5_k"):
+    if K_FILE_KIND.get(kind, kind) in ("q4_k", "q5_k"):
         raw[..., 4:16] = 0xFF  # every 6-bit scale and minimum 63
         raw[..., 16:] = 0xFF  # every code 15 (Q5_K: every top bit set too, 31)
         raw[..., 0:2] = np.array([0.001], dtype=np.float16).view(np.uint8)  # d > 0
@@ -139,13 +147,13 @@ def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
         raw[..., 0:192] = 0  # every code 0: q - 32 = -32
         raw[..., 192:208] = 0x80  # every scale -128
         raw[..., 208:210] = np.array([0.0001], dtype=np.float16).view(np.uint8)
-    w = k_blocks_from_gguf(kind, raw.reshape(n, -1), k).to_n16()
+    w = k_blocks(kind, raw.reshape(n, -1), k).to_n16()
     dense = w.dequantize()
     x = torch.full((rows, k), 0.75)
     x[:, QK_K:] = 1.5  # each super-block at its own scale
     x[1::2] *= -1  # rows of either sign (a row's sums all of one sign: their errors could not cancel)
     got = KernelOps(K).linear(x, w).double()
-    minimums = k_minimums(k_blocks_from_gguf(kind, raw.reshape(n, -1), k))
+    minimums = k_minimums(k_blocks(kind, raw.reshape(n, -1), k))
     rounded = super_block_rounding(x)
     exact = rounded @ (dense.double() + minimums).T - x.double() @ minimums.T
     scale = rounded.abs() @ (dense.double() + minimums).abs().T + x.abs().double() @ minimums.abs().T
@@ -155,11 +163,11 @@ def test_integer_sums_at_their_largest_stay_exact(kind: str, rows: int) -> None:
 def random_n16(kind: str, n: int, k: int, seed: int) -> QuantWeight:
     """A random [n, k] matrix of any served block kind, in the n16 layout."""
     if kind in KINDS:
-        return k_blocks_from_gguf(kind, random_k_raw(kind, n, k, seed=seed), k).to_n16()
+        return k_blocks(kind, random_k_raw(kind, n, k, seed=seed), k).to_n16()
     return random_blocks(kind, n, k, seed=seed).to_n16()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     """From N16_GEMM_ROWS rows (where the CPU prefers it) the n16 weight is dequantized tile by tile into
     W^T and multiplied by torch's GEMM: float32 activations, so within float32 rounding of the exact product
@@ -174,7 +182,7 @@ def test_prefill_sized_batches_go_through_the_gemm_exactly(kind: str) -> None:
     tiled_linear_is_exact(ops, w, N16_GEMM_ROWS + 5, seed=3, rel=1e-5)  # three tiles of 32 rows
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 def test_prefill_gemm_choice_picks_the_multiply(kind: str) -> None:
     """PREFILL_GEMM's three choices over the same n16 weight and prefill-sized batch: int16 gives the int16
     kernel's bits (what a short batch gets), float32 the exact product within float32 rounding, bfloat16
@@ -222,9 +230,9 @@ def test_bf16_matmul_asks_onednn_for_bf16_math_where_the_cpu_has_it(monkeypatch:
     assert got.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 def test_int16_linear_gives_each_row_the_same_bits_in_any_batch(kind: str) -> None:
-    w = k_blocks_from_gguf(kind, random_k_raw(kind, 112, 512, seed=9), 512).to_n16()  # 7 groups: pairs and one alone
+    w = k_blocks(kind, random_k_raw(kind, 112, 512, seed=9), 512).to_n16()  # 7 groups: pairs and one alone
     x = torch.randn(130, 512, generator=torch.Generator().manual_seed(9))
     ops = KernelOps(K)
     batched = ops.linear(x, w)
@@ -249,12 +257,12 @@ def test_q6_k_vbmi_decode_gives_the_portable_bits(rows: int) -> None:
 
 
 @pytest.mark.skipif(K is None or not K.has_vnni(), reason="compares the VNNI code with the plain AVX-512 one")
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 17, 64])
 def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -> None:
     """On AVX-512 without VNNI the step loops multiply with vpmaddwd + vpaddd: the same integer dots, so the
     same bits as vpdpwssd (the portable decode on both; VBMI needs VNNI)."""
-    w = k_blocks_from_gguf(kind, random_k_raw(kind, 48, 768, seed=rows), 768).to_n16()
+    w = k_blocks(kind, random_k_raw(kind, 48, 768, seed=rows), 768).to_n16()
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
     vbmi, code = K.use_vbmi(False), K.use_int16("vnni")
     try:
@@ -267,7 +275,7 @@ def test_k_quant_linear_without_vnni_gives_the_vnni_bits(kind: str, rows: int) -
 
 
 @AVX512
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 64, N16_GEMM_ROWS + 3])
 def test_k_quant_linear_on_avx2_gives_the_avx512_bits(kind: str, rows: int) -> None:
     """An AVX2-only CPU serves K-quant blocks as they are too (qlinear_kquant_avx2.h: 8 lanes a vector, vpmaddwd
@@ -304,22 +312,28 @@ def k_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return write_gguf(tiny, tmp_path_factory.mktemp("kq") / f"{request.param}.gguf", types), request.param
 
 
-def test_k_quant_gguf_is_served_as_it_is(k_gguf: tuple[Path, str]) -> None:
+@pytest.mark.parametrize("kquants", ["native", "mixed"])
+def test_k_quant_gguf_is_served_as_it_is(k_gguf: tuple[Path, str], kquants: str) -> None:
     """n16: every Q4_K, Q5_K or Q6_K matrix kept in its own blocks (the file's bytes, no requantizing), the
     fused decode step equal to the op-by-op loop bit for bit, and both within int16 rounding of the
-    dense float32 model. The rows layout (no VNNI) keeps converting: Q4_K to Q4_1, Q5_K and Q6_K to Q8_0."""
+    dense float32 model. KQUANTS=mixed: Q4_K converted to Q4_1, Q5_K's and Q6_K's codes widened to bytes
+    (q5_k8, q6_k8: the same numbers)."""
     path, main_kind = k_gguf
     config = load_model_config(path)
-    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16")
+    weights = load_weights(path, config, torch.float32, CPU, keep_blocks=True, block_layout="n16", kquants=kquants)
     kinds = {name: w.kind for name, w in weights.items() if isinstance(w, QuantWeight)}
-    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == main_kind
-    assert kinds["layers.0.o"] == kinds["layers.1.down"] == "q6_k"
+    mixed = kquants == "mixed"
+    assert kinds["layers.0.qkv"] == kinds["layers.1.gate_up"] == (main_kind if not mixed else
+                                                                   "q4_1" if main_kind == "q4_k" else "q5_k8")
+    assert kinds["layers.0.o"] == kinds["layers.1.down"] == ("q6_k8" if mixed else "q6_k")
     assert config.vocab_size % 16 and kinds["embed"] == "q8_0"  # rows not in groups of 16: requantized, as before
     dense = load_weights(path, config, torch.float32, CPU)  # the file's exact dequantization
     for name, w in weights.items():
-        if isinstance(w, QuantWeight) and w.kind != "q8_0":
+        if isinstance(w, QuantWeight) and w.kind not in ("q8_0", "q4_1"):  # q4_1: Q4_K's scales rounded
             assert torch.equal(w.dequantize(), dense[name]), name
-    dense["embed"] = weights["embed"].dequantize()  # type: ignore[union-attr]  # as served (requantized)
+    for name, w in weights.items():  # the reference takes what is served where the serving rounded (Q4_1, Q8_0)
+        if isinstance(w, (QuantWeight, StackedWeight)) and ("q4_1" in w.kind or "q8_0" in w.kind):
+            dense[name] = w.dequantize()
     model = LlamaModel(config, weights)
     assert model.fused is not None
     both_ways(model, [3, 40, 77], torch.float16)

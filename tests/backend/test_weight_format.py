@@ -91,15 +91,15 @@ def test_prefill_gemm_resolves_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(kernels.load() is None, reason="needs the C++ kernels (int16 activations)")
 def test_kquants_resolves_once() -> None:
-    """KQUANTS=auto: the file's K-quant blocks where the int16 kernels run on AVX-512, converted on an AVX2-only
-    CPU (KVYARD_CPU_ISA=avx2 caps them so here); the others as asked; a kept K-quant without int16 activations
+    """KQUANTS=auto: the file's K-quant blocks where the int16 kernels run on AVX-512, mixed on an AVX2-only CPU
+    (KVYARD_CPU_ISA=avx2 caps them so here: Q4_K converted, Q6_K widened); the others as asked; a kept K-quant without int16 activations
     refused, and float32 activations always convert (their rows layout has no K-quant kernels)."""
     module = kernels.load()
-    assert cfg().kquants == ("native" if module.has_avx512() else "convert")
+    assert cfg().kquants == ("native" if module.has_avx512() else "mixed")
     module.cap_isa(kernels.ISA_LEVELS.index("avx2"))
     try:
-        assert cfg().kquants == "convert"
-        assert cfg(KQUANTS="mixed").kquants == "mixed"
+        assert cfg().kquants == "mixed"
+        assert cfg(KQUANTS="convert").kquants == "convert"
         assert cfg(KQUANTS="native").kquants == "native"
     finally:
         module.cap_isa(kernels.ISA_LEVELS.index("native"))
