@@ -3,12 +3,14 @@ Q4_K_M GGUF (benchmarks/scale_model.py: random weights, quantized by llama.cpp's
 served by both, same workloads, interleaved rounds.
 
     .venv/bin/python benchmarks/scale.py [--rounds 2] [--only kvyard,llama,vllm] [--kvyard-env KEY=VALUE ...]
-                                         [--gguf PATH | --quant Q5_K_M] [--before CHECKOUT]
+                                         [--gguf PATH | --quant Q5_K_M] [--before CHECKOUT [--before-env KEY=VALUE]]
                                          [--workloads single,agg,ttft]
                                          [--json out.json]
 
 --before runs a second kvyard from another checkout (e.g. `git worktree add --detach /tmp/before <commit>`
 with its own .venv link) as a third server, "before": a change's effect measured in the same rounds.
+--before-env gives it other settings: `--before . --before-env KQUANTS=convert` compares two settings of one
+checkout.
 
 Workloads (chat completions through the HTTP API, the official openai client, as benchmarks/peers.py):
   single   one request at a time ("Tell me a long story about robot number i."), 64 output tokens
@@ -75,6 +77,8 @@ def main() -> None:
                     "(e.g. Q5_K_M; built on first use)")
     ap.add_argument("--kvyard-env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--before", type=Path, help="another kvyard checkout, served too as 'before'")
+    ap.add_argument("--before-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="settings for 'before' only (over --kvyard-env), e.g. this checkout with KQUANTS=convert")
     ap.add_argument("--workloads", default="single,agg,ttft", help="a subset, e.g. single,agg (decode only)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -90,7 +94,8 @@ def main() -> None:
         if "kvyard" in servers:
             extra["kvyard settings"] = kvyard_settings_line()
         if args.before is not None:
-            url, pid = stack.enter_context(kvyard_server(kvyard_env, root=args.before.resolve(),
+            before_env = {**kvyard_env, **dict(kv.split("=", 1) for kv in args.before_env)}
+            url, pid = stack.enter_context(kvyard_server(before_env, root=args.before.resolve(),
                                                          log_name="kvyard-before.log"))
             before_client = client_for(url)
             servers["before"] = (before_client, before_client, pid)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, phase by phase, at batch 1/8/32 (context 300), as `make run` serves.
 
     .venv/bin/python benchmarks/step_profile.py [--batches 1,8,32] [--ctx 300] [--activations auto|float32]
-                                                [--gguf PATH]
+                                                [--gguf PATH] [--kquants auto|native|mixed|convert]
 
 --gguf profiles another GGUF than the embedded model (e.g. benchmarks/scale_model.py's 1.7B-shaped Q4_K_M);
 the weights' served kinds and bytes are printed first, with the step's memory bound at --bandwidth GB/s.
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--activations", default="int16", choices=("int16", "float32"),
                     help="int16 (the serving default: AVX-512 VNNI or AVX2) or float32")
     ap.add_argument("--gguf", type=Path, help="a GGUF to profile instead of the embedded model")
+    ap.add_argument("--kquants", default="auto", choices=("auto", "native", "mixed", "convert"),
+                    help="KQUANTS: how a GGUF's K-quant blocks are served (backend/config.py)")
     ap.add_argument("--bandwidth", type=float, default=23.0, help="read bandwidth, GB/s, for the memory bound")
     ap.add_argument("--cpu-time", action="store_true",
                     help="a busy machine: one thread, each batch's fastest step in process CPU time (no phases)")
@@ -53,7 +55,8 @@ def main() -> None:
     path = args.gguf or embedded_model_path()
     config = load_model_config(path)
     model = LlamaModel(config, load_weights(path, config, torch.float32, torch.device("cpu"), keep_blocks=True,
-                                            block_layout="n16" if int16 else "rows", progress=False))
+                                            block_layout="n16" if int16 else "rows", progress=False,
+                                            kquants=args.kquants if int16 else "convert"))
     served = model.weight_bytes()
     print(f"{path.name}: {served / 1e6:.0f} MB served ({path.stat().st_size / 1e6:.0f} MB file): "
           + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(served_kinds(model.w).items()))
