@@ -1,6 +1,7 @@
-"""The GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) as arrays: their bytes in the file, the n16 layout the kernels
-read (backend/csrc/qlinear_kquant.h) and back, the float32 they encode, and Q4_K's conversion to Q4_1 blocks.
-numpy in, numpy out: backend/quant.py wraps the results in QuantWeight (this module never sees one)."""
+"""The GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K; Q5_K8 / Q6_K8: Q5_K's and Q6_K's codes widened to a byte each)
+as arrays: their bytes in the file, the n16 layout the kernels read (backend/csrc/qlinear_kquant.h) and back,
+the float32 they encode, and Q4_K's conversion to Q4_1 blocks. numpy in, numpy out: backend/quant.py wraps the
+results in QuantWeight (this module never sees one)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -60,9 +60,10 @@ CASES = {
     "mistral-hf": Served("mistral", "hf"),
     "mistral-gguf": Served("mistral", "gguf", env=(("MODEL_TYPE", "mistral"),)),
     # An AVX2-only CPU's path, taken here by capping the kernels (KVYARD_CPU_ISA): int16 activations on the
-    # AVX2 kernels, the K-quant blocks converted at load (Q4_K to Q4_1, Q6_K to Q8_0), SDPA for attention.
+    # AVX2 kernels, the K-quant blocks mixed at load (Q4_K to Q4_1, Q6_K's codes widened: Q6_K8), SDPA for
+    # attention (beside the Q8_0 the tiny model's rows of fewer than 256 weights take).
     "llama3-gguf-k-avx2": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"), ("KVYARD_CPU_ISA", "avx2")),
-                                 stop_token="<|eom_id|>", types="k_mix", blocks="q4_1/q8_0"),
+                                 stop_token="<|eom_id|>", types="k_mix", blocks="q4_1/q6_k8/q8_0"),
     # AVX-512 without VNNI (Skylake-SP/X): the K-quant blocks as they are (beside the Q4_1/Q8_0 the tiny
     # model's rows of fewer than 256 weights take, as on a VNNI CPU), vpmaddwd on 512 bits.
     "llama3-gguf-k-avx512": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"), ("KVYARD_CPU_ISA", "avx512")),

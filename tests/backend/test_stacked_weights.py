@@ -25,9 +25,10 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="C++ kernels unav
 
 MIXED_TYPES = {**EXACT_TYPES, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
-# The kinds each fused matrix's parts are served in: the file's own K-quants (n16 where the kernels take them,
-# AVX-512 VNNI), or their exact (Q4_K → Q4_1) and requantized (Q6_K → Q8_0) conversions (rows; n16 on AVX2).
-NATIVE, CONVERTED = ["q4_k", "q6_k"], ["q4_1", "q8_0"]
+# The kinds each fused matrix's parts are served in: the file's own K-quants (n16 on AVX-512), KQUANTS=mixed's
+# (n16 on AVX2: Q4_K → Q4_1, Q6_K's codes widened to bytes), or the conversions the rows layout takes (Q4_K →
+# Q4_1, Q6_K requantized to Q8_0).
+NATIVE, MIXED, CONVERTED = ["q4_k", "q6_k"], ["q4_1", "q6_k8"], ["q4_1", "q8_0"]
 # n16 Q4_K keeps its 6-bit sub-scales as bytes: 148 bytes per 256 weights against the file's 144.
 N16_BYTES = {"q4_k": 148 / 144, "q6_k": 1.0}
 
@@ -48,10 +49,11 @@ def test_mixed_kinds_are_stacked_not_requantized(mixed_gguf: Path, layout: str) 
     for i in range(config.num_layers):
         qkv, gate_up = weights[f"layers.{i}.qkv"], weights[f"layers.{i}.gate_up"]
         assert isinstance(qkv, StackedWeight) and isinstance(gate_up, StackedWeight)
-        assert [p.kind for p in qkv.parts] == [p.kind for p in gate_up.parts] == (NATIVE if native else CONVERTED)
+        assert [p.kind for p in qkv.parts] == [p.kind for p in gate_up.parts] == (
+            NATIVE if native else MIXED if layout == "n16" else CONVERTED)
         assert [p.shape[0] for p in qkv.parts] == [q_rows + kv_rows, kv_rows]  # q and k merged: one kind
         assert qkv.shape == (q_rows + 2 * kv_rows, config.hidden_size) and qkv.layout == layout
-    exact = set(NATIVE) if native else set()
+    exact = set(NATIVE) if native else {"q6_k8"}  # the file's numbers
     for name, w in weights.items():
         for part, rows in _parts_with_rows(w):
             if part.kind in exact:
