@@ -31,7 +31,7 @@ class BackendConfig:
     weight_format: str           # WEIGHT_FORMAT: "gguf" keeps a GGUF's Q4_1/Q8_0 blocks (C++ kernels), "dense"
     activations: str             # ACTIVATIONS: what the GGUF-block linears multiply by, "int16" or "float32"
     prefill_gemm: str            # PREFILL_GEMM: what int16-activation prefill chunks multiply in, kernels.PREFILL_GEMMS
-    kquants: str                 # KQUANTS: a GGUF's Q4_K/Q5_K/Q6_K blocks "native", "mixed" or "convert" (quant.py)
+    kquants: str                 # KQUANTS: a GGUF's Q4_K/Q5_K/Q6_K blocks "native", "mixed" or "convert" (kquant.py)
     block_size: int              # tokens per KV block
     kv_cache_mb: int             # memory for the KV cache
     max_num_seqs: int            # sequences running at once
@@ -182,8 +182,8 @@ def _activations(env: Mapping[str, str], weight_format: str) -> str:
 
 def _kquants(env: Mapping[str, str], activations: str) -> str:
     """native: every Q4_K/Q5_K/Q6_K block as the file has it; convert: Q4_K to Q4_1 (its scale products rounded
-    to float16), Q5_K and Q6_K requantized to Q8_0; mixed: Q4_K converted, Q6_K's codes widened to bytes (Q6_K8:
-    the file's numbers at Q8_0's size and speed), Q5_K native. auto: native where the int16 kernels run on
+    to float16), Q5_K and Q6_K requantized to Q8_0; mixed: Q4_K converted, Q5_K's and Q6_K's codes widened to
+    bytes (Q5_K8, Q6_K8: the file's numbers at Q8_0's size). auto: native where the int16 kernels run on
     AVX-512; mixed on an AVX2-only CPU, whose 256-bit loops unpack Q4_K's and Q6_K's packed codes slower than the
     converted blocks' kernels (one 1.7B Q4_K_M stream: native 0.71x convert; mixed 0.91-0.96x, 32 streams
     0.98-1.0x). Agreement with float32 on the random-weight 1.7B, its top two logits 0.14 apart (the harshest

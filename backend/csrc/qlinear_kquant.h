@@ -361,45 +361,30 @@ inline void decode_row_k(BlockKind kind, const uint8_t* qs, const half_t* d, con
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sb = b / SUPER;
     const uint8_t* s = sub + (g * nb + b) * 32;
-    if (kind == BlockKind::Q5_K8) {
-      const uint8_t* cb = qs + (g * nb + b) * 512;
-      const half_t* dd = d + (g * nsb + sb) * 32;
-      const float scale = half_to_float(dd[i]) * static_cast<float>(s[i]);
-      const float minimum = half_to_float(dd[16 + i]) * static_cast<float>(s[16 + i]);
-      for (int64_t j = 0; j < 16; ++j) {
-        out[b * QK + j] = scale * static_cast<float>(cb[j * 32 + 2 * i]) - minimum;
-        out[b * QK + j + 16] = scale * static_cast<float>(cb[j * 32 + 2 * i + 1]) - minimum;
-      }
-    } else if (kind == BlockKind::Q4_K || kind == BlockKind::Q5_K) {
-      const bool q5 = kind == BlockKind::Q5_K;
-      const uint8_t* cb = qs + (g * nb + b) * (q5 ? 320 : 256);
+    const uint8_t* cb = qs + (g * nb + b) * k_code_bytes(kind);
+    if (!is_q6(kind)) {  // Q4_K, Q5_K, Q5_K8
       const half_t* dd = d + (g * nsb + sb) * 32;
       const float scale = half_to_float(dd[i]) * static_cast<float>(s[i]);
       const float minimum = half_to_float(dd[16 + i]) * static_cast<float>(s[16 + i]);
       uint32_t top = 0;
-      if (q5) std::memcpy(&top, cb + 256 + 4 * i, 4);
+      if (kind == BlockKind::Q5_K) std::memcpy(&top, cb + 256 + 4 * i, 4);
       for (int64_t j = 0; j < 16; ++j) {
         const uint8_t byte = cb[j * G16 + i];
-        const int lo = (byte & 0x0F) | static_cast<int>((top >> j) & 1) << 4;
-        const int hi = (byte >> 4) | static_cast<int>((top >> (j + 16)) & 1) << 4;
+        const bool wide = kind == BlockKind::Q5_K8;  // the codes of k=j, j+16 as bytes
+        const int lo = wide ? cb[j * 32 + 2 * i] : (byte & 0x0F) | static_cast<int>((top >> j) & 1) << 4;
+        const int hi = wide ? cb[j * 32 + 2 * i + 1] : (byte >> 4) | static_cast<int>((top >> (j + 16)) & 1) << 4;
         out[b * QK + j] = scale * static_cast<float>(lo) - minimum;
         out[b * QK + j + 16] = scale * static_cast<float>(hi) - minimum;
       }
-    } else if (kind == BlockKind::Q6_K8) {
+    } else {  // Q6_K, Q6_K8
       const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);
-      const int8_t* cb = reinterpret_cast<const int8_t*>(qs) + (g * nb + b) * 512;
-      for (int64_t k = 0; k < QK; ++k) {
-        const float scale = dv * static_cast<float>(static_cast<int8_t>(s[(k / 16) * 16 + i]));
-        out[b * QK + k] = scale * static_cast<float>(cb[(k / 2) * 32 + 2 * i + (k & 1)]);
-      }
-    } else {
-      const float dv = half_to_float(d[(g * nsb + sb) * 16 + i]);
-      const uint8_t* cb = qs + (g * nb + b) * 384;
       for (int64_t k = 0; k < QK; ++k) {
         const uint8_t lo = (cb[(k / 2) * 16 + i] >> (4 * (k & 1))) & 0x0F;
         const uint8_t hi = (cb[(16 + k / 4) * 16 + i] >> (2 * (k & 3))) & 0x03;
+        const int code = kind == BlockKind::Q6_K8 ? static_cast<int8_t>(cb[(k / 2) * 32 + 2 * i + (k & 1)])
+                                                  : static_cast<int>(lo | (hi << 4)) - 32;
         const float scale = dv * static_cast<float>(static_cast<int8_t>(s[(k / 16) * 16 + i]));
-        out[b * QK + k] = scale * static_cast<float>(static_cast<int>(lo | (hi << 4)) - 32);
+        out[b * QK + k] = scale * static_cast<float>(code);
       }
     }
   }
