@@ -48,6 +48,7 @@ class Source:
 _GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
     "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",  # Qwen3
 }
 _GGUF_TOP_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 
@@ -60,9 +61,9 @@ class GGUFSource(Source):
         self.infos: dict[str, GGUFTensorInfo] = {}
         self.perm: dict[str, np.ndarray] = {}
         # llama.cpp's converter interleaves each head's q/k rows for the llama architecture (so RoPE pairs
-        # (2i, 2i+1) are adjacent); we use the Hugging Face pairing (i, i + d/2) and undo it. Its qwen2
-        # conversion keeps the Hugging Face order.
-        interleaved = config.architecture != "qwen2"
+        # (2i, 2i+1) are adjacent); we use the Hugging Face pairing (i, i + d/2) and undo it. Its qwen2 and
+        # qwen3 conversions keep the Hugging Face order (NeoX-style RoPE there).
+        interleaved = config.architecture not in ("qwen2", "qwen3")
         for tname, info in index.tensors.items():
             parts = tname.split(".")
             if parts[0] == "blk":

@@ -69,7 +69,7 @@ class LlamaModel:
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # 0: the whole context
         # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
-        self.fused = None if config.qk_norm else self.ops.fused_decoder(config, weights, self.lm_head)
+        self.fused = self.ops.fused_decoder(config, weights, self.lm_head)
         # On a GPU, decode-only steps of up to DENSE_ROWS rows replay CUDA graphs of the op-by-op step below.
         self.graphs = (GraphedDecoder(self._decode_step, self.device, DENSE_ROWS)
                        if cuda_graphs and self.device.type == "cuda" and self.fused is None else None)

@@ -149,9 +149,12 @@ class KernelOps(TorchOps):
 
         def layer(p: str) -> Any:
             bias = weights.get(p + "qkv_bias")
+            norms = [weights.get(p + n) for n in ("q_norm", "k_norm")]  # Qwen3
+            q_norm, k_norm = (n if isinstance(n, torch.Tensor) else none for n in norms)
             return self.k.LayerTensors(
                 attn_norm=weights[p + "attn_norm"], qkv=blocks(weights[p + "qkv"]),
-                qkv_bias=bias if isinstance(bias, torch.Tensor) else none, o=blocks(weights[p + "o"]),
+                qkv_bias=bias if isinstance(bias, torch.Tensor) else none, q_norm=q_norm, k_norm=k_norm,
+                o=blocks(weights[p + "o"]),
                 ffn_norm=weights[p + "ffn_norm"], gate_up=blocks(weights[p + "gate_up"]),
                 down=blocks(weights[p + "down"]))
 

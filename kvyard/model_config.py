@@ -18,7 +18,7 @@ from kvyard.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_text_config
 from kvyard.vision_config import VISION_MODEL_TYPES, ImageSide, load_vision_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # qwen3 from a Hugging Face directory only
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # The keys each rope type reads from rope_scaling / rope_parameters; any other key is refused (a key we do
@@ -127,6 +127,7 @@ def _from_gguf(path: Path) -> ModelConfig:
         max_position_embeddings=_served_context(context, rope),
         tie_word_embeddings=False,  # decided by the weights: no `output` tensor means tied
         attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",  # blk.N.attn_q_norm / attn_k_norm: RMSNorm over each head's q and k
         rope_scaling=rope,
         sliding_window=window,
     )

@@ -59,6 +59,7 @@ CASES = {
     "llama3-gguf": Served("llama", "gguf", env=(("MODEL_TYPE", "llama3"),), stop_token="<|eom_id|>"),
     "mistral-hf": Served("mistral", "hf"),
     "mistral-gguf": Served("mistral", "gguf", env=(("MODEL_TYPE", "mistral"),)),
+    "qwen3-gguf": Served("qwen3", "gguf"),  # the GGUF's own chat template, q/k norms in the fused decode step
     # An AVX2-only CPU's path, taken here by capping the kernels (KVYARD_CPU_ISA): int16 activations on the
     # AVX2 kernels, the K-quant blocks mixed at load (Q4_K to Q4_1, Q6_K's codes widened: Q6_K8), SDPA for
     # attention (beside the Q8_0 the tiny model's rows of fewer than 256 weights take).
@@ -76,6 +77,7 @@ FAMILY_KWARGS: dict[str, dict[str, Any]] = {
                         "original_max_position_embeddings": 64, "rope_theta": 500000.0}, max_positions=512),
     "qwen2": dict(tie=True, max_positions=512),
     "mistral": dict(sliding_window=WINDOW, max_positions=512),
+    "qwen3": dict(max_positions=512),
 }
 
 

@@ -394,10 +394,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "one GGUF-block matrix: codes, scales, minimums (empty if none); or a stack of parts")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<BlockTensors>>(), py::arg("qs"), py::arg("d"),
            py::arg("m"), py::arg("parts") = std::vector<BlockTensors>{});
-  py::class_<LayerTensors>(m, "LayerTensors", "one layer's weights by name (qkv_bias empty if none)")
-      .def(py::init<at::Tensor, BlockTensors, at::Tensor, BlockTensors, at::Tensor, BlockTensors, BlockTensors>(),
-           py::arg("attn_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("ffn_norm"),
-           py::arg("gate_up"), py::arg("down"));
+  py::class_<LayerTensors>(m, "LayerTensors", "one layer's weights by name (qkv_bias, q_norm, k_norm empty if none)")
+      .def(py::init<at::Tensor, BlockTensors, at::Tensor, at::Tensor, at::Tensor, BlockTensors, at::Tensor, BlockTensors,
+                    BlockTensors>(),
+           py::arg("attn_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"),
+           py::arg("ffn_norm"), py::arg("gate_up"), py::arg("down"));
   py::class_<ModelTensors>(m, "ModelTensors", "the model's weights by name, its layers in order")
       .def(py::init<BlockTensors, at::Tensor, BlockTensors, std::vector<LayerTensors>>(), py::arg("embed"),
            py::arg("norm"), py::arg("lm_head"), py::arg("layers"));

@@ -33,6 +33,7 @@ struct LayerTensors {
   at::Tensor attn_norm;
   BlockTensors qkv;
   at::Tensor qkv_bias;  // empty when the model has none
+  at::Tensor q_norm, k_norm;  // [d] each, Qwen3's per-head RMSNorm of q and k before RoPE; empty when none
   BlockTensors o;
   at::Tensor ffn_norm;
   BlockTensors gate_up, down;
@@ -49,6 +50,8 @@ struct LayerWeights {
   const float* attn_norm;
   StackedMatrix qkv;       // fused matrices: parts of different kinds possible
   const float* qkv_bias;  // nullptr when the model has none
+  const float* q_norm;    // nullptr when the model has none (then k_norm too)
+  const float* k_norm;
   QMatrix o;
   const float* ffn_norm;
   StackedMatrix gate_up;
@@ -90,6 +93,9 @@ class FusedDecoder {
       w.attn_norm = vector_of(t.attn_norm, D_, "attn_norm");
       w.qkv = stacked(t.qkv);
       w.qkv_bias = t.qkv_bias.numel() ? vector_of(t.qkv_bias, w.qkv.N, "qkv_bias") : nullptr;
+      TORCH_CHECK(t.q_norm.numel() == t.k_norm.numel(), "layer ", l, ": q_norm and k_norm come together");
+      w.q_norm = t.q_norm.numel() ? vector_of(t.q_norm, d_, "q_norm") : nullptr;
+      w.k_norm = t.k_norm.numel() ? vector_of(t.k_norm, d_, "k_norm") : nullptr;
       w.o = matrix(t.o);
       w.ffn_norm = vector_of(t.ffn_norm, D_, "ffn_norm");
       w.gate_up = stacked(t.gate_up);
@@ -211,7 +217,12 @@ class FusedDecoder {
             const float* c = cos.data_ptr<float>() + pp[b] * (d_ / 2);
             const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
             sc.krot.resize(d_);
-            rope_store_row(qkv_.data() + b * W, c, s, H_, Hkv_, d_, sp[b], q_.data() + b * H_ * d_, kc, vc,
+            float* row = qkv_.data() + b * W;
+            if (w.q_norm) {  // in place, head by head: the op path's rms_norm over [T * heads, d] rows
+              for (int64_t h = 0; h < H_; ++h) rms_norm_row(row + h * d_, w.q_norm, d_, eps_, row + h * d_);
+              for (int64_t h = H_; h < H_ + Hkv_; ++h) rms_norm_row(row + h * d_, w.k_norm, d_, eps_, row + h * d_);
+            }
+            rope_store_row(row, c, s, H_, Hkv_, d_, sp[b], q_.data() + b * H_ * d_, kc, vc,
                            sc.krot.data());
           }
 #pragma omp barrier

@@ -75,13 +75,15 @@ def test_fused_step_split_over_two_threads(model_blocks: LlamaModel, rows: int) 
 
 
 def tiny_qwen2_like(seed: int = 0, layout: str = "rows", window: int = 0,
-                    window_layers: tuple[bool, ...] | None = None) -> LlamaModel:
+                    window_layers: tuple[bool, ...] | None = None, qk_norm: bool = False) -> LlamaModel:
     """Random Q4_1 matrices, a Q8_0 embedding and q/k/v biases: 2 layers, 4 query heads of 32, 2 KV heads;
-    optionally a sliding attention window (on the layers window_layers marks)."""
-    config = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=128, intermediate_size=96, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
-                         max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True,
-                         sliding_window=window, window_layers=window_layers)
+    optionally a sliding attention window (on the layers window_layers marks), or Qwen3's q/k norms instead
+    of the biases."""
+    config = ModelConfig(architecture="qwen3" if qk_norm else "qwen2", vocab_size=96, hidden_size=128,
+                         intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=True,
+                         attention_bias=not qk_norm, qk_norm=qk_norm, sliding_window=window,
+                         window_layers=window_layers)
     gen = torch.Generator().manual_seed(seed)
     w: dict = {"embed": random_blocks("q8_0", 96, 128, seed), "norm": 1 + 0.1 * torch.randn(128, generator=gen)}
     for i in range(2):
@@ -89,7 +91,11 @@ def tiny_qwen2_like(seed: int = 0, layout: str = "rows", window: int = 0,
         w[p + "attn_norm"] = 1 + 0.1 * torch.randn(128, generator=gen)
         w[p + "ffn_norm"] = 1 + 0.1 * torch.randn(128, generator=gen)
         w[p + "qkv"] = random_blocks("q4_1", (4 + 2 * 2) * 32, 128, seed + 10 * i + 1)
-        w[p + "qkv_bias"] = torch.randn(256, generator=gen)
+        if qk_norm:  # per-head norms far from 1, so a step that skipped them would differ
+            w[p + "q_norm"] = 1 + 0.5 * torch.randn(32, generator=gen)
+            w[p + "k_norm"] = 1 + 0.5 * torch.randn(32, generator=gen)
+        else:
+            w[p + "qkv_bias"] = torch.randn(256, generator=gen)
         w[p + "o"] = random_blocks("q4_1", 128, 128, seed + 10 * i + 2)
         w[p + "gate_up"] = random_blocks("q4_1", 192, 128, seed + 10 * i + 3)
         w[p + "down"] = random_blocks("q4_1", 128, 96, seed + 10 * i + 4)
@@ -102,6 +108,15 @@ def tiny_qwen2_like(seed: int = 0, layout: str = "rows", window: int = 0,
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_fused_step_with_qkv_bias(rows: int, layout: str) -> None:
     model = tiny_qwen2_like(layout=layout)
+    assert model.fused is not None
+    both_ways(model, [1 + 29 * b % 300 for b in range(rows)], torch.float32, block_size=8)
+
+
+@pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_fused_step_with_qk_norm(rows: int, layout: str) -> None:
+    """Qwen3: each head of q and k RMS-normed before RoPE, inside the one-call step as the per-op path does."""
+    model = tiny_qwen2_like(layout=layout, qk_norm=True)
     assert model.fused is not None
     both_ways(model, [1 + 29 * b % 300 for b in range(rows)], torch.float32, block_size=8)
 
@@ -173,7 +188,7 @@ def test_the_weights_cross_by_name_and_a_bad_one_is_named() -> None:
         return k.BlockTensors(qs=w.qs, d=w.d, m=none)
 
     def model(attn_norm: torch.Tensor) -> object:
-        layer = k.LayerTensors(attn_norm=attn_norm, qkv=blocks(3 * heads * head_dim, d_model, 1), qkv_bias=none,
+        layer = k.LayerTensors(attn_norm=attn_norm, qkv=blocks(3 * heads * head_dim, d_model, 1), qkv_bias=none, q_norm=none, k_norm=none,
                                o=blocks(d_model, heads * head_dim, 2), ffn_norm=torch.ones(d_model),
                                gate_up=blocks(2 * ffn, d_model, 3), down=blocks(d_model, ffn, 4))
         return k.ModelTensors(embed=blocks(96, d_model, 5), norm=torch.ones(d_model), lm_head=blocks(96, d_model, 6),

@@ -1,6 +1,6 @@
 """Each family against transformers on the same weights: tiny random Llama 3.1 (llama3 RoPE scaling,
 sharded safetensors, a transformers 4 config), Qwen2.5 (q/k/v bias, tied head, YaRN in transformers 5's
-rope_parameters) and Mistral (a sliding window shorter than the prompt), each loaded from its Hugging Face
+rope_parameters), Mistral (a sliding window shorter than the prompt) and Qwen3 (q/k norms), each loaded from its Hugging Face
 directory and from a GGUF written as llama.cpp's converter writes one, served dense and in GGUF blocks.
 
 Through the Engine (paged KV cache, block size 16, 16-token prefill chunks): a 40-token prompt, 16 greedy
@@ -48,6 +48,7 @@ CASES: dict[str, dict[str, Any]] = {
                     rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                           "rope_theta": 1000000.0}),
     "mistral": dict(family="mistral", sliding_window=WINDOW, max_positions=256),
+    "qwen3": dict(family="qwen3", max_positions=256),  # q/k RMSNorm per head; a GGUF as llama.cpp's qwen3 arch
 }
 
 

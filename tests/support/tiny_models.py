@@ -24,7 +24,7 @@ from tests.support.tiny_tokenizers import (CHATML_TEMPLATE, LLAMA3_SPECIALS, MIS
 
 @dataclass
 class TinyModel:
-    family: str                   # "llama", "qwen2" or "mistral"
+    family: str                   # "llama", "qwen2", "qwen3" or "mistral"
     hf_model: Any                 # the transformers model (float32, eval): the reference
     tokenizer: TokenizerSpec
     chat_template: str
@@ -46,10 +46,10 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
         spec = byte_level_tokenizer("llama-bpe", specials=LLAMA3_SPECIALS)
         spec.specials = {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "eot": "<|eot_id|>", "eom": "<|eom_id|>"}
         cls, template = transformers.LlamaConfig, LLAMA3_TEMPLATE
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen3"):
         spec = byte_level_tokenizer("qwen2", specials=QWEN2_SPECIALS, user_defined=("<tool_call>", "</tool_call>"))
         spec.specials = {"eos": "<|im_end|>"}
-        cls, template = transformers.Qwen2Config, CHATML_TEMPLATE
+        cls, template = (transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config), CHATML_TEMPLATE
     elif family == "mistral":
         spec = sentencepiece_tokenizer(extra_specials=("[INST]", "[/INST]"))
         cls, template = transformers.MistralConfig, MISTRAL_TEMPLATE
@@ -62,8 +62,8 @@ def tiny_model(family: str, *, rope: dict[str, Any] | None = None, sliding_windo
                                   tie_word_embeddings=tie)
     if rope is not None:
         kwargs["rope_parameters"] = rope
-    if head_dim is not None:
-        kwargs["head_dim"] = head_dim
+    if head_dim is not None or family == "qwen3":  # Qwen3Config's own default would be 128
+        kwargs["head_dim"] = head_dim or hidden // heads
     if family == "mistral":
         kwargs["sliding_window"] = sliding_window
     config = cls(**kwargs)
@@ -117,13 +117,20 @@ REQUANTIZED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q6_K", "attn
                      "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "BF16", "token_embd": "Q6_K", "output": "F32"}
 
 
-def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None) -> Path:
+def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None, *,
+               pooling: gguf.PoolingType | None = None, add_eos: bool = False) -> Path:
     """The model as llama.cpp's converter writes it, every matrix in `types[role]` (default F32). Types the
     gguf package cannot quantize (Q4_K, Q5_K, Q6_K) get random valid blocks; the transformers model's
-    weights are then set to exactly what the file holds, so both compute on the same numbers."""
+    weights are then set to exactly what the file holds, so both compute on the same numbers.
+    pooling: `{arch}.pooling_type`, as the converter writes it for an embedding model (Qwen3-Embedding:
+    LAST); add_eos: `tokenizer.ggml.add_eos_token` (Qwen3-Embedding's inputs end with its eos)."""
     cfg, model, family = tiny.config, tiny.hf_model, tiny.family
-    arch = "qwen2" if family == "qwen2" else "llama"
+    arch = family if family in ("qwen2", "qwen3") else "llama"
     w = gguf.GGUFWriter(str(path), arch)
+    if pooling is not None:
+        w.add_pooling_type(pooling)
+    if add_eos:
+        w.add_add_eos_token(True)
     w.add_name(f"tiny-{family}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -192,6 +199,9 @@ def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None)
         if family == "qwen2":
             for x in "qkv":
                 put(b + f"attn_{x}.bias", p + f"self_attn.{x}_proj.bias", "bias")
+        if family == "qwen3":
+            put(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", "norm")
+            put(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", "norm")
         put(b + "attn_output.weight", p + "self_attn.o_proj.weight", "attn_output")
         put(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", "norm")
         put(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", "ffn_gate")
