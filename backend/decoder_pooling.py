@@ -1,5 +1,6 @@
 """A decoder (backend/model.py's LlamaModel: Llama, Mistral, Qwen2, Qwen3) as a pooling model, for
-Qwen3-Embedding-style embedders (last-token pooling) and *ForSequenceClassification scorers. The pooling
+Qwen3-Embedding-style embedders (last-token pooling; from a directory or a GGUF) and *ForSequenceClassification
+scorers. The pooling
 engine drives it as it drives backend/encoder.py's EncoderModel (forward → hidden states [B, T, D], then
 backend/pooling.py), over the decoder's own weights loader, layers and step tensors (ModelRunner.prepare).
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from backend.attention import KVCache
 from backend.model import LlamaModel
+from backend.ops import TorchOps, Weight
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
@@ -44,19 +46,22 @@ class _SharedLayerCache(KVCache):
 
 
 class DecoderPoolingModel:
-    def __init__(self, spec: PoolingSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: PoolingSpec, dtype: torch.dtype, device: torch.device,
+                 weights: dict[str, Weight] | None = None, ops: TorchOps | None = None) -> None:
+        """weights, ops: as the backend loads a chat model's (a GGUF's blocks with the C++ kernels); by default
+        dense in `dtype`."""
         self.spec = spec
         config = load_model_config(spec.path)
-        weights = load_weights(spec.path, config, dtype, device)
+        weights = load_weights(spec.path, config, dtype, device) if weights is None else weights
         if spec.score_from_tokens:
             weights["score"] = _score_from_lm_head(weights, spec)
         if spec.kind is ModelKind.CLASSIFY and "score" not in weights:
             raise ModelFileError(f"{spec.path}: a sequence classifier without its `score.weight`")
-        self.llama = LlamaModel(config, weights, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
+        self.llama = LlamaModel(config, weights, ops=ops, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
         self.cfg = DecoderPoolingConfig(config.vocab_size)
         self.device, self.dtype = self.llama.device, self.llama.dtype
-        pad = json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
-        self.pad_token_id: int | None = pad if isinstance(pad, int) else None
+        pad = None if spec.path.is_file() else json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
+        self.pad_token_id: int | None = pad if isinstance(pad, int) else None  # classify only (never a GGUF)
         self._cache: _SharedLayerCache | None = None
 
     def weight_bytes(self) -> int:

@@ -25,6 +25,7 @@ from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.lora import LoraRegistry
 from backend.model import LlamaModel, default_ops
+from backend.ops import TorchOps, Weight
 from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
 from backend.registration import register_forever
@@ -35,7 +36,7 @@ from backend.server import ModelRpcServicer, watch_engine
 from backend.vision_tower import load_vision_tower
 from backend.vit_client import VitClient
 from backend.weights import load_weights
-from kvyard.model_config import load_model_config
+from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.roles import Role
 from kvyard.pooling_model import ModelKind, load_pooling_spec
 from kvyard.tokenizer import TextTokenizer
@@ -58,12 +59,9 @@ def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], i
     tokenizer = TextTokenizer.from_path(cfg.tokenizer_path)
     before = resident_mb()
     reset_peak_resident()  # reading the GGUF's vocabulary above peaks higher than the weights of a small model
-    weights = load_weights(cfg.checkpoint_path, model_cfg, dtype, device, keep_blocks=cfg.weight_format == "gguf",
-                           block_layout="n16" if cfg.activations == "int16" else "rows",
-                           kquants=cfg.kquants)
+    weights, ops = load_decoder(cfg, model_cfg)
     max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
-    ops = default_ops(device, torch.float32, cfg.prefill_gemm) if cfg.weight_format == "gguf" else None
     model = LlamaModel(model_cfg, weights, ops=ops, max_positions=max_model_len, cuda_graphs=cfg.cuda_graphs)
     loaded, load_peak = resident_mb(), peak_resident_mb()
     log.info("weights: %.0f MB as %s, %s, %s activations%s, on %s in %s", model.weight_bytes() / 2**20,
@@ -106,16 +104,31 @@ def lora_registry(cfg: BackendConfig, model: LlamaModel) -> LoraRegistry:
     return registry
 
 
+def load_decoder(cfg: BackendConfig, model_cfg: ModelConfig) -> tuple[dict[str, Weight], TorchOps | None]:
+    """A decoder's weights in the format this backend serves (a GGUF's blocks with the C++ kernels, else dense
+    in DTYPE) and the ops that read them (None: the model's default): for chat and for a decoder that pools."""
+    blocks = cfg.weight_format == "gguf"
+    weights = load_weights(cfg.checkpoint_path, model_cfg, getattr(torch, cfg.dtype), torch.device(cfg.device),
+                           keep_blocks=blocks, block_layout="n16" if cfg.activations == "int16" else "rows",
+                           kquants=cfg.kquants)
+    return weights, default_ops(torch.device(cfg.device), torch.float32, cfg.prefill_gemm) if blocks else None
+
+
 def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
     """A pooling model (an encoder, or a decoder pooling its last token) behind the same engine loop: no KV
     cache, no tokenizer (the frontend tokenizes)."""
     spec = load_pooling_spec(cfg.checkpoint_path)
     before = resident_mb()
-    model_class = DecoderPoolingModel if spec.is_decoder else EncoderModel
-    model = model_class(spec, getattr(torch, cfg.dtype), torch.device(cfg.device))
+    dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
+    model: DecoderPoolingModel | EncoderModel
+    if spec.is_decoder:
+        weights, ops = load_decoder(cfg, load_model_config(cfg.checkpoint_path))
+        model = DecoderPoolingModel(spec, dtype, device, weights, ops)
+    else:
+        model = EncoderModel(spec, dtype, device)
     log.info("pooling model %s (%s, %s pooling%s, heads %s): %.0f MB of weights, %s; resident %.0f -> %.0f MB",
              cfg.model_name, spec.kind, spec.pooling, ", normalised" if spec.normalize else "", ",".join(spec.heads),
-             model.weight_bytes() / 2**20, cfg.dtype, before, resident_mb())
+             model.weight_bytes() / 2**20, cfg.weight_format if spec.is_decoder else cfg.dtype, before, resident_mb())
     engine = PoolingEngine(model, cfg.model_name, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size, cfg.role)
     return EngineLoop(engine, model_name=cfg.model_name)
 

@@ -20,6 +20,7 @@ from kvyard.disconnect import cancel_on_disconnect
 from kvyard.errors import ErrorCode, RequestError
 from kvyard.limits import MAX_POOL_ITEMS
 from kvyard.pooling_model import QWEN3_RERANKER, ModelKind, PoolingSpec
+from kvyard.tokenizer import pooling_tokenizer
 
 # A text whose words alone are more than LONG × the context is refused untokenized; a truncated one is
 # tokenized up to LONG × what the cut keeps. Under that it is tokenized whole, so the 400 counts its tokens.
@@ -42,7 +43,7 @@ class PoolingPipeline:
         self.router = router
         self.model: PoolingModel | None = None
         if cfg.embedding is not None:
-            tok = Tokenizer.from_file(str(cfg.embedding.path / "tokenizer.json"))
+            tok = pooling_tokenizer(cfg.embedding.path)
             tok.no_padding()
             tok.no_truncation()
             self.model = PoolingModel(cfg.embedding_model_name, cfg.embedding, tok, cfg.embedding_backend_address,

@@ -13,6 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvyard.gguf_meta import read_gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
 
@@ -46,6 +47,11 @@ ENCODER_TYPES = ("bert", "xlm-roberta")
 # *ForSequenceClassification (a `score` head over the last token).
 DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
+# A GGUF embedding model says how it pools in `{arch}.pooling_type` (llama.cpp's converter writes it from the
+# sentence-transformers files: Qwen3-Embedding LAST); 0 or no key: a generative model. 4 (RANK) is a reranker
+# whose `cls` head llama.cpp adds: not served from GGUF (its Hugging Face directory is).
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+GGUF_RANK = 4
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
 
@@ -83,8 +89,11 @@ class PoolingSpec:
 
 
 def model_kind(path: Path) -> ModelKind:
-    """GENERATE for a GGUF or a decoder's directory; EMBED / CLASSIFY for the encoders above."""
-    if is_gguf(path) or not (path / "config.json").is_file():
+    """GENERATE for a decoder (a GGUF or a directory); EMBED / CLASSIFY for the encoders above, for a decoder
+    directory that pools, and for a GGUF whose metadata names a pooling type."""
+    if is_gguf(path):
+        return ModelKind.EMBED if _gguf_pooling(path) else ModelKind.GENERATE
+    if not (path / "config.json").is_file():
         return ModelKind.GENERATE
     cfg = _json(path / "config.json")
     archs = cfg.get("architectures") or []
@@ -101,6 +110,20 @@ def model_kind(path: Path) -> ModelKind:
         if arch in DECODER_BASE_ARCHITECTURES or _has_pooling_module(path):
             return ModelKind.EMBED
     return ModelKind.GENERATE
+
+
+def _gguf_pooling(path: Path) -> str | None:
+    """A GGUF's pooling method from `{arch}.pooling_type`, None for a generative model."""
+    meta = read_gguf_metadata(path)
+    value = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
+    if not value:
+        return None
+    if int(value) == GGUF_RANK:
+        raise ModelFileError(f"{path}: a GGUF reranker (pooling type rank) is not supported; serve its Hugging Face "
+                             "directory (a *ForSequenceClassification or a Qwen3-Reranker with vLLM's overrides)")
+    if int(value) not in GGUF_POOLING:
+        raise ModelFileError(f"{path}: GGUF pooling type {value} is not supported (mean 1, cls 2, last 3)")
+    return GGUF_POOLING[int(value)]
 
 
 def _has_pooling_module(path: Path) -> bool:
@@ -121,26 +144,31 @@ def embedded_embedding_path() -> Path:
 
 
 def resolve_embedding_path(value: str) -> Path:
-    """EMBEDDING_MODEL_PATH: a Hugging Face encoder directory, or `embedded` for all-MiniLM-L6-v2."""
+    """EMBEDDING_MODEL_PATH: a Hugging Face pooling model's directory, a GGUF embedding model, or `embedded` for
+    all-MiniLM-L6-v2."""
     if value == "embedded":
         return embedded_embedding_path()
     path = Path(value).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelFileError(f"not a Hugging Face model directory (no config.json): {path}")
+    if not is_gguf(path) and not (path / "config.json").is_file():
+        raise ModelFileError(f"not a Hugging Face model directory (no config.json) nor a .gguf file: {path}")
     if model_kind(path) is ModelKind.GENERATE:
         raise ModelFileError(f"{path} is not a pooling model (BertModel, XLMRobertaModel, *ForSequenceClassification, "
-                             "or a decoder with a sentence-transformers Pooling module)")
+                             "a decoder with a sentence-transformers Pooling module, or a GGUF with a pooling type)")
     return path
 
 
 def embedding_model_name(path: Path) -> str:
-    return embedded_name(path, embedded_embedding_path, EMBEDDED_EMBEDDING_NAME) or path.name
+    """As a chat model's default name: the directory's name, or a GGUF's file name up to its first dot."""
+    return embedded_name(path, embedded_embedding_path, EMBEDDED_EMBEDDING_NAME) or (
+        path.stem.split(".")[0] if is_gguf(path) else path.name)
 
 
 def load_pooling_spec(path: Path) -> PoolingSpec:
     kind = model_kind(path)
     if kind is ModelKind.GENERATE:
         raise ModelFileError(f"{path}: not an encoder checkpoint")
+    if is_gguf(path):
+        return _gguf_spec(path)
     cfg = _json(path / "config.json")
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
@@ -182,6 +210,16 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
         normalize=st.get("normalize", False), matryoshka_dimensions=_matryoshka(cfg), prompts=st.get("prompts", {}),
         default_prompt_name=st.get("default_prompt_name"), labels=from_lm.pop("labels", None) or _labels(cfg, kind),
         problem_type=str(cfg.get("problem_type") or ""), **from_lm)
+
+
+def _gguf_spec(path: Path) -> PoolingSpec:
+    """A decoder GGUF that pools (Qwen3-Embedding's, say): the method from its metadata, the vector L2-normalised
+    as llama.cpp's server returns /v1/embeddings by default (and as sentence-transformers' Normalize module
+    does for the models that ship one); the context the model would serve for chat; no prompts (a GGUF
+    carries none)."""
+    config = load_model_config(path)  # an unsupported architecture fails here, by name
+    return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=config.architecture, hidden_size=config.hidden_size,
+                       max_len=config.max_position_embeddings, pooling=_gguf_pooling(path) or "last", normalize=True)
 
 
 # Qwen3-Reranker's prompt (its model card): the pair as one user turn, scored at the assistant's first token.

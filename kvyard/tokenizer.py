@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, models
+from tokenizers import AddedToken, Tokenizer, models, processors
 
 from kvyard.errors import ErrorCode, RequestError
 from kvyard import gguf_vocab, special_tokens
@@ -265,6 +265,32 @@ class TextTokenizer:
 
 
 @lru_cache(maxsize=1)
+def pooling_tokenizer(path: Path) -> Tokenizer:
+    """What a pooling model's inputs are encoded with, its encode(add_special_tokens=True) adding what the model
+    expects: a directory's tokenizer.json as it is (its post-processor decides); a GGUF's vocabulary with BOS
+    where `tokenizer.ggml.add_bos_token` (or the tokenizer model's default) says and EOS where
+    `tokenizer.ggml.add_eos_token` says, as llama.cpp adds them when it embeds (Qwen3-Embedding's inputs end
+    with its <|endoftext|>)."""
+    if not is_gguf(path):
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = TextTokenizer.from_path(path)
+    tok = Tokenizer.from_str(text._parse.to_str())
+    ends = []
+    if text.add_bos_token:
+        ends.append(("bos", text.bos_token, text.bos_token_id))
+    if gguf_vocab.gguf_metadata(path).get("tokenizer.ggml.add_eos_token"):
+        ends.append(("eos", text.eos_token, text.eos_token_id))
+    for what, token, token_id in ends:
+        if token is None or token_id is None:
+            raise ModelFileError(f"{path}: the GGUF asks for a {what} token on every input but names none")
+    bos = [t for w, t, _ in ends if w == "bos"]
+    eos = [t for w, t, _ in ends if w == "eos"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join([*bos, "$A", *eos]), pair=" ".join([*bos, "$A", *eos, "$B:1", *(f"{e}:1" for e in eos)]),
+        special_tokens=[(t, i) for _, t, i in ends])
+    return tok
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
