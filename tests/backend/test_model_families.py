@@ -48,7 +48,7 @@ CASES: dict[str, dict[str, Any]] = {
                     rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                           "rope_theta": 1000000.0}),
     "mistral": dict(family="mistral", sliding_window=WINDOW, max_positions=256),
-    "qwen3": dict(family="qwen3", max_positions=256),  # q/k RMSNorm per head; a GGUF as llama.cpp's qwen3 arch
+    "qwen3": dict(family="qwen3", max_positions=256, head_dim=128),  # q/k norms; heads wider than hidden / heads, as Qwen3-0.6B
 }
 
 
