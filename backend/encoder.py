@@ -2,7 +2,8 @@
 The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
-directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpoints is dropped). Heads:
+directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpoints is dropped) or a GGUF of
+llama.cpp's `bert` architecture (dequantized at load). Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
   (tanh) and `classifier.out_proj` over <s>. Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
@@ -10,15 +11,19 @@ directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import gguf
+import numpy as np
 from safetensors.torch import load_file
 
 from backend.encoder_attention import attention_kernel, packed_attention
-from kvyard.model_path import ModelFileError
+from kvyard.gguf_meta import read_gguf_index, read_tensor_bytes
+from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
 
 _PREFIXES = ("bert.", "roberta.", "model.")
@@ -37,6 +42,22 @@ class EncoderConfig:
     type_vocab_size: int       # segment embeddings (BERT 2, XLM-R 1)
 
     @classmethod
+    def from_gguf(cls, path: Path) -> EncoderConfig:
+        """llama.cpp's `bert` metadata (BERT's GELU, absolute positions from 0)."""
+        index = read_gguf_index(path)
+        meta, arch = index.meta, index.meta.get("general.architecture")
+        try:
+            return cls(vocab_size=index.tensors["token_embd.weight"].shape[0],
+                       hidden_size=int(meta[f"{arch}.embedding_length"]), num_layers=int(meta[f"{arch}.block_count"]),
+                       num_heads=int(meta[f"{arch}.attention.head_count"]),
+                       layer_norm_eps=float(meta[f"{arch}.attention.layer_norm_epsilon"]), activation="gelu",
+                       position_offset=0,
+                       type_vocab_size=index.tensors["token_types.weight"].shape[0] if "token_types.weight" in
+                       index.tensors else 1)
+        except KeyError as exc:
+            raise ModelFileError(f"{path}: GGUF lacks {exc.args[0]!r}") from None
+
+    @classmethod
     def from_dir(cls, path: Path) -> EncoderConfig:
         cfg = json.loads((path / "config.json").read_text())
         xlmr = cfg["model_type"] == "xlm-roberta"
@@ -53,10 +74,11 @@ class EncoderModel:
 
     def __init__(self, spec: PoolingSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec = spec
-        self.cfg = EncoderConfig.from_dir(spec.path)
+        gguf_file = is_gguf(spec.path)
+        self.cfg = EncoderConfig.from_gguf(spec.path) if gguf_file else EncoderConfig.from_dir(spec.path)
         self.device = device
         self.dtype = dtype
-        self.w = _load(spec.path, dtype, device)
+        self.w = (_load_gguf if gguf_file else _load)(spec.path, dtype, device)
         missing = [n for n in _required(self.cfg, spec) if n not in self.w]
         if missing:
             raise ModelFileError(f"{spec.path}: weights missing {', '.join(missing[:5])}")
@@ -163,6 +185,36 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     return names
 
 
+# llama.cpp's `bert` tensor names → Hugging Face BERT's (a layer's part after `blk.N.`).
+_GGUF_TOP = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+             "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+_GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+               "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+               "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """A BERT GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under Hugging Face's
+    names; then as _load. A tensor we have no place for (a reranker's `cls` head) is refused by name."""
+    index = read_gguf_index(path)
+    raw: dict[str, torch.Tensor] = {}
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        for name, info in index.tensors.items():
+            parts = name.split(".")
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
+                ours = f"encoder.layer.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+            elif len(parts) == 2 and parts[0] in _GGUF_TOP:
+                ours = f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+            else:
+                raise ModelFileError(f"{path}: tensor {name} is not part of a BERT encoder this server runs")
+            values = gguf.quants.dequantize(read_tensor_bytes(fd, info), info.qtype)
+            raw[ours] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
+    finally:
+        os.close(fd)
+    return _fuse_and_place(raw, dtype, device)
+
+
 def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Every tensor under our names, q/k/v fused into one [3D, D] matrix per layer."""
     files = sorted(path.glob("*.safetensors"))
@@ -180,6 +232,10 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, tor
         if (path / f"{head}.pt").is_file():
             for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
                 raw[f"{head}.{key}"] = t
+    return _fuse_and_place(raw, dtype, device)
+
+
+def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     i = 0
     while f"encoder.layer.{i}.attention.self.query.weight" in raw:
         p = f"encoder.layer.{i}."

@@ -1,5 +1,6 @@
 """A GGUF file's vocabulary as a `tokenizers` Tokenizer: byte-level BPE with each llama.cpp pre-tokenizer
-(`tokenizer.ggml.pre`), or a SentencePiece ('llama') vocabulary rebuilt as BPE with byte fallback.
+(`tokenizer.ggml.pre`), a SentencePiece ('llama') vocabulary rebuilt as BPE with byte fallback, or a BERT
+WordPiece ('bert') vocabulary.
 kvyard/tokenizer.py adds the special tokens, stop ids and chat templates."""
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 
 def unsupported_model(model_type: Any, path: Path) -> str:
-    return (f"unsupported GGUF tokenizer model {model_type!r} in {path}: 'gpt2' (byte-level BPE) and 'llama' "
-            "(SentencePiece BPE) are supported")
+    return (f"unsupported GGUF tokenizer model {model_type!r} in {path}: 'gpt2' (byte-level BPE), 'llama' "
+            "(SentencePiece BPE) and 'bert' (WordPiece) are supported")
 
 
 def unsupported_pre(pre_name: Any, path: Path) -> str:
@@ -130,4 +131,32 @@ def sentencepiece_bpe(path: Path, meta: dict[str, Any], tokens: list[str],
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            *([decoders.Strip(" ", 1, 0)]
                                              if meta.get("tokenizer.ggml.add_space_prefix", True) else [])])
+    return tokenizer, True
+
+
+def wordpiece(path: Path, meta: dict[str, Any], tokens: list[str], token_types: list[int]) -> tuple[Tokenizer, bool]:
+    """tokenizer.ggml.model "bert": WordPiece, its vocabulary as llama.cpp's converter spells it turned back into
+    BERT's: a word's first piece carries a leading "▁" there and none here, a continuation none there and "##"
+    here, control tokens ([CLS], [SEP]; older files: every "[...]" token) as they are. Text is normalised as
+    llama.cpp's WordPiece tokenizer does it (control characters dropped, CJK characters split apart, NFD with
+    the accents dropped, lowercase), then split on whitespace and punctuation; a word longer than 100
+    characters, or one the pieces cannot spell, is the unknown token. Returns llama.cpp's add-[CLS] default."""
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, token_types)):
+        if kind == GGUF_TOKEN_CONTROL or (token.startswith("[") and token.endswith("]")):
+            piece = token
+        elif token.startswith("\u2581"):
+            piece = token[1:]
+        else:
+            piece = "##" + token
+        vocab.setdefault(piece, i)
+    unk = next((tokens[i] for i, kind in enumerate(token_types) if kind == GGUF_TOKEN_UNKNOWN), None)
+    unk = unk if unk is not None else ("[UNK]" if "[UNK]" in vocab else None)
+    if unk is None:
+        raise ModelFileError(f"GGUF file {path}: a WordPiece vocabulary needs an unknown token ([UNK])")
+    tokenizer = Tokenizer(models.WordPiece(vocab=vocab, unk_token=unk, max_input_chars_per_word=100))
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
+                                                      lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
     return tokenizer, True

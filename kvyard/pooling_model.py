@@ -52,6 +52,9 @@ POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # whose `cls` head llama.cpp adds: not served from GGUF (its Hugging Face directory is).
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 GGUF_RANK = 4
+# Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5 as llama.cpp converts them) pool
+# always; without a pooling type, as a Hugging Face BERT directory without sentence-transformers files: CLS.
+GGUF_ENCODERS = ("bert",)
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
 
@@ -92,7 +95,8 @@ def model_kind(path: Path) -> ModelKind:
     """GENERATE for a decoder (a GGUF or a directory); EMBED / CLASSIFY for the encoders above, for a decoder
     directory that pools, and for a GGUF whose metadata names a pooling type."""
     if is_gguf(path):
-        return ModelKind.EMBED if _gguf_pooling(path) else ModelKind.GENERATE
+        pooling = _gguf_pooling(path)  # a type we cannot serve fails here, by name
+        return ModelKind.EMBED if pooling or _gguf_arch(path) in GGUF_ENCODERS else ModelKind.GENERATE
     if not (path / "config.json").is_file():
         return ModelKind.GENERATE
     cfg = _json(path / "config.json")
@@ -112,10 +116,13 @@ def model_kind(path: Path) -> ModelKind:
     return ModelKind.GENERATE
 
 
+def _gguf_arch(path: Path) -> str:
+    return str(read_gguf_metadata(path).get("general.architecture", ""))
+
+
 def _gguf_pooling(path: Path) -> str | None:
-    """A GGUF's pooling method from `{arch}.pooling_type`, None for a generative model."""
-    meta = read_gguf_metadata(path)
-    value = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
+    """A GGUF's pooling method from `{arch}.pooling_type`, None where it names none."""
+    value = read_gguf_metadata(path).get(f"{_gguf_arch(path)}.pooling_type")
     if not value:
         return None
     if int(value) == GGUF_RANK:
@@ -213,10 +220,20 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
 
 
 def _gguf_spec(path: Path) -> PoolingSpec:
-    """A decoder GGUF that pools (Qwen3-Embedding's, say): the method from its metadata, the vector L2-normalised
+    """A GGUF that pools — an encoder (llama.cpp's `bert`), or a decoder whose metadata names a pooling type
+    (Qwen3-Embedding's) —: the method from its metadata, the vector L2-normalised
     as llama.cpp's server returns /v1/embeddings by default (and as sentence-transformers' Normalize module
     does for the models that ship one); the context the model would serve for chat; no prompts (a GGUF
     carries none)."""
+    arch = _gguf_arch(path)
+    if arch in GGUF_ENCODERS:  # backend/encoder.py reads its tensors
+        meta = read_gguf_metadata(path)
+        try:
+            hidden, context = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.context_length"])
+        except KeyError as exc:
+            raise ModelFileError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
+        return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
+                           pooling=_gguf_pooling(path) or "cls", normalize=True)
     config = load_model_config(path)  # an unsupported architecture fails here, by name
     return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=config.architecture, hidden_size=config.hidden_size,
                        max_len=config.max_position_embeddings, pooling=_gguf_pooling(path) or "last", normalize=True)

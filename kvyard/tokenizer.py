@@ -89,7 +89,7 @@ class TextTokenizer:
             return
         meta = gguf_vocab.gguf_metadata(p)
         model_type = meta.get("tokenizer.ggml.model")
-        if model_type not in ("gpt2", "llama"):
+        if model_type not in ("gpt2", "llama", "bert"):
             raise ModelFileError(gguf_vocab.unsupported_model(model_type, p))
         pre_name = meta.get("tokenizer.ggml.pre", "gpt-2")
         if model_type == "gpt2" and pre_name not in gguf_vocab.PRE_TOKENIZERS:
@@ -108,6 +108,8 @@ class TextTokenizer:
             tokenizer, add_bos = gguf_vocab.byte_level_bpe(path, meta, tokens)
         elif model_type == "llama":
             tokenizer, add_bos = gguf_vocab.sentencepiece_bpe(path, meta, tokens, token_types)
+        elif model_type == "bert":  # an encoder's: pooling models only (kvyard/pooling_model.py)
+            tokenizer, add_bos = gguf_vocab.wordpiece(path, meta, tokens, token_types)
         else:
             raise ModelFileError(gguf_vocab.unsupported_model(model_type, path))
         control = [i for i, t in enumerate(token_types) if t == gguf_vocab.GGUF_TOKEN_CONTROL]
@@ -131,7 +133,8 @@ class TextTokenizer:
         flag = meta.get("tokenizer.ggml.add_bos_token")
         return cls(
             tokenizer,
-            bos_token_id=gguf_vocab.opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            bos_token_id=gguf_vocab.opt_int(meta.get("tokenizer.ggml.bos_token_id",
+                                                     meta.get("tokenizer.ggml.cls_token_id"))),  # BERT's [CLS]
             eos_token_id=eos,
             chat_templates=templates,
             add_bos_token=bool(add_bos if flag is None else flag),
@@ -270,15 +273,26 @@ def pooling_tokenizer(path: Path) -> Tokenizer:
     expects: a directory's tokenizer.json as it is (its post-processor decides); a GGUF's vocabulary with BOS
     where `tokenizer.ggml.add_bos_token` (or the tokenizer model's default) says and EOS where
     `tokenizer.ggml.add_eos_token` says, as llama.cpp adds them when it embeds (Qwen3-Embedding's inputs end
-    with its <|endoftext|>)."""
+    with its <|endoftext|>); a BERT GGUF's WordPiece with [CLS] before and [SEP] after."""
     if not is_gguf(path):
         return Tokenizer.from_file(str(path / "tokenizer.json"))
     text = TextTokenizer.from_path(path)
     tok = Tokenizer.from_str(text._parse.to_str())
+    meta = gguf_vocab.gguf_metadata(path)
+    if meta.get("tokenizer.ggml.model") == "bert":  # [CLS] text [SEP], as llama.cpp's WordPiece adds them
+        cls, sep = text.bos_token_id, gguf_vocab.opt_int(meta.get("tokenizer.ggml.seperator_token_id"))
+        cls = tok.token_to_id("[CLS]") if cls is None else cls
+        sep = tok.token_to_id("[SEP]") if sep is None else sep
+        if cls is None or sep is None:
+            raise ModelFileError(f"{path}: a WordPiece GGUF needs its [CLS] and [SEP] tokens")
+        c, e = tok.id_to_token(cls), tok.id_to_token(sep)
+        tok.post_processor = processors.TemplateProcessing(single=f"{c} $A {e}", pair=f"{c} $A {e} $B:1 {e}:1",
+                                                           special_tokens=[(c, cls), (e, sep)])
+        return tok
     ends = []
     if text.add_bos_token:
         ends.append(("bos", text.bos_token, text.bos_token_id))
-    if gguf_vocab.gguf_metadata(path).get("tokenizer.ggml.add_eos_token"):
+    if meta.get("tokenizer.ggml.add_eos_token"):
         ends.append(("eos", text.eos_token, text.eos_token_id))
     for what, token, token_id in ends:
         if token is None or token_id is None:

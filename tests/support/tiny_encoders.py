@@ -68,3 +68,72 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
         torch.save({"weight": torch.randn(1, 32) * 0.3, "bias": torch.randn(1) * 0.1}, path / "sparse_linear.pt")
         torch.save({"weight": torch.randn(32, 32) * 0.3, "bias": torch.randn(32) * 0.1}, path / "colbert_linear.pt")
     return path
+
+
+# llama.cpp's `bert` tensor names for a Hugging Face BERT's (a layer's part after `encoder.layer.N.`).
+_GGUF_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
+             "embeddings.position_embeddings": "position_embd", "embeddings.LayerNorm": "token_embd_norm"}
+_GGUF_LAYER = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+               "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+               "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+
+
+def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """A BERT directory (config.json, model.safetensors, tokenizer.json, 1_Pooling) as llama.cpp's converter
+    writes it: the `bert` architecture's metadata and tensor names, the pooling type from 1_Pooling, the
+    WordPiece vocabulary in its spelling (a word's first piece gains a leading U+2581, a continuation loses
+    its "##", control tokens stay), [CLS] as BOS and [SEP] as the separator. Matrices in `qtype` (F32, F16,
+    Q8_0), vectors in F32."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_name(hf_dir.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-12))
+    w.add_causal_attention(False)
+    pooling_file = hf_dir / "1_Pooling" / "config.json"
+    if pooling_file.is_file():
+        pooling = json.loads(pooling_file.read_text())
+        w.add_pooling_type(gguf.PoolingType.MEAN if pooling.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS)
+    w.add_token_type_count(cfg.get("type_vocab_size", 2))
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
+    w.add_bos_token_id(vocab["[CLS]"])
+    w.add_sep_token_id(vocab["[SEP]"])
+    w.add_unk_token_id(vocab["[UNK]"])
+    w.add_pad_token_id(vocab["[PAD]"])
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("bert.")
+        stem, kind = name.rsplit(".", 1)
+        if stem in _GGUF_TOP:
+            ours = f"{_GGUF_TOP[stem]}.{kind}"
+        elif stem.startswith("encoder.layer."):
+            _, _, i, rest = stem.split(".", 3)
+            if rest not in _GGUF_LAYER:
+                continue
+            ours = f"blk.{i}.{_GGUF_LAYER[rest]}.{kind}"
+        else:
+            continue  # the pooler, position_ids: not written by the converter for an embedder
+        values = t.float().numpy()
+        if values.ndim == 2 and qtype != "F32" and not ours.startswith(("token_types", "position_embd")):
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(ours, gguf.quants.quantize(values, q), raw_dtype=q)
+        else:
+            w.add_tensor(ours, np.ascontiguousarray(values, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
