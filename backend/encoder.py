@@ -187,7 +187,8 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
 
 # llama.cpp's `bert` tensor names → Hugging Face BERT's (a layer's part after `blk.N.`).
 _GGUF_TOP = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
-             "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+             "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+             "cls": "pooler.dense", "cls.output": "classifier"}  # a cross-encoder's head (pooling type rank)
 _GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
                "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
                "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
@@ -195,7 +196,8 @@ _GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key",
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """A BERT GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under Hugging Face's
-    names; then as _load. A tensor we have no place for (a reranker's `cls` head) is refused by name."""
+    names (a cross-encoder's `cls` / `cls.output`: BERT's pooler and classifier); then as _load. A tensor we
+    have no place for (a fused `attn_qkv`, say) is refused by name."""
     index = read_gguf_index(path)
     raw: dict[str, torch.Tensor] = {}
     fd = os.open(str(path), os.O_RDONLY)
@@ -204,8 +206,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str
             parts = name.split(".")
             if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
                 ours = f"encoder.layer.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-            elif len(parts) == 2 and parts[0] in _GGUF_TOP:
-                ours = f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+            elif ".".join(parts[:-1]) in _GGUF_TOP:
+                ours = f"{_GGUF_TOP['.'.join(parts[:-1])]}.{parts[-1]}"
             else:
                 raise ModelFileError(f"{path}: tensor {name} is not part of a BERT encoder this server runs")
             values = gguf.quants.dequantize(read_tensor_bytes(fd, info), info.qtype)

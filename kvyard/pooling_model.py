@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvyard.gguf_meta import read_gguf_metadata
+from kvyard.gguf_meta import read_gguf_index, read_gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
 
@@ -48,12 +48,12 @@ ENCODER_TYPES = ("bert", "xlm-roberta")
 DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # A GGUF embedding model says how it pools in `{arch}.pooling_type` (llama.cpp's converter writes it from the
-# sentence-transformers files: Qwen3-Embedding LAST); 0 or no key: a generative model. 4 (RANK) is a reranker
-# whose `cls` head llama.cpp adds: not served from GGUF (its Hugging Face directory is).
-GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
-GGUF_RANK = 4
-# Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5 as llama.cpp converts them) pool
-# always; without a pooling type, as a Hugging Face BERT directory without sentence-transformers files: CLS.
+# sentence-transformers files: Qwen3-Embedding LAST); 0 or no key: a generative model. 4 (RANK): a cross-encoder,
+# its `cls` (BERT's pooler) and `cls.output` (the classifier) tensors scoring [CLS].
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, ms-marco cross-encoders as llama.cpp
+# converts them) pool always; without a pooling type, as a Hugging Face BERT directory without
+# sentence-transformers files: CLS.
 GGUF_ENCODERS = ("bert",)
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
@@ -96,6 +96,8 @@ def model_kind(path: Path) -> ModelKind:
     directory that pools, and for a GGUF whose metadata names a pooling type."""
     if is_gguf(path):
         pooling = _gguf_pooling(path)  # a type we cannot serve fails here, by name
+        if pooling == "rank":
+            return ModelKind.CLASSIFY
         return ModelKind.EMBED if pooling or _gguf_arch(path) in GGUF_ENCODERS else ModelKind.GENERATE
     if not (path / "config.json").is_file():
         return ModelKind.GENERATE
@@ -125,11 +127,11 @@ def _gguf_pooling(path: Path) -> str | None:
     value = read_gguf_metadata(path).get(f"{_gguf_arch(path)}.pooling_type")
     if not value:
         return None
-    if int(value) == GGUF_RANK:
-        raise ModelFileError(f"{path}: a GGUF reranker (pooling type rank) is not supported; serve its Hugging Face "
-                             "directory (a *ForSequenceClassification or a Qwen3-Reranker with vLLM's overrides)")
     if int(value) not in GGUF_POOLING:
-        raise ModelFileError(f"{path}: GGUF pooling type {value} is not supported (mean 1, cls 2, last 3)")
+        raise ModelFileError(f"{path}: GGUF pooling type {value} is not supported (mean 1, cls 2, last 3, rank 4)")
+    if GGUF_POOLING[int(value)] == "rank" and _gguf_arch(path) not in GGUF_ENCODERS:
+        raise ModelFileError(f"{path}: a decoder GGUF reranker (pooling type rank) is not supported; serve its Hugging "
+                             "Face directory (a *ForSequenceClassification, or a Qwen3-Reranker with vLLM's overrides)")
     return GGUF_POOLING[int(value)]
 
 
@@ -232,8 +234,18 @@ def _gguf_spec(path: Path) -> PoolingSpec:
             hidden, context = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.context_length"])
         except KeyError as exc:
             raise ModelFileError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
+        pooling = _gguf_pooling(path) or "cls"
+        if pooling == "rank":  # a cross-encoder: BERT's pooler and classifier over [CLS]
+            index = read_gguf_index(path)
+            head = index.tensors.get("cls.output.weight")
+            if head is None or "cls.weight" not in index.tensors:
+                raise ModelFileError(f"{path}: a rank GGUF without its `cls` and `cls.output` tensors")
+            named = meta.get(f"{arch}.classifier.output_labels") or []
+            labels = tuple(str(named[i]) if i < len(named) else f"LABEL_{i}" for i in range(head.shape[0]))
+            return PoolingSpec(path=path, kind=ModelKind.CLASSIFY, model_type=arch, hidden_size=hidden, max_len=context,
+                               labels=labels)
         return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
-                           pooling=_gguf_pooling(path) or "cls", normalize=True)
+                           pooling=pooling, normalize=True)
     config = load_model_config(path)  # an unsupported architecture fails here, by name
     return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=config.architecture, hidden_size=config.hidden_size,
                        max_len=config.max_position_embeddings, pooling=_gguf_pooling(path) or "last", normalize=True)

@@ -1,12 +1,15 @@
 """A BERT encoder shipped as a GGUF, as llama.cpp's converter writes one (its `bert` architecture, the
 WordPiece vocabulary in llama.cpp's spelling, the pooling type from 1_Pooling): the embedded all-MiniLM-L6-v2
 converted here (tests/support/tiny_encoders.py write_bert_gguf). Tokenized as its Hugging Face tokenizer does,
-embedded as sentence-transformers does, served through the openai client."""
+embedded as sentence-transformers does, served through the openai client. A BERT cross-encoder as a GGUF
+(pooling type rank, its pooler and classifier as `cls` / `cls.output`) scores pairs as transformers does and
+answers /v1/rerank."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -21,7 +24,7 @@ from kvyard.pooling_model import ModelKind, embedded_embedding_path, load_poolin
 from kvyard.tokenizer import pooling_tokenizer
 from tests.backend.test_encoder import _batch, _values
 from tests.support.procs import pdfusion
-from tests.support.tiny_encoders import write_bert_gguf
+from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -69,8 +72,7 @@ def test_embeds_as_sentence_transformers(minilm: Path, tmp_path: Path, qtype: st
 
 
 def test_a_tensor_it_cannot_place_is_refused_by_name(minilm: Path, tmp_path: Path) -> None:
-    """A reranker converted with its `cls` head (pooling type rank) never gets this far (pooling_model); any other
-    tensor the encoder has no place for is a load error naming it, never silently dropped."""
+    """A tensor the encoder has no place for is a load error naming it, never silently dropped."""
     import gguf
     bad = tmp_path / "extra.gguf"
     w = gguf.GGUFWriter(str(bad), "bert")
@@ -80,12 +82,12 @@ def test_a_tensor_it_cannot_place_is_refused_by_name(minilm: Path, tmp_path: Pat
             w.add_key_value(field.name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
     for t in reader.tensors:
         w.add_tensor(t.name, t.data)
-    w.add_tensor("cls.output.weight", torch.zeros(2, 384).numpy())
+    w.add_tensor("blk.0.attn_qkv.weight", torch.zeros(3 * 384, 384).numpy())  # a fused-qkv BERT variant's
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelFileError, match="cls.output.weight"):
+    with pytest.raises(ModelFileError, match="blk.0.attn_qkv.weight"):
         EncoderModel(load_pooling_spec(bad), torch.float32, CPU)
 
 
@@ -101,3 +103,51 @@ def test_served_through_the_openai_client(served: str) -> None:
     data = client.embeddings.create(model="minilm-gguf", input=TEXTS[:4]).data
     theirs = torch.from_numpy(SentenceTransformer(str(embedded_embedding_path()), device="cpu").encode(TEXTS[:4]))
     assert F.cosine_similarity(torch.tensor([d.embedding for d in data]), theirs).min() >= 0.99999
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path: Path, num_labels: int) -> None:
+    """Query-document pairs with their segment ids → the classifier's logits, within 1e-4; id2label as the
+    converter writes it (classifier.output_labels)."""
+    import transformers
+    labels = {0: "neg", 1: "neutral", 2: "pos"} if num_labels == 3 else None
+    hf = tiny_encoder(tmp_path / "ce", arch="BertForSequenceClassification", num_labels=num_labels, id2label=labels)
+    path = write_bert_gguf(hf, tmp_path / "ce.gguf")
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.kind, spec.labels) == \
+        (ModelKind.CLASSIFY, ModelKind.CLASSIFY, ("neg", "neutral", "pos") if labels else ("LABEL_0",))
+    tok = pooling_tokenizer(path)
+    pairs = [("what is the capital of france?", t) for t in TEXTS[:4]]
+    ids, types, mask = _batch(tok, [q for q, _ in pairs], [d for _, d in pairs])
+    assert types.any()  # the documents are segment 1
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.CLASSIFY, ids, types, mask))
+    with torch.no_grad():
+        ref = transformers.BertForSequenceClassification.from_pretrained(hf).eval()(
+            input_ids=ids, attention_mask=mask.long(), token_type_ids=types).logits
+    assert ours.shape == ref.shape == (4, num_labels)
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_a_served_cross_encoder_reranks(tmp_path: Path) -> None:
+    import transformers
+    hf = tiny_encoder(tmp_path / "ce", arch="BertForSequenceClassification", num_labels=1)
+    path = write_bert_gguf(hf, tmp_path / "ms-marco-tiny.gguf")
+    query, docs = "what is the capital of france?", TEXTS[:5]
+    batch = transformers.AutoTokenizer.from_pretrained(hf)([query] * len(docs), docs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.sigmoid(transformers.BertForSequenceClassification.from_pretrained(hf).eval()(**batch).logits[:, 0])
+    with pdfusion(path, "rerank-gguf", tmp_path / "pdfusion.log") as url:
+        body = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 3}, timeout=60).json()
+        assert [r["index"] for r in body["results"]] == expected.argsort(descending=True)[:3].tolist()
+        assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])
+        bad = httpx.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=60)
+        assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
+
+
+def test_a_decoder_reranker_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+    from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
+    path = write_gguf(tiny_model("qwen3", max_positions=64), tmp_path / "r.gguf", EXACT_TYPES,
+                      pooling=gguf.PoolingType.RANK)
+    with pytest.raises(ModelFileError, match="decoder GGUF reranker .pooling type rank. is not supported"):
+        model_kind(path)

@@ -72,9 +72,6 @@ def test_the_metadata_names_the_kind(embedder: Path, tiny: TinyModel, tmp_path: 
         resolve_embedding_path(str(chat))
     mean = write_gguf(tiny, tmp_path / "mean.gguf", EXACT_TYPES, pooling=gguf.PoolingType.MEAN)
     assert load_pooling_spec(mean).pooling == "mean"
-    rank = write_gguf(tiny, tmp_path / "rank.gguf", EXACT_TYPES, pooling=gguf.PoolingType.RANK)
-    with pytest.raises(ModelFileError, match="reranker .pooling type rank. is not supported"):
-        model_kind(rank)
 
 
 def test_inputs_end_with_the_eos_the_gguf_asks_for(embedder: Path, tiny: TinyModel, tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ _GGUF_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_
 _GGUF_LAYER = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
                "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
                "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+# A cross-encoder's head: BERT's pooler and classifier, the converter's `cls` and `cls.output`.
+_GGUF_HEAD = {"pooler.dense": "cls", "classifier": "cls.output"}
 
 
 def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
@@ -83,7 +85,8 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     writes it: the `bert` architecture's metadata and tensor names, the pooling type from 1_Pooling, the
     WordPiece vocabulary in its spelling (a word's first piece gains a leading U+2581, a continuation loses
     its "##", control tokens stay), [CLS] as BOS and [SEP] as the separator. Matrices in `qtype` (F32, F16,
-    Q8_0), vectors in F32."""
+    Q8_0), vectors in F32. A *ForSequenceClassification: pooling type rank, its pooler and classifier as `cls`
+    and `cls.output`, its labels when id2label names them."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -100,7 +103,14 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     w.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-12))
     w.add_causal_attention(False)
     pooling_file = hf_dir / "1_Pooling" / "config.json"
-    if pooling_file.is_file():
+    classifier = cfg["architectures"][0].endswith("ForSequenceClassification")
+    if classifier:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        id2label = cfg.get("id2label") or {}
+        labels = [id2label.get(str(i), f"LABEL_{i}") for i in range(len(id2label) or cfg.get("num_labels", 1))]
+        if any(label != f"LABEL_{i}" for i, label in enumerate(labels)):
+            w.add_classifier_output_labels(labels)
+    elif pooling_file.is_file():
         pooling = json.loads(pooling_file.read_text())
         w.add_pooling_type(gguf.PoolingType.MEAN if pooling.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS)
     w.add_token_type_count(cfg.get("type_vocab_size", 2))
@@ -119,6 +129,8 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         stem, kind = name.rsplit(".", 1)
         if stem in _GGUF_TOP:
             ours = f"{_GGUF_TOP[stem]}.{kind}"
+        elif classifier and stem in _GGUF_HEAD:
+            ours = f"{_GGUF_HEAD[stem]}.{kind}"
         elif stem.startswith("encoder.layer."):
             _, _, i, rest = stem.split(".", 3)
             if rest not in _GGUF_LAYER:
@@ -127,7 +139,7 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         else:
             continue  # the pooler, position_ids: not written by the converter for an embedder
         values = t.float().numpy()
-        if values.ndim == 2 and qtype != "F32" and not ours.startswith(("token_types", "position_embd")):
+        if values.ndim == 2 and qtype != "F32" and not ours.startswith(("token_types", "position_embd", "cls")):
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(ours, gguf.quants.quantize(values, q), raw_dtype=q)
         else:
