@@ -1,8 +1,8 @@
 """A decoder (backend/model.py's LlamaModel: Llama, Mistral, Qwen2, Qwen3) as a pooling model, for
 Qwen3-Embedding-style embedders (last-token pooling; from a directory or a GGUF) and *ForSequenceClassification
-scorers. The pooling
-engine drives it as it drives backend/encoder.py's EncoderModel (forward → hidden states [B, T, D], then
-backend/pooling.py), over the decoder's own weights loader, layers and step tensors (ModelRunner.prepare).
+scorers. The pooling engine drives it as it drives backend/encoder.py's EncoderModel (forward → hidden
+states [B, T, D], then backend/pooling.py), over the decoder's own weights loader, layers and step tensors
+(ModelRunner.prepare).
 
 Each input is one causal prefill starting at position 0 on a scratch KV cache whose layers all share one
 buffer (a layer's keys are read only within that layer), so a step holds one layer's K/V, not a cache."""

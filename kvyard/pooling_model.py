@@ -13,7 +13,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvyard.gguf_meta import read_gguf_index, read_gguf_metadata
+from kvyard.gguf_meta import read_gguf_index
+from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
 
@@ -119,12 +120,12 @@ def model_kind(path: Path) -> ModelKind:
 
 
 def _gguf_arch(path: Path) -> str:
-    return str(read_gguf_metadata(path).get("general.architecture", ""))
+    return str(gguf_metadata(path).get("general.architecture", ""))  # a file that is no GGUF: ModelFileError
 
 
 def _gguf_pooling(path: Path) -> str | None:
     """A GGUF's pooling method from `{arch}.pooling_type`, None where it names none."""
-    value = read_gguf_metadata(path).get(f"{_gguf_arch(path)}.pooling_type")
+    value = gguf_metadata(path).get(f"{_gguf_arch(path)}.pooling_type")
     if not value:
         return None
     if int(value) not in GGUF_POOLING:
@@ -222,14 +223,14 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
 
 
 def _gguf_spec(path: Path) -> PoolingSpec:
-    """A GGUF that pools — an encoder (llama.cpp's `bert`), or a decoder whose metadata names a pooling type
-    (Qwen3-Embedding's) —: the method from its metadata, the vector L2-normalised
-    as llama.cpp's server returns /v1/embeddings by default (and as sentence-transformers' Normalize module
-    does for the models that ship one); the context the model would serve for chat; no prompts (a GGUF
-    carries none)."""
+    """A GGUF that pools: an encoder (llama.cpp's `bert`; a cross-encoder where its pooling type is rank), or a
+    decoder whose metadata names a pooling type (Qwen3-Embedding's). The method comes from the metadata, the
+    vector is L2-normalised as llama.cpp's server returns /v1/embeddings by default (and as
+    sentence-transformers' Normalize module does for the models that ship one), the context is the file's; no
+    prompts (a GGUF carries none)."""
     arch = _gguf_arch(path)
     if arch in GGUF_ENCODERS:  # backend/encoder.py reads its tensors
-        meta = read_gguf_metadata(path)
+        meta = gguf_metadata(path)
         try:
             hidden, context = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.context_length"])
         except KeyError as exc:

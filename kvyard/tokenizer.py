@@ -267,7 +267,6 @@ class TextTokenizer:
         self._parse.save(str(path))
 
 
-@lru_cache(maxsize=1)
 def pooling_tokenizer(path: Path) -> Tokenizer:
     """What a pooling model's inputs are encoded with, its encode(add_special_tokens=True) adding what the model
     expects: a directory's tokenizer.json as it is (its post-processor decides); a GGUF's vocabulary with BOS
@@ -305,6 +304,7 @@ def pooling_tokenizer(path: Path) -> Tokenizer:
     return tok
 
 
+@lru_cache(maxsize=1)
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
