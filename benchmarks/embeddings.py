@@ -2,7 +2,10 @@
 over HTTP, same model (the embedded all-MiniLM-L6-v2), same dtype (float32), same machine, same run.
 
     .venv/bin/python benchmarks/embeddings.py [--sentences 1000] [--batch 32] [--threads N]
-        [--only kvyard,sentence-transformers,vllm]
+        [--only kvyard,sentence-transformers,vllm,llama,kvyard-gguf]
+
+`llama` adds llama.cpp's llama-server (`--embedding --pooling mean`) on the same model written as llama.cpp's
+converter lays out a BERT GGUF (F32, into the peer cache); `kvyard-gguf` is kvyard serving that same file.
 
 Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard and vLLM as one HTTP request
 per batch, sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch.
@@ -21,6 +24,7 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
@@ -69,6 +73,54 @@ def kvyard_embedder(batch: int, threads: int) -> Iterator[Embed]:
         group.stop()
 
 
+def minilm_gguf() -> Path:
+    """The embedded MiniLM as an F32 BERT GGUF (tests/support/tiny_encoders.py write_bert_gguf), built once."""
+    from peer_servers import CACHE
+    from tests.support.tiny_encoders import write_bert_gguf
+    path = CACHE / "all-MiniLM-L6-v2.F32.gguf"
+    if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        write_bert_gguf(embedded_embedding_path(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+    return path
+
+
+@contextmanager
+def llama_embedder(batch: int, threads: int) -> Iterator[Embed]:
+    """llama-server on the GGUF: mean pooling (the file says so too), a batch of `batch` sentences in one request
+    spread over `batch` slots, every sentence within one micro-batch (a BERT needs its whole input at once)."""
+    import subprocess
+
+    from peer_servers import llama_binary, stop_groups
+    port = free_port_block()
+    proc = subprocess.Popen([str(llama_binary("llama-server")), "-m", str(minilm_gguf()), "--host", "127.0.0.1",
+                             "--port", str(port), "-t", str(threads), "--embedding", "--pooling", "mean",
+                             "-np", str(batch), "-c", str(512 * batch), "-b", "8192", "-ub", "8192"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 300)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=300) as client:
+            yield http_embedder(client, "minilm", base64=False)
+    finally:
+        stop_groups([proc], 30)
+
+
+@contextmanager
+def kvyard_gguf_embedder(batch: int, threads: int) -> Iterator[Embed]:
+    """kvyard serving the same GGUF as its main model (PDFUSION: backend + frontend)."""
+    group = ProcessGroup("kvyard-embeddings-gguf-", "benchmark-cluster-token-0123456789")
+    port = free_port_block(6)
+    try:
+        proc = group.kvyard("gguf", {"ROLE_TYPE": "PDFUSION", "START_PORT": str(port), "CHECKPOINT_PATH": str(minilm_gguf()),
+                                     "TORCH_NUM_THREADS": str(threads), "MAX_NUM_SEQS": str(batch),
+                                     "MAX_NUM_BATCHED_TOKENS": "8192", "MODEL_NAME": "minilm"})
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 300)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=300) as client:
+            yield http_embedder(client, "minilm")
+    finally:
+        group.stop()
+
+
 @contextmanager
 def vllm_embedder(batch: int) -> Iterator[Embed]:
     """vLLM's CPU backend, its pooling runner on the same directory (benchmarks/vllm_peer.py)."""
@@ -78,12 +130,12 @@ def vllm_embedder(batch: int) -> Iterator[Embed]:
         yield http_embedder(client, EMBEDDED_EMBEDDING_NAME)
 
 
-def http_embedder(client: httpx.Client, model: str) -> Embed:
+def http_embedder(client: httpx.Client, model: str, base64: bool = True) -> Embed:
     """One POST /v1/embeddings per call; the vectors back only when asked (base64 otherwise, as a corpus
-    client would ask)."""
+    client would ask, where the server takes it)."""
     def embed(texts: list[str], vectors: bool = False) -> list[list[float]] | None:
         r = client.post("/embeddings", json={"input": texts if len(texts) > 1 else texts[0], "model": model,
-                                             "encoding_format": "float" if vectors else "base64"})
+                                             "encoding_format": "float" if vectors or not base64 else "base64"})
         r.raise_for_status()
         return [d["embedding"] for d in r.json()["data"]] if vectors else None
     return embed  # type: ignore[return-value]
@@ -136,7 +188,9 @@ def agreement(embedders: dict[str, Embed], texts: list[str]) -> dict[str, float]
 
 
 LABELS = {"kvyard": "kvyard /v1/embeddings (HTTP)", "sentence-transformers": "sentence-transformers encode "
-          "(in process)", "vllm": "vLLM CPU pooling runner /v1/embeddings (HTTP)"}
+          "(in process)", "vllm": "vLLM CPU pooling runner /v1/embeddings (HTTP)",
+          "llama": "llama.cpp llama-server --embedding, the F32 GGUF (HTTP)",
+          "kvyard-gguf": "kvyard /v1/embeddings, the F32 GGUF (HTTP)"}
 
 
 def main() -> None:
@@ -145,14 +199,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="kvyard,sentence-transformers,vllm",
-                    help="comma-separated: kvyard, sentence-transformers, vllm")
+                    help="comma-separated: kvyard, sentence-transformers, vllm, llama, kvyard-gguf")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     texts = sentences(args.sentences)
     only = [n for n in LABELS if n in args.only.split(",")]
     makers = {"kvyard": lambda: kvyard_embedder(args.batch, args.threads),
               "sentence-transformers": lambda: st_embedder(args.batch, args.threads),
-              "vllm": lambda: vllm_embedder(args.batch)}
+              "vllm": lambda: vllm_embedder(args.batch),
+              "llama": lambda: llama_embedder(args.batch, args.threads),
+              "kvyard-gguf": lambda: kvyard_gguf_embedder(args.batch, args.threads)}
     with ExitStack() as stack:
         embedders = {n: stack.enter_context(makers[n]()) for n in only}
         load = os.getloadavg()
@@ -166,7 +222,7 @@ def main() -> None:
         cos = f"{cosines[name]:.6f}" if name in cosines else ""
         print(f"| {LABELS[name]} | {rate:.0f} | {p50:.1f} | {cos} |")
     if "kvyard" in results:
-        for peer in ("sentence-transformers", "vllm"):
+        for peer in ("sentence-transformers", "vllm", "llama"):
             if peer in results:
                 print(f"| ratio kvyard / {peer} | {results['kvyard'][0] / results[peer][0]:.2f}x | | |")
 

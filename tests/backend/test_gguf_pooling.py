@@ -72,6 +72,10 @@ def test_the_metadata_names_the_kind(embedder: Path, tiny: TinyModel, tmp_path: 
         resolve_embedding_path(str(chat))
     mean = write_gguf(tiny, tmp_path / "mean.gguf", EXACT_TYPES, pooling=gguf.PoolingType.MEAN)
     assert load_pooling_spec(mean).pooling == "mean"
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(12))  # a truncated header: a one-line error naming the file, never a traceback
+    with pytest.raises(ModelFileError, match="junk.gguf"):
+        model_kind(junk)
 
 
 def test_inputs_end_with_the_eos_the_gguf_asks_for(embedder: Path, tiny: TinyModel, tmp_path: Path) -> None:
