@@ -218,10 +218,7 @@ class FusedDecoder {
             const float* s = sin.data_ptr<float>() + pp[b] * (d_ / 2);
             sc.krot.resize(d_);
             float* row = qkv_.data() + b * W;
-            if (w.q_norm) {  // in place, head by head: the op path's rms_norm over [T * heads, d] rows
-              for (int64_t h = 0; h < H_; ++h) rms_norm_row(row + h * d_, w.q_norm, d_, eps_, row + h * d_);
-              for (int64_t h = H_; h < H_ + Hkv_; ++h) rms_norm_row(row + h * d_, w.k_norm, d_, eps_, row + h * d_);
-            }
+            if (w.q_norm) qk_norm_row(row, w.q_norm, w.k_norm, H_, Hkv_, d_, eps_);
             rope_store_row(row, c, s, H_, Hkv_, d_, sp[b], q_.data() + b * H_ * d_, kc, vc,
                            sc.krot.data());
           }

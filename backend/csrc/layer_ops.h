@@ -21,6 +21,14 @@ inline void rms_norm_row(const float* x, const float* w, int64_t D, float eps, f
   for (int64_t i = 0; i < D; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
+// Qwen3: each q head and each k head of one row of qkv [(H + 2 Hkv) d] RMS-normed in place before RoPE, head by
+// head as the op path's rms_norm over [T * heads, d] rows (v left as it is).
+inline void qk_norm_row(float* row, const float* q_norm, const float* k_norm, int64_t n_heads, int64_t n_kv, int64_t d,
+                        float eps) {
+  for (int64_t h = 0; h < n_heads; ++h) rms_norm_row(row + h * d, q_norm, d, eps, row + h * d);
+  for (int64_t h = n_heads; h < n_heads + n_kv; ++h) rms_norm_row(row + h * d, k_norm, d, eps, row + h * d);
+}
+
 // Columns [c0, c0 + n) of one row of gate_up [2F] → silu(gate) * up into y [F] (c0 a multiple of 8, so a
 // row done in pieces rounds exactly as a row done whole); sigmoid from e^-|g|, which never overflows.
 inline void silu_mul_cols(const float* gu, int64_t F, int64_t c0, int64_t n, float* y) {
