@@ -76,6 +76,8 @@ class GGUFSource(Source):
                     self.perm[name] = _interleave_order(info.shape[0], heads)
             elif tname == "rope_freqs.weight":
                 continue  # read by the config loader (Llama 3.1's RoPE scaling)
+            elif tname == "cls.output.weight":  # a rank GGUF's head (Qwen3-Reranker: the LM head's yes and no rows)
+                name = "score"
             elif parts[0] in _GGUF_TOP_NAMES and tname == parts[0] + ".weight":
                 name = _GGUF_TOP_NAMES[parts[0]]
             else:

@@ -50,7 +50,8 @@ DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3
 POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # A GGUF embedding model says how it pools in `{arch}.pooling_type` (llama.cpp's converter writes it from the
 # sentence-transformers files: Qwen3-Embedding LAST); 0 or no key: a generative model. 4 (RANK): a cross-encoder,
-# its `cls` (BERT's pooler) and `cls.output` (the classifier) tensors scoring [CLS].
+# its `cls` (BERT's pooler) and `cls.output` (the classifier) tensors scoring [CLS] — or, for a decoder, the last
+# token (Qwen3-Reranker: `cls.output` is the LM head's yes and no rows).
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, ms-marco cross-encoders as llama.cpp
 # converts them) pool always; without a pooling type, as a Hugging Face BERT directory without
@@ -130,9 +131,6 @@ def _gguf_pooling(path: Path) -> str | None:
         return None
     if int(value) not in GGUF_POOLING:
         raise ModelFileError(f"{path}: GGUF pooling type {value} is not supported (mean 1, cls 2, last 3, rank 4)")
-    if GGUF_POOLING[int(value)] == "rank" and _gguf_arch(path) not in GGUF_ENCODERS:
-        raise ModelFileError(f"{path}: a decoder GGUF reranker (pooling type rank) is not supported; serve its Hugging "
-                             "Face directory (a *ForSequenceClassification, or a Qwen3-Reranker with vLLM's overrides)")
     return GGUF_POOLING[int(value)]
 
 
@@ -248,8 +246,30 @@ def _gguf_spec(path: Path) -> PoolingSpec:
         return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
                            pooling=pooling, normalize=True)
     config = load_model_config(path)  # an unsupported architecture fails here, by name
+    if _gguf_pooling(path) == "rank":
+        return _gguf_qwen3_reranker(path, config.architecture, config.hidden_size, config.max_position_embeddings)
     return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=config.architecture, hidden_size=config.hidden_size,
                        max_len=config.max_position_embeddings, pooling=_gguf_pooling(path) or "last", normalize=True)
+
+
+def _gguf_qwen3_reranker(path: Path, arch: str, hidden: int, context: int) -> PoolingSpec:
+    """A decoder rank GGUF as llama.cpp's converter writes Qwen3-Reranker: `cls.output` holds the LM head's "yes"
+    and "no" rows (labels ["yes", "no"]) scored at the last token, and the `rerank` chat template is the model
+    card's prompt. Scored as the directory's Qwen3-Reranker is (one logit, yes − no: sigmoid = llama.cpp's
+    softmax[yes]), pairs through QWEN3_RERANKER; any other decoder rank GGUF is refused by name."""
+    meta = gguf_metadata(path)
+    labels = [str(x) for x in meta.get(f"{arch}.classifier.output_labels") or []]
+    card = (QWEN3_RERANKER["prefix"] + QWEN3_RERANKER["pair"].format(instruction=QWEN3_RERANKER["instruction"],
+                                                                      query="{query}", document="{document}")
+            + QWEN3_RERANKER["suffix"])
+    head = read_gguf_index(path).tensors.get("cls.output.weight")
+    if labels != ["yes", "no"] or meta.get("tokenizer.chat_template.rerank") != card or head is None \
+            or head.shape[0] != 2:
+        raise ModelFileError(f"{path}: a decoder GGUF reranker is supported as llama.cpp writes Qwen3-Reranker (labels "
+                             "yes/no, the model card's rerank template, a two-row cls.output); serve other rerankers "
+                             "from their Hugging Face directory")
+    return PoolingSpec(path=path, kind=ModelKind.CLASSIFY, model_type=arch, hidden_size=hidden, max_len=context,
+                       pooling="last", labels=("yes",), two_way=True, template="qwen3-reranker")
 
 
 # Qwen3-Reranker's prompt (its model card): the pair as one user turn, scored at the assistant's first token.

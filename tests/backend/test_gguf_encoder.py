@@ -142,12 +142,3 @@ def test_a_served_cross_encoder_reranks(tmp_path: Path) -> None:
         assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])
         bad = httpx.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=60)
         assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
-
-
-def test_a_decoder_reranker_gguf_is_refused_by_name(tmp_path: Path) -> None:
-    import gguf
-    from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf
-    path = write_gguf(tiny_model("qwen3", max_positions=64), tmp_path / "r.gguf", EXACT_TYPES,
-                      pooling=gguf.PoolingType.RANK)
-    with pytest.raises(ModelFileError, match="decoder GGUF reranker .pooling type rank. is not supported"):
-        model_kind(path)

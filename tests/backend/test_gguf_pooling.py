@@ -120,3 +120,53 @@ def test_served_through_the_openai_client(served: str, tiny: TinyModel) -> None:
     assert abs(math.sqrt(sum(x * x for x in data[0].embedding)) - 1) < 1e-4
     resp = httpx.post(f"{served}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert resp.status_code == 400 and "embed model" in resp.json()["error"]["message"], resp.text
+
+
+def yes_no(tiny: TinyModel) -> tuple[int, int]:
+    """Two ordinary tokens standing in for "yes" and "no" (the reranker's head is their LM-head rows)."""
+    return tiny.tokenizer.reference.encode(" yes", add_special_tokens=False).ids[-1], \
+        tiny.tokenizer.reference.encode(" no", add_special_tokens=False).ids[-1]
+
+
+def card_prompt(query: str, document: str) -> str:
+    from kvyard.pooling_model import QWEN3_RERANKER as card
+    return card["prefix"] + card["pair"].format(instruction=card["instruction"], query=query, document=document) + \
+        card["suffix"]
+
+
+def reference_rerank(tiny: TinyModel, query: str, documents: list[str]) -> torch.Tensor:
+    """transformers' LM logits at the prompt's last token: softmax over (yes, no), P(yes) — llama.cpp's score."""
+    yes, no = yes_no(tiny)
+    out = []
+    with torch.inference_mode():
+        for doc in documents:
+            ids = tiny.tokenizer.reference.encode(card_prompt(query, doc), add_special_tokens=False).ids
+            logits = tiny.hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
+            out.append(torch.softmax(torch.stack([logits[yes], logits[no]]), dim=0)[0])
+    return torch.stack(out)
+
+
+def test_a_qwen3_reranker_gguf_scores_as_llama_cpp(tmp_path: Path) -> None:
+    """llama.cpp's Qwen3-Reranker conversion (rank, cls.output = the head's yes/no rows, the card's rerank
+    template): one logit yes − no at the last token of the card's prompt, served as /v1/rerank's P(yes)."""
+    tiny = tiny_model("qwen3", max_positions=1024)  # the card's prompt is ~230 of this tokenizer's tokens
+    path = write_gguf(tiny, tmp_path / "qwen3-reranker.gguf", EXACT_TYPES, rerank=yes_no(tiny))
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.kind, spec.labels, spec.two_way, spec.template) == \
+        (ModelKind.CLASSIFY, ModelKind.CLASSIFY, ("yes",), True, "qwen3-reranker")
+    query, docs = "what is the capital of france?", TEXTS
+    expected = reference_rerank(tiny, query, docs)
+    with pdfusion(path, "rerank", tmp_path / "pdfusion.log") as url:
+        resp = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    scores = torch.tensor([r["relevance_score"] for r in sorted(body["results"], key=lambda r: r["index"])])
+    assert (scores - expected).abs().max() < 2e-3, (scores, expected)
+    assert [r["index"] for r in body["results"]] == expected.argsort(descending=True).tolist()
+
+
+def test_other_decoder_rerankers_are_refused_by_name(tiny: TinyModel, tmp_path: Path) -> None:
+    path = write_gguf(tiny, tmp_path / "r.gguf", EXACT_TYPES, pooling=gguf.PoolingType.RANK)
+    assert model_kind(path) is ModelKind.CLASSIFY
+    with pytest.raises(ModelFileError, match="as llama.cpp writes Qwen3-Reranker"):
+        load_pooling_spec(path)

@@ -118,15 +118,25 @@ REQUANTIZED_TYPES = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q6_K", "attn
 
 
 def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None, *,
-               pooling: gguf.PoolingType | None = None, add_eos: bool = False) -> Path:
+               pooling: gguf.PoolingType | None = None, add_eos: bool = False,
+               rerank: tuple[int, int] | None = None) -> Path:
     """The model as llama.cpp's converter writes it, every matrix in `types[role]` (default F32). Types the
     gguf package cannot quantize (Q4_K, Q5_K, Q6_K) get random valid blocks; the transformers model's
     weights are then set to exactly what the file holds, so both compute on the same numbers.
     pooling: `{arch}.pooling_type`, as the converter writes it for an embedding model (Qwen3-Embedding:
-    LAST); add_eos: `tokenizer.ggml.add_eos_token` (Qwen3-Embedding's inputs end with its eos)."""
+    LAST); add_eos: `tokenizer.ggml.add_eos_token` (Qwen3-Embedding's inputs end with its eos). rerank: the ids
+    of "yes" and "no", written as llama.cpp's converter writes a Qwen3-Reranker: pooling type RANK, labels
+    ["yes", "no"], the model card's prompt as the `rerank` chat template (with {query} and {document}), and
+    `cls.output.weight` = the LM head's yes and no rows in place of the untied head."""
     cfg, model, family = tiny.config, tiny.hf_model, tiny.family
     arch = family if family in ("qwen2", "qwen3") else "llama"
     w = gguf.GGUFWriter(str(path), arch)
+    if rerank is not None:
+        from kvyard.pooling_model import QWEN3_RERANKER as card
+        pooling = gguf.PoolingType.RANK
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": card["prefix"] + card["pair"].format(
+            instruction=card["instruction"], query="{query}", document="{document}") + card["suffix"]}])
     if pooling is not None:
         w.add_pooling_type(pooling)
     if add_eos:
@@ -187,7 +197,10 @@ def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None,
 
     put("token_embd.weight", "model.embed_tokens.weight", "token_embd")
     put("output_norm.weight", "model.norm.weight", "norm")
-    if not cfg.tie_word_embeddings:
+    if rerank is not None:  # the head's yes and no rows (the exact values the model then holds), nothing else of it
+        head = model.lm_head.weight if not cfg.tie_word_embeddings else model.model.embed_tokens.weight
+        w.add_tensor("cls.output.weight", head.detach()[list(rerank)].float().numpy().copy())
+    elif not cfg.tie_word_embeddings:
         put("output.weight", "lm_head.weight", "output")
     interleave = arch == "llama"
     for i in range(cfg.num_hidden_layers):
