@@ -1,0 +1,112 @@
+"""kvyard's GGUF pooling models against llama.cpp's own server on the same files (a check, not a speed test):
+tiny random ones written as llama.cpp's converter writes them (tests/support), served by both.
+
+    .venv/bin/python benchmarks/gguf_parity.py
+
+- a Qwen3 last-token embedder (F32, `add_eos_token`): the token ids of each input (llama-server's /tokenize
+  against kvyard's pooling tokenizer) and the vectors' cosine, kvyard with `WEIGHT_FORMAT=dense` (exact) and by
+  default (the F32 matrices served as Q8_0 blocks);
+- the embedded all-MiniLM-L6-v2 as a BERT GGUF: the vectors' cosine;
+- a tiny BERT cross-encoder (rank): llama.cpp's /v1/rerank score is the raw logit, kvyard's its sigmoid;
+- a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
+llama-server is the benchmarks' build (benchmarks/peer_servers.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gguf  # noqa: E402
+
+from peer_servers import llama_binary  # noqa: E402
+from kvyard.pooling_model import embedded_embedding_path  # noqa: E402
+from kvyard.ports import free_port_block  # noqa: E402
+from kvyard.tokenizer import pooling_tokenizer  # noqa: E402
+from tests.backend.test_gguf_pooling import yes_no  # noqa: E402
+from tests.support.procs import pdfusion, stop_groups, wait_healthy  # noqa: E402
+from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf  # noqa: E402
+from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf  # noqa: E402
+
+TEXTS = ["A man is eating food.", "short", "The capital of France is Paris, and it sits on the Seine river."]
+QUERY = "what is the capital of france?"
+F32 = {role: "F32" for role in EXACT_TYPES}
+
+
+def llama_answers(path: Path, flag: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    port = free_port_block()
+    proc = subprocess.Popen([str(llama_binary("llama-server")), "-m", str(path), "--host", "127.0.0.1", "--port",
+                             str(port), "-t", "2", "-c", "4096", "-b", "4096", "-ub", "4096", flag],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 120)
+        return [httpx.post(f"http://127.0.0.1:{port}{route}", json=body, timeout=120).json() for route, body in requests]
+    finally:
+        stop_groups([proc], 30)
+
+
+def kvyard_answer(path: Path, route: str, body: dict[str, Any], log: Path, env: dict[str, str] | None = None) -> Any:
+    with pdfusion(path, "m", log, env=env) as url:
+        return httpx.post(url + route, json={**body, "model": "m"}, timeout=120).json()
+
+
+def vectors(answer: Any) -> torch.Tensor:
+    return torch.tensor([d["embedding"] for d in sorted(answer["data"], key=lambda d: d["index"])])
+
+
+def scores(answer: Any) -> torch.Tensor:
+    return torch.tensor([r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])])
+
+
+def show(name: str, ours: torch.Tensor, theirs: torch.Tensor, how: Callable[[torch.Tensor, torch.Tensor], str]) -> None:
+    print(f"{name:55} {how(ours, theirs)}")
+
+
+def cosines(ours: torch.Tensor, theirs: torch.Tensor) -> str:
+    return "cosine " + " ".join(f"{c:.7f}" for c in F.cosine_similarity(ours, theirs).tolist())
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp(prefix="kvyard-gguf-parity-"))
+    embed = {"input": TEXTS}
+
+    tiny = tiny_model("qwen3", max_positions=256)
+    path = write_gguf(tiny, root / "qwen3-embedding.gguf", F32, pooling=gguf.PoolingType.LAST, add_eos=True)
+    answers = llama_answers(path, "--embedding", [("/tokenize", {"content": t, "add_special": True}) for t in TEXTS]
+                            + [("/v1/embeddings", embed)])
+    same = all(a["tokens"] == pooling_tokenizer(path).encode(t).ids for a, t in zip(answers, TEXTS))
+    print(f"{'Qwen3 embedder: token ids equal to llama-server /tokenize':55} {same}")
+    for env, label in (({"WEIGHT_FORMAT": "dense"}, "dense"), (None, "default: F32 served as Q8_0")):
+        ours = vectors(kvyard_answer(path, "/v1/embeddings", embed, root / "q3.log", env))
+        show(f"Qwen3 embedder (last token, eos), {label}", ours, vectors(answers[-1]), cosines)
+
+    path = write_bert_gguf(embedded_embedding_path(), root / "all-MiniLM-L6-v2.gguf")
+    theirs = vectors(llama_answers(path, "--embedding", [("/v1/embeddings", embed)])[0])
+    show("all-MiniLM-L6-v2 as a BERT GGUF (mean)", vectors(kvyard_answer(path, "/v1/embeddings", embed,
+                                                                          root / "minilm.log")), theirs, cosines)
+
+    rerank = {"query": QUERY, "documents": TEXTS}
+    path = write_bert_gguf(tiny_encoder(root / "ce", arch="BertForSequenceClassification", num_labels=1),
+                           root / "cross-encoder.gguf")
+    theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", rerank)])[0])
+    show("BERT cross-encoder: kvyard vs sigmoid(llama.cpp's logit)", scores(kvyard_answer(
+        path, "/v1/rerank", rerank, root / "ce.log")), theirs,
+        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e}")
+
+    tiny = tiny_model("qwen3", max_positions=1024)
+    path = write_gguf(tiny, root / "qwen3-reranker.gguf", F32, rerank=yes_no(tiny))
+    theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", rerank)])[0])
+    show("Qwen3-Reranker: P(yes), WEIGHT_FORMAT=dense", scores(kvyard_answer(
+        path, "/v1/rerank", rerank, root / "rr.log", {"WEIGHT_FORMAT": "dense"})), theirs,
+        lambda a, b: f"largest difference {(a - b).abs().max():.2e} (llama.cpp {b.tolist()})")
+
+
+if __name__ == "__main__":
+    main()
