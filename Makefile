@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-setup
 
-.PHONY: setup run cluster test test-fast test-avx2 test-avx512 test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora test-cuda bench-cuda clean
+.PHONY: setup run cluster test test-fast test-avx2 test-avx512 test-multihost test-dashboard fuzz proto image bench bench-peers bench-scale bench-gateway bench-routing bench-embeddings bench-vision bench-lora bench-gguf_parity test-cuda bench-cuda clean
 
 setup: $(STAMP)
 
@@ -89,7 +89,8 @@ bench: setup
 #   lora        32 streams over 4 LoRA adapters + the base vs the base alone; one adapter's load time
 #   gateway     the gateway: a 64-request burst vs clients retrying 429s, and prefix-aware vs
 #               least-connection routing
-BENCHES = embeddings vision lora peers scale gateway
+#   gguf_parity kvyard's GGUF embedders and rerankers against llama-server on the same files (a check)
+BENCHES = embeddings vision lora peers scale gateway gguf_parity
 $(addprefix bench-,$(BENCHES)): bench-%: setup
 	$(PY) benchmarks/$*.py
 
