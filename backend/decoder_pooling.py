@@ -55,10 +55,8 @@ class DecoderPoolingModel:
         weights = load_weights(spec.path, config, dtype, device) if weights is None else weights
         if spec.score_from_tokens:
             weights["score"] = _score_from_lm_head(weights, spec)
-        elif spec.two_way and "score" in weights:  # a rank GGUF's [yes, no] rows (llama.cpp's order): yes - no
-            rows = weights["score"]
-            rows = (rows if isinstance(rows, torch.Tensor) else rows.dequantize()).float()
-            weights["score"] = (rows[:1] - rows[1:2]).to(_compute_dtype(weights)).contiguous()
+        elif spec.two_way and isinstance(rows := weights.get("score"), torch.Tensor):  # a rank GGUF's [yes, no]
+            weights["score"] = (rows[:1].float() - rows[1:2].float()).to(rows.dtype).contiguous()  # rows: yes - no
         if spec.kind is ModelKind.CLASSIFY and "score" not in weights:
             raise ModelFileError(f"{spec.path}: a sequence classifier without its `score.weight`")
         self.llama = LlamaModel(config, weights, ops=ops, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
@@ -105,13 +103,6 @@ class DecoderPoolingModel:
             grown = max(num_blocks, 2 * (self._cache.num_blocks if self._cache else 0))
             self._cache = _SharedLayerCache(c.num_layers, grown, c.num_kv_heads, c.head_dim, self.dtype, self.device)
         return self._cache
-
-
-def _compute_dtype(weights: dict[str, Weight]) -> torch.dtype:
-    """The dtype the model computes in: its norm's (every weight loader keeps norms dense)."""
-    norm = weights["norm"]
-    assert isinstance(norm, torch.Tensor)
-    return norm.dtype
 
 
 def _score_from_lm_head(weights: dict[str, torch.Tensor], spec: PoolingSpec) -> torch.Tensor:

@@ -27,7 +27,7 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,9 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
                          kquants=KQUANT_CHOICES[resolve_kquants(kquants)] if keep_blocks and block_layout == "n16"
                          and _kquant_kernels() else {})
         out: dict[str, Tensor] = {}
+        dense = replace(target, keep_blocks=False)  # a classifier's few score rows: read only at the last token
         for name, parts in plan.items():
-            out[name] = _load_one(source, parts, target, bar)
+            out[name] = _load_one(source, parts, dense if name == "score" else target, bar)
         bar.close()
     _give_back_freed_memory()
     blocks = [p for t in out.values() if isinstance(t, BlockWeight)
