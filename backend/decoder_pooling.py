@@ -20,7 +20,7 @@ from backend.ops import TorchOps, Weight
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
-from kvyard.model_path import ModelFileError
+from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
 
 BLOCK_SIZE = 16
@@ -62,7 +62,7 @@ class DecoderPoolingModel:
         self.llama = LlamaModel(config, weights, ops=ops, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
         self.cfg = DecoderPoolingConfig(config.vocab_size)
         self.device, self.dtype = self.llama.device, self.llama.dtype
-        pad = None if spec.path.is_file() else json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
+        pad = None if is_gguf(spec.path) else json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
         self.pad_token_id: int | None = pad if isinstance(pad, int) else None  # classify only (never a GGUF)
         self._cache: _SharedLayerCache | None = None
 

@@ -245,11 +245,11 @@ def _gguf_spec(path: Path) -> PoolingSpec:
                                labels=labels)
         return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
                            pooling=pooling, normalize=True)
-    config = load_model_config(path)  # an unsupported architecture fails here, by name
-    if _gguf_pooling(path) == "rank":
+    config, pooling = load_model_config(path), _gguf_pooling(path)  # an unsupported architecture fails by name
+    if pooling == "rank":
         return _gguf_qwen3_reranker(path, config.architecture, config.hidden_size, config.max_position_embeddings)
     return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=config.architecture, hidden_size=config.hidden_size,
-                       max_len=config.max_position_embeddings, pooling=_gguf_pooling(path) or "last", normalize=True)
+                       max_len=config.max_position_embeddings, pooling=pooling or "last", normalize=True)
 
 
 def _gguf_qwen3_reranker(path: Path, arch: str, hidden: int, context: int) -> PoolingSpec:
@@ -259,9 +259,7 @@ def _gguf_qwen3_reranker(path: Path, arch: str, hidden: int, context: int) -> Po
     softmax[yes]), pairs through QWEN3_RERANKER; any other decoder rank GGUF is refused by name."""
     meta = gguf_metadata(path)
     labels = [str(x) for x in meta.get(f"{arch}.classifier.output_labels") or []]
-    card = (QWEN3_RERANKER["prefix"] + QWEN3_RERANKER["pair"].format(instruction=QWEN3_RERANKER["instruction"],
-                                                                      query="{query}", document="{document}")
-            + QWEN3_RERANKER["suffix"])
+    card = qwen3_reranker_prompt("{query}", "{document}")  # llama.cpp's rerank template: its placeholders
     head = read_gguf_index(path).tensors.get("cls.output.weight")
     if labels != ["yes", "no"] or meta.get("tokenizer.chat_template.rerank") != card or head is None \
             or head.shape[0] != 2:
@@ -280,6 +278,12 @@ QWEN3_RERANKER = {
     "suffix": "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
     "instruction": "Given a web search query, retrieve relevant passages that answer the query",
 }
+
+
+def qwen3_reranker_prompt(query: str, document: str, instruction: str = QWEN3_RERANKER["instruction"]) -> str:
+    """The model card's whole prompt for one pair (the frontend tokenizes its parts apart, to cut the pair's text)."""
+    r = QWEN3_RERANKER
+    return r["prefix"] + r["pair"].format(instruction=instruction, query=query, document=document) + r["suffix"]
 
 
 def _from_lm_head(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -276,7 +276,7 @@ def pooling_tokenizer(path: Path) -> Tokenizer:
     if not is_gguf(path):
         return Tokenizer.from_file(str(path / "tokenizer.json"))
     text = TextTokenizer.from_path(path)
-    tok = Tokenizer.from_str(text._parse.to_str())
+    tok = Tokenizer.from_str(text.to_json())  # a copy: its post-processor is set below
     meta = gguf_vocab.gguf_metadata(path)
     if meta.get("tokenizer.ggml.model") == "bert":  # [CLS] text [SEP], as llama.cpp's WordPiece adds them
         cls, sep = text.bos_token_id, gguf_vocab.opt_int(meta.get("tokenizer.ggml.seperator_token_id"))

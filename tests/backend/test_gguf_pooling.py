@@ -24,7 +24,8 @@ from backend.pooling import run_task
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError
-from kvyard.pooling_model import ModelKind, embedding_model_name, load_pooling_spec, model_kind, resolve_embedding_path
+from kvyard.pooling_model import (ModelKind, embedding_model_name, load_pooling_spec, model_kind, qwen3_reranker_prompt,
+                                  resolve_embedding_path)
 from kvyard.tokenizer import pooling_tokenizer
 from tests.backend.test_encoder import _batch, _values
 from tests.support.procs import pdfusion
@@ -128,19 +129,13 @@ def yes_no(tiny: TinyModel) -> tuple[int, int]:
         tiny.tokenizer.reference.encode(" no", add_special_tokens=False).ids[-1]
 
 
-def card_prompt(query: str, document: str) -> str:
-    from kvyard.pooling_model import QWEN3_RERANKER as card
-    return card["prefix"] + card["pair"].format(instruction=card["instruction"], query=query, document=document) + \
-        card["suffix"]
-
-
 def reference_rerank(tiny: TinyModel, query: str, documents: list[str]) -> torch.Tensor:
     """transformers' LM logits at the prompt's last token: softmax over (yes, no), P(yes) — llama.cpp's score."""
     yes, no = yes_no(tiny)
     out = []
     with torch.inference_mode():
         for doc in documents:
-            ids = tiny.tokenizer.reference.encode(card_prompt(query, doc), add_special_tokens=False).ids
+            ids = tiny.tokenizer.reference.encode(qwen3_reranker_prompt(query, doc), add_special_tokens=False).ids
             logits = tiny.hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
             out.append(torch.softmax(torch.stack([logits[yes], logits[no]]), dim=0)[0])
     return torch.stack(out)

@@ -132,11 +132,10 @@ def write_gguf(tiny: TinyModel, path: Path, types: dict[str, str] | None = None,
     arch = family if family in ("qwen2", "qwen3") else "llama"
     w = gguf.GGUFWriter(str(path), arch)
     if rerank is not None:
-        from kvyard.pooling_model import QWEN3_RERANKER as card
+        from kvyard.pooling_model import qwen3_reranker_prompt
         pooling = gguf.PoolingType.RANK
         w.add_classifier_output_labels(["yes", "no"])
-        w.add_chat_template([{"name": "rerank", "template": card["prefix"] + card["pair"].format(
-            instruction=card["instruction"], query="{query}", document="{document}") + card["suffix"]}])
+        w.add_chat_template([{"name": "rerank", "template": qwen3_reranker_prompt("{query}", "{document}")}])
     if pooling is not None:
         w.add_pooling_type(pooling)
     if add_eos:
