@@ -8,6 +8,8 @@ tiny random ones written as llama.cpp's converter writes them (tests/support), s
   default (the F32 matrices served as Q8_0 blocks);
 - the embedded all-MiniLM-L6-v2 as a BERT GGUF: the vectors' cosine;
 - a tiny BERT cross-encoder (rank): llama.cpp's /v1/rerank score is the raw logit, kvyard's its sigmoid;
+- a tiny XLM-RoBERTa embedder and cross-encoder (BGE-M3's and bge-reranker's kind: a SentencePiece Unigram
+  vocabulary, `t5`): the token ids, single and paired, then the vectors' cosine and the scores;
 - a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
 llama-server is the benchmarks' build (benchmarks/peer_servers.py)."""
 from __future__ import annotations
@@ -36,6 +38,8 @@ from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf  # noqa: E
 from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf  # noqa: E402
 
 TEXTS = ["A man is eating food.", "short", "The capital of France is Paris, and it sits on the Seine river."]
+# For the Unigram vocabulary: spaces to trim and collapse, NFKC's full-width letters and ligature, an unknown letter.
+XLMR_TEXTS = [*TEXTS, "  Berlin ist   die Hauptstadt 𝔘𝔘 ", "Ｆｕｌｌ width ① ﬁne, 東京は日本の首都です。"]
 QUERY = "what is the capital of france?"
 F32 = {role: "F32" for role in EXACT_TYPES}
 
@@ -98,6 +102,23 @@ def main() -> None:
     theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", rerank)])[0])
     show("BERT cross-encoder: kvyard vs sigmoid(llama.cpp's logit)", scores(kvyard_answer(
         path, "/v1/rerank", rerank, root / "ce.log")), theirs,
+        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e}")
+
+    path = write_bert_gguf(tiny_encoder(root / "xlmr", arch="XLMRobertaModel", unigram=True), root / "xlmr.gguf")
+    xembed = {"input": XLMR_TEXTS}
+    answers = llama_answers(path, "--embedding", [("/tokenize", {"content": t, "add_special": True})
+                                                  for t in XLMR_TEXTS] + [("/v1/embeddings", xembed)])
+    tok = pooling_tokenizer(path)
+    same = [a["tokens"] == tok.encode(t).ids for a, t in zip(answers, XLMR_TEXTS)]
+    print(f"{'XLM-R (Unigram): token ids equal to llama-server /tokenize':55} {all(same)} {same}")
+    show("XLM-R embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", xembed, root / "xlmr.log")),
+         vectors(answers[-1]), cosines)
+    path = write_bert_gguf(tiny_encoder(root / "xce", arch="XLMRobertaForSequenceClassification", unigram=True),
+                           root / "xlmr-cross-encoder.gguf")
+    xrerank = {"query": QUERY, "documents": XLMR_TEXTS}
+    theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", xrerank)])[0])
+    show("XLM-R cross-encoder: kvyard vs sigmoid(llama.cpp's logit)", scores(kvyard_answer(
+        path, "/v1/rerank", xrerank, root / "xce.log")), theirs,
         lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e}")
 
     tiny = tiny_model("qwen3", max_positions=1024)

@@ -1,6 +1,6 @@
 """A GGUF file's vocabulary as a `tokenizers` Tokenizer: byte-level BPE with each llama.cpp pre-tokenizer
-(`tokenizer.ggml.pre`), a SentencePiece ('llama') vocabulary rebuilt as BPE with byte fallback, or a BERT
-WordPiece ('bert') vocabulary.
+(`tokenizer.ggml.pre`), a SentencePiece ('llama') vocabulary rebuilt as BPE with byte fallback, a BERT
+WordPiece ('bert') vocabulary, or a SentencePiece Unigram ('t5': XLM-RoBERTa's, BGE-M3's) one.
 kvyard/tokenizer.py adds the special tokens, stop ids and chat templates."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from kvyard.gguf_meta import read_gguf_metadata
 from kvyard.model_path import ModelFileError
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
-GGUF_TOKEN_NORMAL, GGUF_TOKEN_UNKNOWN, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED, GGUF_TOKEN_BYTE = 1, 2, 3, 4, 6
+GGUF_TOKEN_NORMAL, GGUF_TOKEN_UNKNOWN, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED, GGUF_TOKEN_UNUSED, GGUF_TOKEN_BYTE = (
+    1, 2, 3, 4, 5, 6)
 GGUF_TOKEN_TYPE_CONTROL = GGUF_TOKEN_CONTROL
 
 # How each model family splits text before byte-level BPE, by llama.cpp's pre-tokenizer name
@@ -60,7 +61,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 def unsupported_model(model_type: Any, path: Path) -> str:
     return (f"unsupported GGUF tokenizer model {model_type!r} in {path}: 'gpt2' (byte-level BPE), 'llama' "
-            "(SentencePiece BPE) and 'bert' (WordPiece) are supported")
+            "(SentencePiece BPE), 'bert' (WordPiece) and 't5' (SentencePiece Unigram) are supported")
 
 
 def unsupported_pre(pre_name: Any, path: Path) -> str:
@@ -160,3 +161,37 @@ def wordpiece(path: Path, meta: dict[str, Any], tokens: list[str], token_types: 
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece()
     return tokenizer, True
+
+
+def unigram(path: Path, meta: dict[str, Any], tokens: list[str], token_types: list[int]) -> tuple[Tokenizer, bool]:
+    """tokenizer.ggml.model "t5": a SentencePiece Unigram vocabulary (XLM-RoBERTa's, hence BGE-M3's and
+    bge-reranker's, as llama.cpp's converter writes it), tokenized as SentencePiece and llama.cpp do it: the
+    text through the file's precompiled normalization map (NFKC and friends), spaces trimmed and collapsed,
+    "▁" before every word, then the most probable split by the pieces' scores, a character no piece spells
+    being the unknown token (consecutive ones fused). Unused entries (the converter's padding, score -10000)
+    keep their ids at the lowest normal score, so the unknown token's score (lowest - 10) stays
+    SentencePiece's. Returns llama.cpp's add-BOS default for the model (no; XLM-R's files say yes)."""
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or []
+    if len(scores) != len(tokens):
+        raise ModelFileError(f"GGUF file {path}: a SentencePiece vocabulary needs one score per token")
+    if not meta.get("tokenizer.ggml.remove_extra_whitespaces", False):
+        # Without it llama.cpp keeps every space as its own "▁" and prefixes the first word only; no pooling
+        # model we know of is converted that way, so it is refused rather than tokenized differently.
+        raise ModelFileError(f"GGUF file {path}: a Unigram vocabulary without remove_extra_whitespaces is not supported")
+    unk = next((i for i, kind in enumerate(token_types) if kind == GGUF_TOKEN_UNKNOWN),
+               opt_int(meta.get("tokenizer.ggml.unknown_token_id")))
+    if unk is None:
+        raise ModelFileError(f"GGUF file {path}: a Unigram vocabulary needs an unknown token")
+    normal = [s for s, kind in zip(scores, token_types) if kind == GGUF_TOKEN_NORMAL]
+    lowest = min(normal, default=0.0)
+    pieces = [(t, float(s) if kind != GGUF_TOKEN_UNUSED else lowest)
+              for t, s, kind in zip(tokens, scores, token_types)]
+    tokenizer = Tokenizer(models.Unigram(pieces, unk_id=unk, byte_fallback=False))
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        tokenizer.normalizer = normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap))
+    # Only " " is a space to SentencePiece and llama.cpp (the map turns tabs, newlines and wide spaces into it).
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", behavior="removed"),
+                                                       pre_tokenizers.Metaspace("\u2581", prepend_scheme="always")])
+    tokenizer.decoder = decoders.Metaspace("\u2581", prepend_scheme="always")
+    return tokenizer, False

@@ -89,7 +89,7 @@ class TextTokenizer:
             return
         meta = gguf_vocab.gguf_metadata(p)
         model_type = meta.get("tokenizer.ggml.model")
-        if model_type not in ("gpt2", "llama", "bert"):
+        if model_type not in ("gpt2", "llama", "bert", "t5"):
             raise ModelFileError(gguf_vocab.unsupported_model(model_type, p))
         pre_name = meta.get("tokenizer.ggml.pre", "gpt-2")
         if model_type == "gpt2" and pre_name not in gguf_vocab.PRE_TOKENIZERS:
@@ -110,6 +110,8 @@ class TextTokenizer:
             tokenizer, add_bos = gguf_vocab.sentencepiece_bpe(path, meta, tokens, token_types)
         elif model_type == "bert":  # an encoder's: pooling models only (kvyard/pooling_model.py)
             tokenizer, add_bos = gguf_vocab.wordpiece(path, meta, tokens, token_types)
+        elif model_type == "t5":  # XLM-RoBERTa's SentencePiece Unigram: pooling models only, as "bert"
+            tokenizer, add_bos = gguf_vocab.unigram(path, meta, tokens, token_types)
         else:
             raise ModelFileError(gguf_vocab.unsupported_model(model_type, path))
         control = [i for i, t in enumerate(token_types) if t == gguf_vocab.GGUF_TOKEN_CONTROL]
@@ -270,9 +272,11 @@ class TextTokenizer:
 def pooling_tokenizer(path: Path) -> Tokenizer:
     """What a pooling model's inputs are encoded with, its encode(add_special_tokens=True) adding what the model
     expects: a directory's tokenizer.json as it is (its post-processor decides); a GGUF's vocabulary with BOS
-    where `tokenizer.ggml.add_bos_token` (or the tokenizer model's default) says and EOS where
-    `tokenizer.ggml.add_eos_token` says, as llama.cpp adds them when it embeds (Qwen3-Embedding's inputs end
-    with its <|endoftext|>); a BERT GGUF's WordPiece with [CLS] before and [SEP] after."""
+    where `tokenizer.ggml.add_bos_token` (or the tokenizer model's default) says, EOS where
+    `tokenizer.ggml.add_eos_token` (a Unigram vocabulary's default: yes) says and the separator between a pair's
+    texts where `tokenizer.ggml.add_sep_token` says, as llama.cpp adds them when it embeds and reranks
+    (Qwen3-Embedding's inputs end with its <|endoftext|>, XLM-R's pairs are <s> A </s></s> B </s>); a BERT
+    GGUF's WordPiece with [CLS] before and [SEP] after."""
     if not is_gguf(path):
         return Tokenizer.from_file(str(path / "tokenizer.json"))
     text = TextTokenizer.from_path(path)
@@ -288,19 +292,24 @@ def pooling_tokenizer(path: Path) -> Tokenizer:
         tok.post_processor = processors.TemplateProcessing(single=f"{c} $A {e}", pair=f"{c} $A {e} $B:1 {e}:1",
                                                            special_tokens=[(c, cls), (e, sep)])
         return tok
+    model = meta.get("tokenizer.ggml.model")
     ends = []
     if text.add_bos_token:
         ends.append(("bos", text.bos_token, text.bos_token_id))
-    if meta.get("tokenizer.ggml.add_eos_token"):
+    if meta.get("tokenizer.ggml.add_eos_token", model == "t5"):  # llama.cpp's Unigram default: EOS added
         ends.append(("eos", text.eos_token, text.eos_token_id))
+    if meta.get("tokenizer.ggml.add_sep_token"):  # between a pair's texts (XLM-R: <s> A </s></s> B </s>)
+        sep_id = gguf_vocab.opt_int(meta.get("tokenizer.ggml.seperator_token_id"))
+        ends.append(("sep", None if sep_id is None else tok.id_to_token(sep_id), sep_id))
     for what, token, token_id in ends:
         if token is None or token_id is None:
             raise ModelFileError(f"{path}: the GGUF asks for a {what} token on every input but names none")
-    bos = [t for w, t, _ in ends if w == "bos"]
-    eos = [t for w, t, _ in ends if w == "eos"]
+    bos, eos, sep = ([t for w, t, _ in ends if w == which] for which in ("bos", "eos", "sep"))
+    second = 1 if int(meta.get("tokenizer.ggml.token_type_count", 2)) > 1 else 0  # XLM-R has one segment type
     tok.post_processor = processors.TemplateProcessing(
-        single=" ".join([*bos, "$A", *eos]), pair=" ".join([*bos, "$A", *eos, "$B:1", *(f"{e}:1" for e in eos)]),
-        special_tokens=[(t, i) for _, t, i in ends])
+        single=" ".join([*bos, "$A", *eos]),
+        pair=" ".join([*bos, "$A", *eos, *sep, f"$B:{second}", *(f"{e}:{second}" for e in eos)]),
+        special_tokens=list({t: (t, i) for _, t, i in ends}.values()))
     return tok
 
 

@@ -3,7 +3,9 @@ WordPiece vocabulary in llama.cpp's spelling, the pooling type from 1_Pooling): 
 converted here (tests/support/tiny_encoders.py write_bert_gguf). Tokenized as its Hugging Face tokenizer does,
 embedded as sentence-transformers does, served through the openai client. A BERT cross-encoder as a GGUF
 (pooling type rank, its pooler and classifier as `cls` / `cls.output`) scores pairs as transformers does and
-answers /v1/rerank."""
+answers /v1/rerank. An XLM-RoBERTa encoder (BGE-M3's, bge-reranker's kind) as the converter writes it: its
+SentencePiece Unigram vocabulary as `t5`, tokenized as transformers' XLM-R tokenizer does; embedded and scored
+as transformers does."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -142,3 +144,60 @@ def test_a_served_cross_encoder_reranks(tmp_path: Path) -> None:
         assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])
         bad = httpx.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=60)
         assert bad.status_code == 400 and "classify" in bad.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def xlmr(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    hf = tiny_encoder(tmp_path_factory.mktemp("xlmr") / "xlmr", arch="XLMRobertaModel", unigram=True)
+    return hf, write_bert_gguf(hf, hf.parent / "xlmr.gguf")
+
+
+# Runs of spaces at either end and inside, NFKC's full-width letters, circled digit and ligature, wide and
+# no-break spaces, a character no piece spells (unknown: fused with its neighbour), special tokens as text.
+UNIGRAM_TEXTS = [*TEXTS, "  lead and trail  ", "Ｆｕｌｌ width ① ﬁne", "\u3000wide\u00a0space", "<s> and </s> and <mask>",
+                 "Berlin ist die Hauptstadt 𝔘𝔘 von Deutschland."]
+
+
+def test_a_unigram_vocabulary_tokenizes_as_xlm_roberta(xlmr: tuple[Path, Path]) -> None:
+    import transformers
+    hf, path = xlmr
+    ours, theirs = pooling_tokenizer(path), transformers.AutoTokenizer.from_pretrained(hf)
+    assert theirs.backend_tokenizer.model.__class__.__name__ == "Unigram"
+    for text in UNIGRAM_TEXTS:
+        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+    assert ours.encode("hello", "world").ids == theirs("hello", "world")["input_ids"]  # <s> A </s></s> B </s>
+    assert theirs.unk_token_id in ours.encode(UNIGRAM_TEXTS[-1]).ids
+    assert set(ours.encode("hello", "world").type_ids) == {0}  # XLM-R has one segment type
+
+
+def test_an_xlm_roberta_gguf_embeds_as_sentence_transformers(xlmr: tuple[Path, Path]) -> None:
+    from sentence_transformers import SentenceTransformer
+    hf, path = xlmr
+    spec = load_pooling_spec(path)
+    assert (spec.kind, spec.pooling, spec.max_len) == (ModelKind.EMBED, "mean", 256)  # positions from 0, as cut
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED,
+                            *_batch(pooling_tokenizer(path), UNIGRAM_TEXTS)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(UNIGRAM_TEXTS))
+    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_an_xlm_roberta_cross_encoder_gguf_scores_pairs_as_transformers(tmp_path: Path) -> None:
+    """bge-reranker-v2-m3's kind: XLM-R's classification head (dense, tanh, out_proj) as `cls` / `cls.output`."""
+    import transformers
+    hf = tiny_encoder(tmp_path / "ce", arch="XLMRobertaForSequenceClassification", unigram=True)
+    path = write_bert_gguf(hf, tmp_path / "ce.gguf")
+    query, docs = "what is the capital of france?", UNIGRAM_TEXTS[:5]
+    ids, types, mask = _batch(pooling_tokenizer(path), [query] * len(docs), docs)
+    ours = _values(run_task(EncoderModel(load_pooling_spec(path), torch.float32, CPU), PoolTask.CLASSIFY, ids, types, mask))
+    theirs = transformers.AutoTokenizer.from_pretrained(hf)
+    assert [row[m].tolist() for row, m in zip(ids, mask)] == [theirs(query, d)["input_ids"] for d in docs]
+    batch = theirs([query] * len(docs), docs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = transformers.XLMRobertaForSequenceClassification.from_pretrained(hf).eval()(**batch).logits
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    expected = torch.sigmoid(ref[:, 0])
+    with pdfusion(path, "bge-reranker-tiny", tmp_path / "pdfusion.log") as url:  # the frontend's pairs too
+        body = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
+        assert [r["index"] for r in body["results"]] == expected.argsort(descending=True).tolist()
+        assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])

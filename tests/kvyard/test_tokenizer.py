@@ -265,11 +265,32 @@ def _write_gguf(path: Path, model: str, pre: str | None = None) -> None:
 
 
 def test_gguf_with_unsupported_model_type(tmp_path: Path) -> None:
-    path = tmp_path / "unigram.gguf"
-    _write_gguf(path, "t5")  # T5's / XLM-R's Unigram: not built here
-    with pytest.raises(ModelFileError, match="'t5'") as e:
+    path = tmp_path / "rwkv.gguf"
+    _write_gguf(path, "rwkv")  # RWKV's greedy trie vocabulary: not built here
+    with pytest.raises(ModelFileError, match="'rwkv'") as e:
         TextTokenizer.from_path(path)
     assert str(path) in str(e.value)
+
+
+def test_a_unigram_vocabulary_it_would_tokenize_differently_is_refused(tmp_path: Path) -> None:
+    """A `t5` vocabulary without scores, or one whose spaces llama.cpp keeps (remove_extra_whitespaces off),
+    is a load error naming what is missing, never a tokenizer that splits text otherwise than llama.cpp."""
+    path = tmp_path / "no-scores.gguf"
+    _write_gguf(path, "t5")
+    with pytest.raises(ModelFileError, match="one score per token"):
+        TextTokenizer.from_path(path)
+    w = gguf.GGUFWriter(str(tmp_path / "spaces.gguf"), "bert")
+    w.add_tokenizer_model("t5")
+    w.add_token_list(["<unk>", "\u2581a", "b"])
+    w.add_token_scores([0.0, -1.0, -2.0])
+    w.add_token_types([2, 1, 1])
+    w.add_remove_extra_whitespaces(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="remove_extra_whitespaces"):
+        TextTokenizer.from_path(tmp_path / "spaces.gguf")
 
 
 def test_gguf_with_unsupported_pre_tokenizer(tmp_path: Path) -> None:

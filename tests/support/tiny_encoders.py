@@ -1,6 +1,7 @@
 """Tiny random encoder checkpoints (BERT, XLM-RoBERTa, their cross-encoders, BGE-M3's extra heads), saved
 with transformers' own save_pretrained plus the sentence-transformers files, and the embedded MiniLM's
-tokenizer (a real WordPiece vocabulary: no model hub, no training)."""
+tokenizer (a real WordPiece vocabulary: no model hub, no training) or, for XLM-R's own kind, a SentencePiece
+Unigram vocabulary trained here on a few sentences (sentencepiece, the test extra)."""
 from __future__ import annotations
 
 import json
@@ -35,18 +36,53 @@ def _write_st(path: Path, pooling: str | None, normalize: bool, prompts: dict[st
                                                                            "default_prompt_name": None}))
 
 
+# What the Unigram vocabulary is trained on: a few languages, NFKC-mapped characters, digits and punctuation.
+_CORPUS = ["The quick brown fox jumps over the lazy dog.", "A man is eating food.", "Café naïve résumé — ÉCOLE!",
+           "東京は日本の首都です。", "Berlin ist die Hauptstadt von Deutschland.", "Paris est la capitale de la France.",
+           "x=3.14, y=[1,2]; z?", "what is the capital of france?", "Retrieval needs embeddings and rerankers."]
+
+
+def unigram_tokenizer(path: Path) -> int:
+    """XLM-RoBERTa's tokenizer over a SentencePiece Unigram model trained here (its pieces and scores, NFKC's
+    precompiled map, <unk> <s> </s> first as XLM-R's model has them), laid out as transformers lays out
+    XLM-R's (<s> <pad> </s> <unk>, the pieces, <mask>): saved into path. Returns its size."""
+    import io
+
+    import sentencepiece
+    import transformers
+    from sentencepiece import sentencepiece_model_pb2
+
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 20), model_writer=buf, vocab_size=200, hard_vocab_limit=False,
+        model_type="unigram", character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1,
+        minloglevel=2)
+    spm = sentencepiece_model_pb2.ModelProto()
+    spm.ParseFromString(buf.getvalue())
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0),
+             *((p.piece, p.score) for p in spm.pieces[3:]), ("<mask>", 0.0)]
+    tok = transformers.XLMRobertaTokenizer(vocab=vocab, _spm_precompiled_charsmap=spm.normalizer_spec.precompiled_charsmap)
+    tok.save_pretrained(path)
+    return len(vocab)
+
+
 def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mean_tokens", normalize: bool = True,
                  num_labels: int = 1, seed: int = 0, bge_m3: bool = False, prompts: dict[str, str] | None = None,
-                 max_seq_length: int | None = None, id2label: dict[int, str] | None = None) -> Path:
-    """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification."""
+                 max_seq_length: int | None = None, id2label: dict[int, str] | None = None,
+                 unigram: bool = False) -> Path:
+    """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification.
+    unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
+    a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
     import transformers
     torch.manual_seed(seed)
     xlmr = arch.startswith("XLMRoberta")
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, max_position_embeddings=64 if not xlmr else 66, hidden_act="gelu")
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = unigram_tokenizer(path) + 1 if unigram else VOCAB
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=258 if unigram else 64 if not xlmr else 66, hidden_act="gelu")
     if xlmr:
-        cfg = transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=0, bos_token_id=101,
-                                            eos_token_id=102)
+        cfg = transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1 if unigram else 0,
+                                            bos_token_id=0 if unigram else 101, eos_token_id=2 if unigram else 102)
     else:
         cfg = transformers.BertConfig(**common, type_vocab_size=2, pad_token_id=0)
     if "ForSequenceClassification" in arch:
@@ -58,11 +94,10 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
         for name, p in model.named_parameters():
             if "LayerNorm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    src = embedded_embedding_path()
-    for name in TOKENIZER_FILES:
-        shutil.copy(src / name, path / name)
+    if not unigram:
+        for name in TOKENIZER_FILES:
+            shutil.copy(embedded_embedding_path() / name, path / name)
     _write_st(path, pooling if "ForSequenceClassification" not in arch else None, normalize, prompts, max_seq_length)
     if bge_m3:
         torch.save({"weight": torch.randn(1, 32) * 0.3, "bias": torch.randn(1) * 0.1}, path / "sparse_linear.pt")
@@ -77,25 +112,32 @@ _GGUF_LAYER = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
                "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
                "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
 # A cross-encoder's head: BERT's pooler and classifier, the converter's `cls` and `cls.output`.
-_GGUF_HEAD = {"pooler.dense": "cls", "classifier": "cls.output"}
+# XLM-R's (RobertaClassificationHead: dense, tanh, out_proj) are the same two steps under other names.
+_GGUF_HEAD = {"pooler.dense": "cls", "classifier": "cls.output", "classifier.dense": "cls",
+              "classifier.out_proj": "cls.output"}
 
 
 def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     """A BERT directory (config.json, model.safetensors, tokenizer.json, 1_Pooling) as llama.cpp's converter
     writes it: the `bert` architecture's metadata and tensor names, the pooling type from 1_Pooling, the
     WordPiece vocabulary in its spelling (a word's first piece gains a leading U+2581, a continuation loses
-    its "##", control tokens stay), [CLS] as BOS and [SEP] as the separator. Matrices in `qtype` (F32, F16,
-    Q8_0), vectors in F32. A *ForSequenceClassification: pooling type rank, its pooler and classifier as `cls`
-    and `cls.output`, its labels when id2label names them."""
+    its "##", control tokens stay), [CLS] as BOS and [SEP] as the separator. An XLM-R directory as the converter
+    writes one: the Unigram vocabulary as `t5` (pieces, scores, token types, the precompiled normalization map,
+    padded to the embedding's rows with unused "[PADn]" entries scored -10000), <s> A </s></s> B </s> as
+    add_bos / add_eos / add_sep, and the position embeddings cut to start at position 0 (XLM-R's start at
+    pad_token_id + 1). Matrices in `qtype` (F32, F16, Q8_0), vectors in F32. A *ForSequenceClassification:
+    pooling type rank, its pooler and classifier as `cls` and `cls.output`, its labels when id2label names
+    them."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    offset = cfg["pad_token_id"] + 1 if cfg["model_type"] == "xlm-roberta" else 0
     w = gguf.GGUFWriter(str(path), "bert")
     w.add_name(hf_dir.name)
-    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_context_length(cfg["max_position_embeddings"] - offset)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -114,18 +156,12 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         pooling = json.loads(pooling_file.read_text())
         w.add_pooling_type(gguf.PoolingType.MEAN if pooling.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS)
     w.add_token_type_count(cfg.get("type_vocab_size", 2))
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    w.add_tokenizer_model("bert")
-    w.add_token_list([t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in tokens])
-    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
-    w.add_bos_token_id(vocab["[CLS]"])
-    w.add_sep_token_id(vocab["[SEP]"])
-    w.add_unk_token_id(vocab["[UNK]"])
-    w.add_pad_token_id(vocab["[PAD]"])
+    if tok["model"]["type"] == "Unigram":
+        _write_unigram_vocab(w, tok, cfg["vocab_size"])
+    else:
+        _write_wordpiece_vocab(w, tok)
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        name = name.removeprefix("bert.")
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         stem, kind = name.rsplit(".", 1)
         if stem in _GGUF_TOP:
             ours = f"{_GGUF_TOP[stem]}.{kind}"
@@ -139,6 +175,8 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         else:
             continue  # the pooler, position_ids: not written by the converter for an embedder
         values = t.float().numpy()
+        if ours == "position_embd.weight":
+            values = values[offset:]
         if values.ndim == 2 and qtype != "F32" and not ours.startswith(("token_types", "position_embd", "cls")):
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(ours, gguf.quants.quantize(values, q), raw_dtype=q)
@@ -149,3 +187,43 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _write_wordpiece_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def]
+    import gguf
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
+    w.add_bos_token_id(vocab["[CLS]"])
+    w.add_sep_token_id(vocab["[SEP]"])
+    w.add_unk_token_id(vocab["[UNK]"])
+    w.add_pad_token_id(vocab["[PAD]"])
+
+
+def _write_unigram_vocab(w, tok: dict, rows: int) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    import gguf
+    pieces: list[list] = tok["model"]["vocab"]
+    ids = {p[0]: i for i, p in enumerate(pieces)}
+    control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")} - {"<unk>"}
+    types = [gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.CONTROL if t in control else
+             gguf.TokenType.NORMAL for t, _ in pieces]
+    padding = range(len(pieces), max(rows, len(pieces)))
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in pieces] + [f"[PAD{i}]" for i in padding])
+    w.add_token_scores([float(s) for _, s in pieces] + [-10000.0] * len(padding))
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * len(padding))
+    w.add_add_space_prefix(True)
+    w.add_remove_extra_whitespaces(True)
+    w.add_precompiled_charsmap(base64.b64decode(tok["normalizer"]["precompiled_charsmap"]))
+    for add, value in (("bos", ids["<s>"]), ("eos", ids["</s>"]), ("sep", ids["</s>"]),
+                       ("unk", ids["<unk>"]), ("pad", ids["<pad>"]), ("mask", ids["<mask>"])):
+        getattr(w, f"add_{add}_token_id")(value)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(True)
