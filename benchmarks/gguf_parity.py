@@ -7,7 +7,10 @@ tiny random ones written as llama.cpp's converter writes them (tests/support), s
   against kvyard's pooling tokenizer) and the vectors' cosine, kvyard with `WEIGHT_FORMAT=dense` (exact) and by
   default (the F32 matrices served as Q8_0 blocks);
 - the embedded all-MiniLM-L6-v2 as a BERT GGUF: the vectors' cosine;
-- a tiny BERT cross-encoder (rank): llama.cpp's /v1/rerank score is the raw logit, kvyard's its sigmoid;
+- a tiny BERT cross-encoder (rank; its head scaled so the logits are far from 0): llama.cpp's /v1/rerank score
+  is the raw logit, kvyard's its sigmoid; llama.cpp gives every token segment type 0 (its BERT graph adds
+  the type embedding's first row), kvyard the document segment 1 as transformers does, so they differ by what
+  that row changes;
 - a tiny XLM-RoBERTa embedder and cross-encoder (BGE-M3's and bge-reranker's kind: a SentencePiece Unigram
   vocabulary, `t5`): the token ids, single and paired, then the vectors' cosine and the scores;
 - a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
@@ -77,6 +80,18 @@ def cosines(ours: torch.Tensor, theirs: torch.Tensor) -> str:
     return "cosine " + " ".join(f"{c:.7f}" for c in F.cosine_similarity(ours, theirs).tolist())
 
 
+def cross_encoder(path: Path, arch: str) -> Path:
+    """A tiny random cross-encoder whose one-logit head is scaled up: a random head's logits sit near 0, where
+    any two scores look alike after a sigmoid."""
+    from safetensors.torch import load_file, save_file
+    hf = tiny_encoder(path, arch=arch, num_labels=1, unigram=arch.startswith("XLMRoberta"))
+    weights = load_file(str(hf / "model.safetensors"))
+    head = "classifier.out_proj.weight" if arch.startswith("XLMRoberta") else "classifier.weight"
+    weights[head] = weights[head] * 300
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    return hf
+
+
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kvyard-gguf-parity-"))
     embed = {"input": TEXTS}
@@ -97,12 +112,12 @@ def main() -> None:
                                                                           root / "minilm.log")), theirs, cosines)
 
     rerank = {"query": QUERY, "documents": TEXTS}
-    path = write_bert_gguf(tiny_encoder(root / "ce", arch="BertForSequenceClassification", num_labels=1),
-                           root / "cross-encoder.gguf")
+    path = write_bert_gguf(cross_encoder(root / "ce", "BertForSequenceClassification"), root / "cross-encoder.gguf")
     theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", rerank)])[0])
     show("BERT cross-encoder: kvyard vs sigmoid(llama.cpp's logit)", scores(kvyard_answer(
         path, "/v1/rerank", rerank, root / "ce.log")), theirs,
-        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e}")
+        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e} (llama.cpp's logits "
+                     f"{[round(x, 4) for x in b.tolist()]})")
 
     path = write_bert_gguf(tiny_encoder(root / "xlmr", arch="XLMRobertaModel", unigram=True), root / "xlmr.gguf")
     xembed = {"input": XLMR_TEXTS}
@@ -113,13 +128,14 @@ def main() -> None:
     print(f"{'XLM-R (Unigram): token ids equal to llama-server /tokenize':55} {all(same)} {same}")
     show("XLM-R embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", xembed, root / "xlmr.log")),
          vectors(answers[-1]), cosines)
-    path = write_bert_gguf(tiny_encoder(root / "xce", arch="XLMRobertaForSequenceClassification", unigram=True),
+    path = write_bert_gguf(cross_encoder(root / "xce", "XLMRobertaForSequenceClassification"),
                            root / "xlmr-cross-encoder.gguf")
     xrerank = {"query": QUERY, "documents": XLMR_TEXTS}
     theirs = scores(llama_answers(path, "--reranking", [("/v1/rerank", xrerank)])[0])
     show("XLM-R cross-encoder: kvyard vs sigmoid(llama.cpp's logit)", scores(kvyard_answer(
         path, "/v1/rerank", xrerank, root / "xce.log")), theirs,
-        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e}")
+        lambda a, b: f"largest difference {(a - torch.sigmoid(b)).abs().max():.2e} (llama.cpp's logits "
+                     f"{[round(x, 4) for x in b.tolist()]})")
 
     tiny = tiny_model("qwen3", max_positions=1024)
     path = write_gguf(tiny, root / "qwen3-reranker.gguf", F32, rerank=yes_no(tiny))

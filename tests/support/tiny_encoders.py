@@ -121,7 +121,7 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     """A BERT directory (config.json, model.safetensors, tokenizer.json, 1_Pooling) as llama.cpp's converter
     writes it: the `bert` architecture's metadata and tensor names, the pooling type from 1_Pooling, the
     WordPiece vocabulary in its spelling (a word's first piece gains a leading U+2581, a continuation loses
-    its "##", control tokens stay), [CLS] as BOS and [SEP] as the separator. An XLM-R directory as the converter
+    its "##", control tokens stay), [CLS] as BOS, [SEP] as the separator and EOS, both added. An XLM-R directory as the converter
     writes one: the Unigram vocabulary as `t5` (pieces, scores, token types, the precompiled normalization map,
     padded to the embedding's rows with unused "[PADn]" entries scored -10000), <s> A </s></s> B </s> as
     add_bos / add_eos / add_sep, and the position embeddings cut to start at position 0 (XLM-R's start at
@@ -201,6 +201,12 @@ def _write_wordpiece_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def
     w.add_sep_token_id(vocab["[SEP]"])
     w.add_unk_token_id(vocab["[UNK]"])
     w.add_pad_token_id(vocab["[PAD]"])
+    # What the converter reads from "[CLS] $A [SEP]" and "[CLS] $A [SEP] $B [SEP]": [SEP] as the EOS too, both
+    # added, no separator of its own between a pair's texts.
+    w.add_eos_token_id(vocab["[SEP]"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(False)
 
 
 def _write_unigram_vocab(w, tok: dict, rows: int) -> None:  # type: ignore[no-untyped-def]
