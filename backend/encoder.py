@@ -1,9 +1,10 @@
-"""The encoder model family (BERT, XLM-RoBERTa): token ids → hidden states → the checkpoint's heads.
+"""The encoder model family (BERT, XLM-RoBERTa, Nomic BERT): token ids → hidden states → the checkpoint's heads.
 The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
 directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpoints is dropped) or a GGUF of
-llama.cpp's `bert` architecture (dequantized at load). Heads:
+llama.cpp's `bert` architecture (dequantized at load); or, from a GGUF of llama.cpp's `nomic-bert`
+(nomic-embed-text), rotary positions (NeoX halves) on q and k, a SwiGLU FFN and no biases. Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
   (tanh) and `classifier.out_proj` over <s>. Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
@@ -40,20 +41,24 @@ class EncoderConfig:
     activation: str            # "gelu" (erf), "gelu_new"/"gelu_pytorch_tanh" (tanh approximation), "relu"
     position_offset: int       # first position id: 0 (BERT), pad_token_id + 1 (XLM-R)
     type_vocab_size: int       # segment embeddings (BERT 2, XLM-R 1)
+    rope_theta: float = 0.0    # rotary positions' base (Nomic BERT: 1000); 0: learned absolute positions
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
-        """llama.cpp's `bert` metadata (BERT's GELU, absolute positions from 0)."""
+        """llama.cpp's `bert` metadata (BERT's GELU, absolute positions from 0) or `nomic-bert`'s (SwiGLU, rotary
+        positions at `rope.freq_base`)."""
         index = read_gguf_index(path)
         meta, arch = index.meta, index.meta.get("general.architecture")
+        nomic = arch == "nomic-bert"
         try:
             return cls(vocab_size=index.tensors["token_embd.weight"].shape[0],
                        hidden_size=int(meta[f"{arch}.embedding_length"]), num_layers=int(meta[f"{arch}.block_count"]),
                        num_heads=int(meta[f"{arch}.attention.head_count"]),
-                       layer_norm_eps=float(meta[f"{arch}.attention.layer_norm_epsilon"]), activation="gelu",
-                       position_offset=0,
+                       layer_norm_eps=float(meta[f"{arch}.attention.layer_norm_epsilon"]),
+                       activation="swiglu" if nomic else "gelu", position_offset=0,
                        type_vocab_size=index.tensors["token_types.weight"].shape[0] if "token_types.weight" in
-                       index.tensors else 1)
+                       index.tensors else 1,
+                       rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)) if nomic else 0.0)
         except KeyError as exc:
             raise ModelFileError(f"{path}: GGUF lacks {exc.args[0]!r}") from None
 
@@ -61,6 +66,14 @@ class EncoderConfig:
     def from_dir(cls, path: Path) -> EncoderConfig:
         cfg = json.loads((path / "config.json").read_text())
         xlmr = cfg["model_type"] == "xlm-roberta"
+        if cfg["model_type"] == "nomic_bert":  # nomic-embed-text's own keys, or transformers' NomicBertConfig's
+            theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") or 1000.0
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
+                       num_layers=int(cfg.get("num_hidden_layers") or cfg["n_layer"]),
+                       num_heads=int(cfg.get("num_attention_heads") or cfg["n_head"]),
+                       layer_norm_eps=float(cfg.get("layer_norm_eps") or cfg.get("layer_norm_epsilon") or 1e-12),
+                       activation="swiglu", position_offset=0, type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+                       rope_theta=float(theta))
         return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
                    num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
                    layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
@@ -89,7 +102,10 @@ class EncoderModel:
             for name in _LAYER_LINEARS:
                 key = f"encoder.layer.{i}.{name}.weight"
                 self.w[key] = self.w[key].t().contiguous()
-        self._kernel = attention_kernel(dtype, device, self.cfg.hidden_size // self.cfg.num_heads)
+        head_dim = self.cfg.hidden_size // self.cfg.num_heads
+        self._kernel = attention_kernel(dtype, device, head_dim)
+        self._inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim) \
+            if self.cfg.rope_theta else None
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -116,7 +132,9 @@ class EncoderModel:
         w, cfg = self.w, self.cfg
         D, H = cfg.hidden_size, cfg.num_heads
         x = w["embeddings.word_embeddings.weight"][ids]
-        x += w["embeddings.position_embeddings.weight"][positions + cfg.position_offset]
+        if self._inv_freq is None:
+            x += w["embeddings.position_embeddings.weight"][positions + cfg.position_offset]
+        rotary = None if self._inv_freq is None else self._rotary(positions)
         if "embeddings.token_type_embeddings.weight" in w:  # one segment (XLM-R): every token is segment 0
             x += w["embeddings.token_type_embeddings.weight"][type_ids if cfg.type_vocab_size > 1 else 0]
         x = self._norm(x, "embeddings.LayerNorm")                          # [N, D]
@@ -124,14 +142,22 @@ class EncoderModel:
         sizes = lengths.tolist()
         # The two widest activations reuse one buffer each through the layers (fewer fresh pages to fault in).
         qkv = x.new_empty((x.shape[0], 3 * D))                              # [N, 3D]
-        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D]
+        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (SwiGLU: [N, 2I])
         for i in range(cfg.num_layers):
             p = f"encoder.layer.{i}."
-            a = packed_attention(self._kernel, self._linear(x, p + "qkv", qkv), offsets, sizes, H)  # [N, D]
+            self._linear(x, p + "qkv", qkv)
+            if rotary is not None:
+                _rotate(qkv[:, :2 * D].view(-1, 2 * H, D // H), *rotary)  # q and k, every head
+            a = packed_attention(self._kernel, qkv, offsets, sizes, H)  # [N, D]
             x = self._norm(self._linear(a, p + "attention.output.dense").add_(x), p + "attention.output.LayerNorm")
-            self._act(self._linear(x, p + "intermediate.dense", h))
-            x = self._norm(self._linear(h, p + "output.dense").add_(x), p + "output.LayerNorm")
+            g = self._act(self._linear(x, p + "intermediate.dense", h))
+            x = self._norm(self._linear(g, p + "output.dense").add_(x), p + "output.LayerNorm")
         return x
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, 1, d/2] of each token's position (float32 angles, then the model's dtype)."""
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
     def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden: [B, T, D] → logits [B, num_labels], from the first token (ids, mask: unused)."""
@@ -165,15 +191,29 @@ class EncoderModel:
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         """In place on the fresh [N, 4D] activations: a new tensor per layer cost more in page faults than the
         GELU itself (a MiniLM batch of 32, one thread: ~10,000 → ~6,000 minor faults, system time 19-21 →
-        13 ms)."""
+        13 ms). SwiGLU: [N, 2I] gate then up → silu(gate) * up, [N, I] (in the gate's half)."""
+        if self.cfg.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate, inplace=True).mul_(up)
         if self.cfg.activation == "relu":
             return torch.relu_(h)
         return torch.ops.aten.gelu_(h, approximate="none" if self.cfg.activation == "gelu" else "tanh")
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [N, heads, d] in place: RoPE on the two halves of each head (GPT-NeoX's layout, llama.cpp's NEOX)."""
+    lo, hi = x.chunk(2, dim=-1)
+    lo_cos = lo * cos
+    lo.mul_(sin)
+    hi_sin = hi * sin
+    hi.mul_(cos).add_(lo)
+    lo.copy_(lo_cos - hi_sin)
+
+
 def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
-    names = ["embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
-             "embeddings.LayerNorm.weight"]
+    names = ["embeddings.word_embeddings.weight", "embeddings.LayerNorm.weight"]
+    if not cfg.rope_theta:
+        names.append("embeddings.position_embeddings.weight")
     names += [f"encoder.layer.{i}.qkv.weight" for i in range(cfg.num_layers)]
     if spec.kind is ModelKind.CLASSIFY:
         names += ["classifier.out_proj.weight"] if spec.model_type == "xlm-roberta" else \
@@ -191,13 +231,15 @@ _GGUF_TOP = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddi
              "cls": "pooler.dense", "cls.output": "classifier"}  # a cross-encoder's head (pooling type rank)
 _GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
                "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
-               "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+               "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
+               # nomic-bert's: q, k and v in one matrix; SwiGLU's gate beside ffn_up (joined as [gate; up] below)
+               "attn_qkv": "qkv", "ffn_gate": "intermediate.gate"}
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """A BERT GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under Hugging Face's
-    names (a cross-encoder's `cls` / `cls.output`: BERT's pooler and classifier); then as _load. A tensor we
-    have no place for (a fused `attn_qkv`, say) is refused by name."""
+    """A BERT (or Nomic BERT) GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under
+    Hugging Face's names (a cross-encoder's `cls` / `cls.output`: BERT's pooler and classifier); then as _load. A
+    tensor we have no place for is refused by name."""
     index = read_gguf_index(path)
     raw: dict[str, torch.Tensor] = {}
     fd = os.open(str(path), os.O_RDONLY)
@@ -229,12 +271,29 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, tor
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
-            raw[name] = t
+            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or name] = t
     for head in ("sparse_linear", "colbert_linear"):  # BGE-M3 ships these as torch state dicts
         if (path / f"{head}.pt").is_file():
             for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
                 raw[f"{head}.{key}"] = t
     return _fuse_and_place(raw, dtype, device)
+
+
+# Nomic BERT's checkpoint names (as nomic-embed-text ships them, and as transformers saves its NomicBertModel):
+# `fc11` is the up and `fc12` the gate projection.
+NOMIC_NAMES = {"emb_ln.weight": "embeddings.LayerNorm.weight", "emb_ln.bias": "embeddings.LayerNorm.bias"}
+NOMIC_LAYER = {"attn.Wqkv": "qkv", "attn.out_proj": "attention.output.dense", "norm1": "attention.output.LayerNorm",
+                "mlp.fc11": "intermediate.dense", "mlp.fc12": "intermediate.gate", "mlp.fc2": "output.dense",
+                "norm2": "output.LayerNorm"}
+
+
+def nomic_layer_name(name: str) -> str | None:
+    """encoder.layers.N.<part>.<kind> → encoder.layer.N.<ours>.<kind>, or None for any other name."""
+    if not name.startswith("encoder.layers."):
+        return None
+    _, _, i, rest = name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"encoder.layer.{i}.{NOMIC_LAYER[part]}.{kind}" if part in NOMIC_LAYER else None
 
 
 def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -244,6 +303,16 @@ def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: to
         for kind in ("weight", "bias"):
             raw[p + "qkv." + kind] = torch.cat([raw.pop(f"{p}attention.self.{n}.{kind}")
                                                 for n in ("query", "key", "value")])
+        i += 1
+    i = 0
+    while f"encoder.layer.{i}.qkv.weight" in raw:
+        p = f"encoder.layer.{i}."
+        if p + "intermediate.gate.weight" in raw:  # SwiGLU: [gate; up], as _act splits it
+            raw[p + "intermediate.dense.weight"] = torch.cat([raw.pop(p + "intermediate.gate.weight"),
+                                                              raw[p + "intermediate.dense.weight"]])
+        for name in _LAYER_LINEARS:  # Nomic BERT has no biases: zeros, so every linear is one addmm
+            if p + name + ".weight" in raw and p + name + ".bias" not in raw:
+                raw[p + name + ".bias"] = torch.zeros(raw[p + name + ".weight"].shape[0])
         i += 1
     raw.pop("embeddings.position_ids", None)
     return {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()

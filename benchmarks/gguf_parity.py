@@ -11,6 +11,7 @@ tiny random ones written as llama.cpp's converter writes them (tests/support), s
   is the raw logit, kvyard's its sigmoid; llama.cpp gives every token segment type 0 (its BERT graph adds
   the type embedding's first row), kvyard the document segment 1 as transformers does, so they differ by what
   that row changes;
+- a tiny Nomic BERT embedder (nomic-embed-text's kind: `nomic-bert`, rotary positions, SwiGLU): the cosine;
 - a tiny XLM-RoBERTa embedder and cross-encoder (BGE-M3's and bge-reranker's kind: a SentencePiece Unigram
   vocabulary, `t5`): the token ids, single and paired, then the vectors' cosine and the scores;
 - a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
@@ -110,6 +111,11 @@ def main() -> None:
     theirs = vectors(llama_answers(path, "--embedding", [("/v1/embeddings", embed)])[0])
     show("all-MiniLM-L6-v2 as a BERT GGUF (mean)", vectors(kvyard_answer(path, "/v1/embeddings", embed,
                                                                           root / "minilm.log")), theirs, cosines)
+
+    path = write_bert_gguf(tiny_encoder(root / "nomic", arch="NomicBertModel"), root / "nomic-embed-tiny.gguf")
+    theirs = vectors(llama_answers(path, "--embedding", [("/v1/embeddings", embed)])[0])
+    show("Nomic BERT embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", embed, root / "nomic.log")),
+         theirs, cosines)
 
     rerank = {"query": QUERY, "documents": TEXTS}
     path = write_bert_gguf(cross_encoder(root / "ce", "BertForSequenceClassification"), root / "cross-encoder.gguf")

@@ -41,8 +41,10 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaModel": ModelKind.EMBED,
     "BertForSequenceClassification": ModelKind.CLASSIFY,
     "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
+    "NomicBertModel": ModelKind.EMBED,  # nomic-embed-text v1 / v1.5
 }
-ENCODER_TYPES = ("bert", "xlm-roberta")
+# Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "nomic-bert")
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
@@ -53,10 +55,10 @@ POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # its `cls` (BERT's pooler) and `cls.output` (the classifier) tensors scoring [CLS] — or, for a decoder, the last
 # token (Qwen3-Reranker: `cls.output` is the LM head's yes and no rows).
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
-# Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, ms-marco cross-encoders as llama.cpp
-# converts them) pool always; without a pooling type, as a Hugging Face BERT directory without
-# sentence-transformers files: CLS.
-GGUF_ENCODERS = ("bert",)
+# Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, XLM-R, ms-marco cross-encoders as
+# llama.cpp converts them; `nomic-bert`: nomic-embed-text v1/v1.5, rotary positions and a SwiGLU FFN) pool
+# always; without a pooling type, as a Hugging Face BERT directory without sentence-transformers files: CLS.
+GGUF_ENCODERS = ("bert", "nomic-bert")
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
 
@@ -181,12 +183,17 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
         return _decoder_spec(path, cfg, kind)
-    act = cfg.get("hidden_act", "gelu")
-    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
-        raise ModelFileError(f"{path}: hidden_act {act!r} is not supported")
-    if cfg.get("position_embedding_type", "absolute") != "absolute":
-        raise ModelFileError(f"{path}: position_embedding_type {cfg['position_embedding_type']!r} is not supported")
-    positions = int(cfg["max_position_embeddings"])
+    if model_type == "nomic_bert":
+        _check_nomic(path, cfg)
+        # Rotary positions have no table; the context is the one it was trained for (v1/v1.5: 2048 of 8192).
+        positions = int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings") or cfg["n_positions"])
+    else:
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+            raise ModelFileError(f"{path}: hidden_act {act!r} is not supported")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelFileError(f"{path}: position_embedding_type {cfg['position_embedding_type']!r} is not supported")
+        positions = int(cfg["max_position_embeddings"])
     if model_type == "xlm-roberta":  # positions start after the padding index
         positions -= int(cfg.get("pad_token_id", 1)) + 1
     st = _sentence_transformers(path, positions)
@@ -196,12 +203,28 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     if (path / "colbert_linear.pt").is_file():
         heads.append("colbert")
     return PoolingSpec(
-        path=path, kind=kind, model_type=model_type, hidden_size=int(cfg["hidden_size"]),
+        path=path, kind=kind, model_type=model_type, hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
         max_len=min(positions, st.get("max_seq_length") or positions),
         pooling=st.get("pooling", "cls"), normalize=st.get("normalize", False), heads=tuple(heads),
         matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
         labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
+
+
+def _check_nomic(path: Path, cfg: dict[str, Any]) -> None:
+    """What backend/encoder.py runs of Nomic BERT (the keys of nomic-embed-text's own config.json, or
+    transformers' NomicBertConfig): post-norm layers, SwiGLU, rotary positions on the whole head in halves, no
+    biases; anything else (v2's mixture of experts, a prenorm variant) is refused by name."""
+    act = cfg.get("hidden_act") or cfg.get("activation_function", "silu")
+    wanted = {"activation": (act in ("silu", "swiglu"), act), "prenorm": (not cfg.get("prenorm"), cfg.get("prenorm")),
+              "rotary_emb_fraction": (cfg.get("rotary_emb_fraction", 1.0) == 1.0, cfg.get("rotary_emb_fraction")),
+              "rotary_emb_interleaved": (not cfg.get("rotary_emb_interleaved"), cfg.get("rotary_emb_interleaved")),
+              "qkv_proj_bias": (not cfg.get("qkv_proj_bias"), cfg.get("qkv_proj_bias")),
+              "mlp_fc1_bias": (not cfg.get("mlp_fc1_bias"), cfg.get("mlp_fc1_bias")),
+              "moe_every_n_layers": (not cfg.get("moe_every_n_layers"), cfg.get("moe_every_n_layers"))}
+    for key, (ok, value) in wanted.items():
+        if not ok:
+            raise ModelFileError(f"{path}: a Nomic BERT with {key}={value!r} is not supported")
 
 
 def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSpec:

@@ -5,7 +5,8 @@ embedded as sentence-transformers does, served through the openai client. A BERT
 (pooling type rank, its pooler and classifier as `cls` / `cls.output`) scores pairs as transformers does and
 answers /v1/rerank. An XLM-RoBERTa encoder (BGE-M3's, bge-reranker's kind) as the converter writes it: its
 SentencePiece Unigram vocabulary as `t5`, tokenized as transformers' XLM-R tokenizer does; embedded and scored
-as transformers does."""
+as transformers does. A Nomic BERT (nomic-embed-text's kind: `nomic-bert`, rotary positions, SwiGLU, one
+q/k/v matrix, no biases) embeds as sentence-transformers does over transformers' own Nomic BERT."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -84,12 +85,12 @@ def test_a_tensor_it_cannot_place_is_refused_by_name(minilm: Path, tmp_path: Pat
             w.add_key_value(field.name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
     for t in reader.tensors:
         w.add_tensor(t.name, t.data)
-    w.add_tensor("blk.0.attn_qkv.weight", torch.zeros(3 * 384, 384).numpy())  # a fused-qkv BERT variant's
+    w.add_tensor("blk.0.attn_norm_2.weight", torch.zeros(384).numpy())  # jina-bert-v2's second norm
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelFileError, match="blk.0.attn_qkv.weight"):
+    with pytest.raises(ModelFileError, match="blk.0.attn_norm_2.weight"):
         EncoderModel(load_pooling_spec(bad), torch.float32, CPU)
 
 
@@ -201,3 +202,57 @@ def test_an_xlm_roberta_cross_encoder_gguf_scores_pairs_as_transformers(tmp_path
         body = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
         assert [r["index"] for r in body["results"]] == expected.argsort(descending=True).tolist()
         assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])
+
+
+@pytest.mark.parametrize("qtype, cosine", [("F32", 0.99999), ("Q8_0", 0.999)])
+def test_a_nomic_bert_gguf_embeds_as_sentence_transformers(tmp_path: Path, qtype: str, cosine: float) -> None:
+    """Rotary positions (a text's tokens in another order embed otherwise), [gate; up] SwiGLU, fused q/k/v."""
+    from sentence_transformers import SentenceTransformer
+    hf = tiny_encoder(tmp_path / "nomic", arch="NomicBertModel")
+    path = write_bert_gguf(hf, tmp_path / f"nomic-embed-tiny.{qtype}.gguf", qtype)
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.kind, spec.model_type, spec.pooling, spec.is_decoder) == \
+        (ModelKind.EMBED, ModelKind.EMBED, "nomic-bert", "mean", False)
+    texts = [t for t in TEXTS if len(pooling_tokenizer(path).encode(t).ids) <= spec.max_len]
+    assert len(texts) >= 8
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(pooling_tokenizer(path), texts)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(texts))
+    similarity = F.cosine_similarity(ours, theirs)
+    print(f"{qtype}: lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
+    assert similarity.min() >= cosine
+    if qtype == "F32":
+        assert (ours - theirs).abs().max() < 1e-4
+        with pdfusion(path, "nomic-embed-tiny", tmp_path / "pdfusion.log") as url:  # as a user runs it
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            served = torch.tensor([d.embedding for d in client.embeddings.create(model="nomic-embed-tiny",
+                                                                                 input=texts[:4]).data])
+            assert F.cosine_similarity(served, theirs[:4]).min() >= 0.99999
+
+
+def test_a_nomic_bert_directory_embeds_as_sentence_transformers(tmp_path: Path) -> None:
+    """The same model as a Hugging Face directory (nomic-embed-text's checkpoint names, as transformers saves them)."""
+    from sentence_transformers import SentenceTransformer
+    hf = tiny_encoder(tmp_path / "nomic", arch="NomicBertModel")
+    spec = load_pooling_spec(hf)
+    assert (model_kind(hf), spec.model_type, spec.pooling, spec.max_len, spec.is_decoder) == \
+        (ModelKind.EMBED, "nomic_bert", "mean", 64, False)
+    tok = pooling_tokenizer(hf)
+    tok.no_padding()  # MiniLM's tokenizer.json pads to 128; the frontend sends each input as it is
+    tok.no_truncation()
+    texts = [t for t in TEXTS if len(tok.encode(t).ids) <= spec.max_len]
+    assert len(texts) >= 8
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, texts)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(texts))
+    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_a_nomic_bert_kind_it_does_not_run_is_refused(tmp_path: Path) -> None:
+    """v2's mixture of experts, or biases on q/k/v: a load error naming the key, never wrong vectors."""
+    import json
+    hf = tiny_encoder(tmp_path / "nomic", arch="NomicBertModel")
+    cfg = json.loads((hf / "config.json").read_text())
+    for key, value in (("moe_every_n_layers", 2), ("qkv_proj_bias", True), ("rotary_emb_interleaved", True)):
+        (hf / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelFileError, match=key):
+            load_pooling_spec(hf)

@@ -70,7 +70,8 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                  num_labels: int = 1, seed: int = 0, bge_m3: bool = False, prompts: dict[str, str] | None = None,
                  max_seq_length: int | None = None, id2label: dict[int, str] | None = None,
                  unigram: bool = False) -> Path:
-    """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification.
+    """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification,
+    NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases).
     unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
     import transformers
@@ -80,7 +81,10 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     vocab_size = unigram_tokenizer(path) + 1 if unigram else VOCAB
     common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=258 if unigram else 64 if not xlmr else 66, hidden_act="gelu")
-    if xlmr:
+    if arch == "NomicBertModel":
+        cfg = transformers.NomicBertConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=2,
+                                           pad_token_id=0)
+    elif xlmr:
         cfg = transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1 if unigram else 0,
                                             bos_token_id=0 if unigram else 101, eos_token_id=2 if unigram else 102)
     else:
@@ -92,8 +96,10 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():  # LayerNorms start at 1/0: make them random too, so a wrong norm shows
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "layernorm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if arch == "NomicBertModel" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
     model.save_pretrained(path)
     if not unigram:
         for name in TOKENIZER_FILES:
@@ -110,7 +116,8 @@ _GGUF_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_
              "embeddings.position_embeddings": "position_embd", "embeddings.LayerNorm": "token_embd_norm"}
 _GGUF_LAYER = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
                "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
-               "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+               "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
+               "qkv": "attn_qkv", "intermediate.gate": "ffn_gate"}  # the last two: Nomic BERT's
 # A cross-encoder's head: BERT's pooler and classifier, the converter's `cls` and `cls.output`.
 # XLM-R's (RobertaClassificationHead: dense, tanh, out_proj) are the same two steps under other names.
 _GGUF_HEAD = {"pooler.dense": "cls", "classifier": "cls.output", "classifier.dense": "cls",
@@ -135,7 +142,10 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     offset = cfg["pad_token_id"] + 1 if cfg["model_type"] == "xlm-roberta" else 0
-    w = gguf.GGUFWriter(str(path), "bert")
+    nomic = cfg["model_type"] == "nomic_bert"
+    w = gguf.GGUFWriter(str(path), "nomic-bert" if nomic else "bert")
+    if nomic:
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_name(hf_dir.name)
     w.add_context_length(cfg["max_position_embeddings"] - offset)
     w.add_embedding_length(cfg["hidden_size"])
@@ -160,7 +170,8 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         _write_unigram_vocab(w, tok, cfg["vocab_size"])
     else:
         _write_wordpiece_vocab(w, tok)
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    for name, t in (_nomic_as_bert(weights) if nomic else weights).items():
         name = name.removeprefix("bert.").removeprefix("roberta.")
         stem, kind = name.rsplit(".", 1)
         if stem in _GGUF_TOP:
@@ -187,6 +198,14 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _nomic_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Nomic BERT's checkpoint names (transformers saves them as nomic-embed-text ships them: `emb_ln`,
+    `encoder.layers.N.attn.Wqkv`, `mlp.fc11` the up and `fc12` the gate projection) under the encoder's names,
+    which write_bert_gguf maps to llama.cpp's (`attn_qkv`, `ffn_gate`, ...)."""
+    from backend.encoder import NOMIC_NAMES, nomic_layer_name
+    return {NOMIC_NAMES.get(name) or nomic_layer_name(name) or name: t for name, t in weights.items()}
 
 
 def _write_wordpiece_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def]
