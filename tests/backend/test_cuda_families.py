@@ -6,7 +6,8 @@ model tests with DEVICE=cuda):
   greedy tokens and logits within 2e-3, cold and from the prefix cache;
 - the same in bfloat16 (what DEVICE=cuda serves by default), teacher-forced over prompt and continuation;
 - LoRA adapters beside the base in one batch against PEFT (float32);
-- a BERT encoder's pooled embeddings against transformers (float32);
+- a BERT encoder's pooled embeddings against transformers (float32), and Nomic BERT (rotary, SwiGLU) and XLM-R
+  (a Unigram vocabulary) as llama.cpp's GGUFs;
 - a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32);
 - `kvyard serve` with DEVICE=cuda and its defaults (bfloat16) answering the official openai client.
 
@@ -41,7 +42,8 @@ from tests.backend.test_model_families import CASES, STEPS, Case, _build, engine
 from tests.backend.test_vision_qwen import Served, assert_close
 from tests.backend.test_vision_qwen import engine_run as vision_run
 from tests.backend.test_vision_qwen import hf_greedy as vision_greedy
-from tests.support.tiny_encoders import tiny_encoder
+from kvyard.tokenizer import pooling_tokenizer
+from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf
 from tests.support.procs import RoleProcess, free_port_block
 from tests.support.tiny_models import EXACT_TYPES, hf_greedy, save_hf_dir, tiny_model
 from tests.support.tiny_qwen_vl import save_qwen_vl_dir, tiny_qwen_vl
@@ -155,6 +157,27 @@ def test_encoder_matches_transformers(tmp_path: Path) -> None:
     m = mask.unsqueeze(-1).float()
     ref = (hidden * m).sum(1) / m.sum(1)
     assert F.cosine_similarity(ours, ref).min() >= 0.9999
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["NomicBertModel", "XLMRobertaModel"])
+def test_gguf_encoders_match_transformers(tmp_path: Path, arch: str) -> None:
+    """The GGUF encoders' own steps on the device: rotary positions and SwiGLU (Nomic BERT), the Unigram
+    vocabulary's ids and one segment type (XLM-R); mean-pooled and normalised as the GGUF says."""
+    import transformers
+    hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith("XLM"))
+    path = write_bert_gguf(hf, tmp_path / "model.gguf")
+    ids, types, mask = _batch(pooling_tokenizer(path), SENTENCES)
+    pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
+                      ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
+    ours = torch.tensor([p.values for p in pooled])
+    with torch.no_grad():
+        hidden = transformers.AutoModel.from_pretrained(hf).eval()(
+            input_ids=ids, token_type_ids=torch.zeros_like(types) if arch.startswith("XLM") else types,
+            attention_mask=mask.long()).last_hidden_state
+    m = mask.unsqueeze(-1).float()
+    ref = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+    assert F.cosine_similarity(ours, ref).min() >= 0.99999
     assert torch.allclose(ours, ref, atol=1e-4)
 
 
