@@ -13,6 +13,7 @@
 #include "decode_step.h"
 #include "dequant_n16.h"
 #include "encoder_attention.h"
+#include "isa_switches.h"
 #include "layer_ops.h"
 #include "prefill_attention.h"
 #include "qlinear.h"
@@ -315,46 +316,6 @@ void mask_rows_(at::Tensor& logits, const at::Tensor& rows_in, const at::Tensor&
   at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) mask_row(lp + rp[c] * V, V, mp + c * W, W);
   });
-}
-
-bool has_vnni() { return cpu_has_vnni(); }
-
-// Caps the instruction set (IsaLevel) for the rest of the process: the paths an older CPU takes, taken here.
-// Called once, by backend/kernels.py as it loads the module, before any kernel runs.
-void cap_isa(int level) {
-  TORCH_CHECK(level >= ISA_AVX2 && level <= ISA_NATIVE, "ISA level 0 (AVX2), 1 (AVX-512) or 2 (native), not ", level);
-  isa_cap() = level;
-  avx512_on() = cpu_has_avx512();
-  vbmi_on() = cpu_has_vbmi();
-  int16_code() = cpu_int16_code();
-}
-
-// Turns the 512-bit linears on or off (on only where the CPU has AVX-512); returns the previous setting.
-// For tests, which check both paths on a CPU that has both.
-bool use_avx512(bool on) {
-  const bool before = avx512_on();
-  avx512_on() = on && cpu_has_avx512();
-  return before;
-}
-
-// Runs the n16 linears on another of the codes this CPU has ("vnni", "avx512": vpmaddwd on 512 bits, "avx2";
-// the same bits); returns the previous one. For tests, which compare them on a CPU that has them all.
-std::string use_int16(const std::string& code) {
-  static const char* names[] = {"avx2", "avx512", "vnni"};
-  const int want = code == "vnni" ? I16_VNNI : code == "avx512" ? I16_AVX512 : code == "avx2" ? I16_AVX2 : -1;
-  TORCH_CHECK(want >= 0, "int16 code vnni, avx512 or avx2, not ", code);
-  TORCH_CHECK(want <= cpu_int16_code(), "this CPU (or its KVYARD_CPU_ISA cap) has no ", code, " int16 code");
-  const std::string before = names[int16_code()];
-  int16_code() = want;
-  return before;
-}
-
-// Turns the K-quant kernels' VBMI decode on or off (on only where the CPU has it); returns the previous
-// setting. For tests: both decodes must give the same bits.
-bool use_vbmi(bool on) {
-  const bool before = vbmi_on();
-  vbmi_on() = on && cpu_has_vbmi();
-  return before;
 }
 
 }  // namespace
