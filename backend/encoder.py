@@ -3,8 +3,10 @@ The pooling engine (backend/pooling_engine.py) runs it one batch per step, packe
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
 directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpoints is dropped) or a GGUF of
-llama.cpp's `bert` architecture (dequantized at load); or, from a GGUF of llama.cpp's `nomic-bert`
-(nomic-embed-text), rotary positions (NeoX halves) on q and k, a SwiGLU FFN and no biases. Heads:
+llama.cpp's `bert` architecture (dequantized at load); or, from a GGUF of llama.cpp's `nomic-bert` or a Nomic
+BERT directory (nomic-embed-text), rotary positions (NeoX halves) on q and k, a SwiGLU FFN and no biases; or
+ModernBERT's pre-norm layers (its first without a norm, a final norm after the last): rotary positions at a base
+per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN. Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
   (tanh) and `classifier.out_proj` over <s>. Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
@@ -42,6 +44,10 @@ class EncoderConfig:
     position_offset: int       # first position id: 0 (BERT), pad_token_id + 1 (XLM-R)
     type_vocab_size: int       # segment embeddings (BERT 2, XLM-R 1)
     rope_theta: float = 0.0    # rotary positions' base (Nomic BERT: 1000); 0: learned absolute positions
+    prenorm: bool = False      # ModernBERT: a norm before attention and FFN (none before layer 0), one at the end
+    sliding: tuple[int, ...] = ()  # layers attending only to keys within `window` positions (ModernBERT's local)
+    window: int = 0            # ... |query - key| <= window (ModernBERT: local_attention // 2)
+    local_rope_theta: float = 0.0  # the sliding layers' rotary base (ModernBERT: 10000)
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
@@ -66,6 +72,20 @@ class EncoderConfig:
     def from_dir(cls, path: Path) -> EncoderConfig:
         cfg = json.loads((path / "config.json").read_text())
         xlmr = cfg["model_type"] == "xlm-roberta"
+        if cfg["model_type"] == "modernbert":  # transformers' keys of 4.48+ or of 5 (layer_types, rope_parameters)
+            n, rope = int(cfg["num_hidden_layers"]), cfg.get("rope_parameters") or {}
+            kinds = cfg.get("layer_types") or ["full_attention" if i % int(cfg.get("global_attn_every_n_layers", 3)) == 0
+                                               else "sliding_attention" for i in range(n)]
+            act = cfg.get("hidden_activation", "gelu")
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]), num_layers=n,
+                       num_heads=int(cfg["num_attention_heads"]), layer_norm_eps=float(cfg.get("norm_eps", 1e-5)),
+                       activation="swiglu" if act == "silu" else "geglu", position_offset=0, type_vocab_size=0,
+                       rope_theta=float((rope.get("full_attention") or {}).get("rope_theta")
+                                        or cfg.get("global_rope_theta", 160000.0)),
+                       prenorm=True, sliding=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+                       window=int(cfg.get("local_attention", 128)) // 2,
+                       local_rope_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
+                                              or cfg.get("local_rope_theta") or 10000.0))
         if cfg["model_type"] == "nomic_bert":  # nomic-embed-text's own keys, or transformers' NomicBertConfig's
             theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") or 1000.0
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
@@ -104,8 +124,8 @@ class EncoderModel:
                 self.w[key] = self.w[key].t().contiguous()
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(dtype, device, head_dim)
-        self._inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim) \
-            if self.cfg.rope_theta else None
+        self._inv_freq = [1.0 / theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim)
+                          for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta) if theta]
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -132,9 +152,9 @@ class EncoderModel:
         w, cfg = self.w, self.cfg
         D, H = cfg.hidden_size, cfg.num_heads
         x = w["embeddings.word_embeddings.weight"][ids]
-        if self._inv_freq is None:
+        if not self._inv_freq:
             x += w["embeddings.position_embeddings.weight"][positions + cfg.position_offset]
-        rotary = None if self._inv_freq is None else self._rotary(positions)
+        rotary = [self._rotary(positions, f) for f in self._inv_freq]  # [global, local]: each layer's (cos, sin)
         if "embeddings.token_type_embeddings.weight" in w:  # one segment (XLM-R): every token is segment 0
             x += w["embeddings.token_type_embeddings.weight"][type_ids if cfg.type_vocab_size > 1 else 0]
         x = self._norm(x, "embeddings.LayerNorm")                          # [N, D]
@@ -142,21 +162,28 @@ class EncoderModel:
         sizes = lengths.tolist()
         # The two widest activations reuse one buffer each through the layers (fewer fresh pages to fault in).
         qkv = x.new_empty((x.shape[0], 3 * D))                              # [N, 3D]
-        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (SwiGLU: [N, 2I])
+        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (GLU: [N, 2I])
         for i in range(cfg.num_layers):
             p = f"encoder.layer.{i}."
-            self._linear(x, p + "qkv", qkv)
-            if rotary is not None:
-                _rotate(qkv[:, :2 * D].view(-1, 2 * H, D // H), *rotary)  # q and k, every head
-            a = packed_attention(self._kernel, qkv, offsets, sizes, H)  # [N, D]
+            local = i in cfg.sliding
+            pre = p + "attention.norm"  # ModernBERT's; none before its first layer
+            self._linear(self._norm(x, pre) if pre + ".weight" in w else x, p + "qkv", qkv)
+            if rotary:
+                _rotate(qkv[:, :2 * D].view(-1, 2 * H, D // H), *rotary[local])  # q and k, every head
+            a = packed_attention(self._kernel, qkv, offsets, sizes, H, cfg.window if local else 0)  # [N, D]
+            if cfg.prenorm:
+                x = self._linear(a, p + "attention.output.dense").add_(x)
+                g = self._act(self._linear(self._norm(x, p + "ffn.norm"), p + "intermediate.dense", h))
+                x = self._linear(g, p + "output.dense").add_(x)
+                continue
             x = self._norm(self._linear(a, p + "attention.output.dense").add_(x), p + "attention.output.LayerNorm")
             g = self._act(self._linear(x, p + "intermediate.dense", h))
             x = self._norm(self._linear(g, p + "output.dense").add_(x), p + "output.LayerNorm")
-        return x
+        return self._norm(x, "final_norm") if cfg.prenorm else x
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, 1, d/2] of each token's position (float32 angles, then the model's dtype)."""
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
     def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -191,10 +218,13 @@ class EncoderModel:
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         """In place on the fresh [N, 4D] activations: a new tensor per layer cost more in page faults than the
         GELU itself (a MiniLM batch of 32, one thread: ~10,000 → ~6,000 minor faults, system time 19-21 →
-        13 ms). SwiGLU: [N, 2I] gate then up → silu(gate) * up, [N, I] (in the gate's half)."""
-        if self.cfg.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate, inplace=True).mul_(up)
+        13 ms). SwiGLU / GeGLU: [N, 2I], the activation's half first → act(first) * second, [N, I] (in the first
+        half's place)."""
+        if self.cfg.activation in ("swiglu", "geglu"):
+            first, second = h.chunk(2, dim=-1)
+            act = F.silu(first, inplace=True) if self.cfg.activation == "swiglu" else \
+                torch.ops.aten.gelu_(first, approximate="none")
+            return act.mul_(second)
         if self.cfg.activation == "relu":
             return torch.relu_(h)
         return torch.ops.aten.gelu_(h, approximate="none" if self.cfg.activation == "gelu" else "tanh")
@@ -214,6 +244,8 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     names = ["embeddings.word_embeddings.weight", "embeddings.LayerNorm.weight"]
     if not cfg.rope_theta:
         names.append("embeddings.position_embeddings.weight")
+    if cfg.prenorm:
+        names += ["final_norm.weight"] + [f"encoder.layer.{i}.ffn.norm.weight" for i in range(cfg.num_layers)]
     names += [f"encoder.layer.{i}.qkv.weight" for i in range(cfg.num_layers)]
     if spec.kind is ModelKind.CLASSIFY:
         names += ["classifier.out_proj.weight"] if spec.model_type == "xlm-roberta" else \
@@ -271,7 +303,7 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, tor
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
-            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or name] = t
+            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or modernbert_name(name) or name] = t
     for head in ("sparse_linear", "colbert_linear"):  # BGE-M3 ships these as torch state dicts
         if (path / f"{head}.pt").is_file():
             for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
@@ -296,6 +328,23 @@ def nomic_layer_name(name: str) -> str | None:
     return f"encoder.layer.{i}.{NOMIC_LAYER[part]}.{kind}" if part in NOMIC_LAYER else None
 
 
+# ModernBERT's names (after the `model.` prefix): its pre-norms as `attention.norm` / `ffn.norm`.
+_MODERNBERT_LAYER = {"attn_norm": "attention.norm", "attn.Wqkv": "qkv", "attn.Wo": "attention.output.dense",
+                     "mlp_norm": "ffn.norm", "mlp.Wi": "intermediate.dense", "mlp.Wo": "output.dense"}
+_MODERNBERT_TOP = {"embeddings.tok_embeddings": "embeddings.word_embeddings", "embeddings.norm": "embeddings.LayerNorm"}
+
+
+def modernbert_name(name: str) -> str | None:
+    """layers.N.<part>.<kind> and the embeddings' names → ours, or None for any other name."""
+    stem, kind = name.rsplit(".", 1)
+    if stem in _MODERNBERT_TOP:
+        return f"{_MODERNBERT_TOP[stem]}.{kind}"
+    if not name.startswith("layers."):
+        return None
+    _, i, part = stem.split(".", 2)
+    return f"encoder.layer.{i}.{_MODERNBERT_LAYER[part]}.{kind}" if part in _MODERNBERT_LAYER else None
+
+
 def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     i = 0
     while f"encoder.layer.{i}.attention.self.query.weight" in raw:
@@ -310,10 +359,12 @@ def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: to
         if p + "intermediate.gate.weight" in raw:  # SwiGLU: [gate; up], as _act splits it
             raw[p + "intermediate.dense.weight"] = torch.cat([raw.pop(p + "intermediate.gate.weight"),
                                                               raw[p + "intermediate.dense.weight"]])
-        for name in _LAYER_LINEARS:  # Nomic BERT has no biases: zeros, so every linear is one addmm
+        for name in _LAYER_LINEARS:  # Nomic BERT and ModernBERT have no biases: zeros, so every linear is one addmm
             if p + name + ".weight" in raw and p + name + ".bias" not in raw:
                 raw[p + name + ".bias"] = torch.zeros(raw[p + name + ".weight"].shape[0])
         i += 1
+    for name in [n for n in raw if n.endswith("norm.weight") or n.endswith("LayerNorm.weight")]:
+        raw.setdefault(name.removesuffix("weight") + "bias", torch.zeros_like(raw[name]))  # ModernBERT's norms
     raw.pop("embeddings.position_ids", None)
     return {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
             for n, t in raw.items()}

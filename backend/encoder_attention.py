@@ -25,17 +25,25 @@ def attention_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) ->
 
 
 def packed_attention(kernel: ModuleType | None, qkv: torch.Tensor, offsets: torch.Tensor, lengths: list[int],
-                     heads: int) -> torch.Tensor:
+                     heads: int, window: int = 0) -> torch.Tensor:
     """qkv: [N, 3 * H * d], each token's q, k and v heads side by side; sequence b is rows offsets[b] ..
-    offsets[b + 1] (lengths[b] of them). → [N, H * d]."""
+    offsets[b + 1] (lengths[b] of them). window > 0: a token sees only the keys at most `window` positions
+    away (ModernBERT's local layers); a sequence no longer than window + 1 sees all of itself. → [N, H * d]."""
     N, D = qkv.shape[0], qkv.shape[1] // 3
     d = D // heads
+    banded = {b for b, n in enumerate(lengths) if window and n > window + 1}
     if kernel is not None:
-        return kernel.encoder_attention(qkv, offsets, heads, d ** -0.5)
-    out = qkv.new_empty((N, D))
-    start = 0
-    for n in lengths:
+        out = kernel.encoder_attention(qkv, offsets, heads, d ** -0.5)
+        todo = banded  # the kernel attends to whole sequences: the windowed ones again below
+    else:
+        out, todo = qkv.new_empty((N, D)), range(len(lengths))
+    for b in todo:
+        start, n = int(offsets[b]), lengths[b]
         q, k, v = qkv[start:start + n].view(n, 3, heads, d).permute(1, 2, 0, 3)    # each [H, n, d]
-        out[start:start + n].view(n, heads, d).copy_(F.scaled_dot_product_attention(q, k, v).transpose(0, 1))
-        start += n
+        mask = None
+        if b in banded:
+            i = torch.arange(n, device=qkv.device)
+            mask = (i[:, None] - i[None, :]).abs() <= window                     # [n, n]
+        out[start:start + n].view(n, heads, d).copy_(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
     return out

@@ -42,9 +42,10 @@ ENCODER_ARCHITECTURES = {
     "BertForSequenceClassification": ModelKind.CLASSIFY,
     "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
     "NomicBertModel": ModelKind.EMBED,  # nomic-embed-text v1 / v1.5
+    "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "nomic-bert")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert")
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
@@ -183,7 +184,15 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
         return _decoder_spec(path, cfg, kind)
-    if model_type == "nomic_bert":
+    if model_type == "modernbert":
+        act = cfg.get("hidden_activation", "gelu")
+        if act not in ("gelu", "silu"):
+            raise ModelFileError(f"{path}: a ModernBERT with hidden_activation {act!r} is not supported")
+        unknown = set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ModelFileError(f"{path}: ModernBERT layer types {sorted(unknown)} are not supported")
+        positions = int(cfg["max_position_embeddings"])
+    elif model_type == "nomic_bert":
         _check_nomic(path, cfg)
         # Rotary positions have no table; the context is the one it was trained for (v1/v1.5: 2048 of 8192).
         positions = int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings") or cfg["n_positions"])

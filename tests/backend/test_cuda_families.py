@@ -7,7 +7,7 @@ model tests with DEVICE=cuda):
 - the same in bfloat16 (what DEVICE=cuda serves by default), teacher-forced over prompt and continuation;
 - LoRA adapters beside the base in one batch against PEFT (float32);
 - a BERT encoder's pooled embeddings against transformers (float32), and Nomic BERT (rotary, SwiGLU) and XLM-R
-  (a Unigram vocabulary) as llama.cpp's GGUFs;
+  (a Unigram vocabulary) as llama.cpp's GGUFs, and a ModernBERT directory (windowed layers, GeGLU);
 - a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32);
 - `kvyard serve` with DEVICE=cuda and its defaults (bfloat16) answering the official openai client.
 
@@ -160,21 +160,24 @@ def test_encoder_matches_transformers(tmp_path: Path) -> None:
     assert torch.allclose(ours, ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["NomicBertModel", "XLMRobertaModel"])
+@pytest.mark.parametrize("arch", ["NomicBertModel", "XLMRobertaModel", "ModernBertModel"])
 def test_gguf_encoders_match_transformers(tmp_path: Path, arch: str) -> None:
-    """The GGUF encoders' own steps on the device: rotary positions and SwiGLU (Nomic BERT), the Unigram
-    vocabulary's ids and one segment type (XLM-R); mean-pooled and normalised as the GGUF says."""
+    """The newer encoders' own steps on the device: rotary positions and SwiGLU (Nomic BERT), the Unigram
+    vocabulary's ids and one segment type (XLM-R), as GGUFs; pre-norm, windowed layers and GeGLU (ModernBERT,
+    a directory); mean-pooled and normalised."""
     import transformers
     hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith("XLM"))
-    path = write_bert_gguf(hf, tmp_path / "model.gguf")
-    ids, types, mask = _batch(pooling_tokenizer(path), SENTENCES)
+    path = hf if arch == "ModernBertModel" else write_bert_gguf(hf, tmp_path / "model.gguf")
+    tok = pooling_tokenizer(path)
+    tok.no_padding()
+    ids, types, mask = _batch(tok, SENTENCES)
     pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
                       ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
     ours = torch.tensor([p.values for p in pooled])
     with torch.no_grad():
         hidden = transformers.AutoModel.from_pretrained(hf).eval()(
-            input_ids=ids, token_type_ids=torch.zeros_like(types) if arch.startswith("XLM") else types,
-            attention_mask=mask.long()).last_hidden_state
+            input_ids=ids, attention_mask=mask.long(),
+            **({} if arch == "ModernBertModel" else {"token_type_ids": types})).last_hidden_state
     m = mask.unsqueeze(-1).float()
     ref = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
     assert F.cosine_similarity(ours, ref).min() >= 0.99999

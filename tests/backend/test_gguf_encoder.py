@@ -6,7 +6,8 @@ embedded as sentence-transformers does, served through the openai client. A BERT
 answers /v1/rerank. An XLM-RoBERTa encoder (BGE-M3's, bge-reranker's kind) as the converter writes it: its
 SentencePiece Unigram vocabulary as `t5`, tokenized as transformers' XLM-R tokenizer does; embedded and scored
 as transformers does. A Nomic BERT (nomic-embed-text's kind: `nomic-bert`, rotary positions, SwiGLU, one
-q/k/v matrix, no biases) embeds as sentence-transformers does over transformers' own Nomic BERT."""
+q/k/v matrix, no biases) embeds as sentence-transformers does over transformers' own Nomic BERT; so does a
+ModernBERT directory (pre-norm, windowed layers, GeGLU)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -256,3 +257,27 @@ def test_a_nomic_bert_kind_it_does_not_run_is_refused(tmp_path: Path) -> None:
         (hf / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ModelFileError, match=key):
             load_pooling_spec(hf)
+
+
+def test_a_modernbert_directory_embeds_as_sentence_transformers(tmp_path: Path) -> None:
+    """Pre-norm layers, rotary at a base per layer kind, two of every three layers attending within 4 positions
+    (texts of up to 30 tokens: the window cuts), GeGLU, a final norm; against transformers' own ModernBERT."""
+    from sentence_transformers import SentenceTransformer
+    hf = tiny_encoder(tmp_path / "modernbert", arch="ModernBertModel")
+    spec = load_pooling_spec(hf)
+    assert (model_kind(hf), spec.model_type, spec.pooling, spec.max_len, spec.is_decoder) == \
+        (ModelKind.EMBED, "modernbert", "mean", 256, False)
+    tok = pooling_tokenizer(hf)
+    tok.no_padding()
+    tok.no_truncation()
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, TEXTS)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(TEXTS))
+    similarity = F.cosine_similarity(ours, theirs)
+    print(f"lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
+    assert similarity.min() >= 0.99999
+    assert (ours - theirs).abs().max() < 1e-4
+    with pdfusion(hf, "modernbert-tiny", tmp_path / "pdfusion.log") as url:  # as a user runs it
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        served = torch.tensor([d.embedding for d in client.embeddings.create(model="modernbert-tiny",
+                                                                             input=TEXTS[-3:]).data])
+        assert F.cosine_similarity(served, theirs[-3:]).min() >= 0.99999

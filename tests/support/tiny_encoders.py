@@ -71,7 +71,8 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                  max_seq_length: int | None = None, id2label: dict[int, str] | None = None,
                  unigram: bool = False) -> Path:
     """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification,
-    NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases).
+    NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases), ModernBertModel (pre-norm,
+    rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU).
     unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
     import transformers
@@ -81,7 +82,12 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     vocab_size = unigram_tokenizer(path) + 1 if unigram else VOCAB
     common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=258 if unigram else 64 if not xlmr else 66, hidden_act="gelu")
-    if arch == "NomicBertModel":
+    if arch == "ModernBertModel":
+        cfg = transformers.ModernBertConfig(
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+            max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=0,
+            bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102)
+    elif arch == "NomicBertModel":
         cfg = transformers.NomicBertConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=2,
                                            pad_token_id=0)
     elif xlmr:
@@ -100,6 +106,10 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                 p.add_(torch.randn_like(p) * 0.1)
             if arch == "NomicBertModel" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
+            if arch == "ModernBertModel" and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if arch == "ModernBertModel" and name.endswith("Wqkv.weight"):
+                p[:64].mul_(10)  # q and k rows, as above: the window and the rotary bases then show
     model.save_pretrained(path)
     if not unigram:
         for name in TOKENIZER_FILES:
