@@ -51,19 +51,27 @@ class EncoderConfig:
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
-        """llama.cpp's `bert` metadata (BERT's GELU, absolute positions from 0) or `nomic-bert`'s (SwiGLU, rotary
-        positions at `rope.freq_base`)."""
+        """llama.cpp's `bert` metadata (BERT's GELU, absolute positions from 0), `nomic-bert`'s (SwiGLU, rotary
+        positions at `rope.freq_base`) or `modern-bert`'s (pre-norm; every `sliding_window_pattern`-th layer
+        global from the first, the others within `sliding_window / 2` positions at `rope.freq_base_swa`)."""
         index = read_gguf_index(path)
         meta, arch = index.meta, index.meta.get("general.architecture")
-        nomic = arch == "nomic-bert"
+        nomic, modern = arch == "nomic-bert", arch == "modern-bert"
         try:
-            return cls(vocab_size=index.tensors["token_embd.weight"].shape[0],
-                       hidden_size=int(meta[f"{arch}.embedding_length"]), num_layers=int(meta[f"{arch}.block_count"]),
-                       num_heads=int(meta[f"{arch}.attention.head_count"]),
-                       layer_norm_eps=float(meta[f"{arch}.attention.layer_norm_epsilon"]),
-                       activation="swiglu" if nomic else "gelu", position_offset=0,
-                       type_vocab_size=index.tensors["token_types.weight"].shape[0] if "token_types.weight" in
-                       index.tensors else 1,
+            common = dict(vocab_size=index.tensors["token_embd.weight"].shape[0],
+                          hidden_size=int(meta[f"{arch}.embedding_length"]), num_layers=int(meta[f"{arch}.block_count"]),
+                          num_heads=int(meta[f"{arch}.attention.head_count"]),
+                          layer_norm_eps=float(meta[f"{arch}.attention.layer_norm_epsilon"]), position_offset=0,
+                          type_vocab_size=index.tensors["token_types.weight"].shape[0] if "token_types.weight" in
+                          index.tensors else 1)
+            if modern:
+                every, theta = int(meta.get(f"{arch}.attention.sliding_window_pattern", 3)), meta.get(f"{arch}.rope.freq_base")
+                glu = "swiglu" if meta.get(f"{arch}.hidden_activation") == "silu" else "geglu"
+                return cls(**common, activation=glu, rope_theta=float(theta or 10000.0), prenorm=True,
+                           sliding=tuple(i for i in range(common["num_layers"]) if every == 0 or i % every != 0),
+                           window=int(meta.get(f"{arch}.attention.sliding_window", 0)) // 2,
+                           local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or theta or 10000.0))
+            return cls(**common, activation="swiglu" if nomic else "gelu",
                        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)) if nomic else 0.0)
         except KeyError as exc:
             raise ModelFileError(f"{path}: GGUF lacks {exc.args[0]!r}") from None
@@ -260,12 +268,14 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
 # llama.cpp's `bert` tensor names → Hugging Face BERT's (a layer's part after `blk.N.`).
 _GGUF_TOP = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
              "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
-             "cls": "pooler.dense", "cls.output": "classifier"}  # a cross-encoder's head (pooling type rank)
+             "cls": "pooler.dense", "cls.output": "classifier",  # a cross-encoder's head (pooling type rank)
+             "output_norm": "final_norm"}  # ModernBERT's
 _GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
                "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
                "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
                # nomic-bert's: q, k and v in one matrix; SwiGLU's gate beside ffn_up (joined as [gate; up] below)
-               "attn_qkv": "qkv", "ffn_gate": "intermediate.gate"}
+               "attn_qkv": "qkv", "ffn_gate": "intermediate.gate",
+               "attn_norm": "attention.norm", "ffn_norm": "ffn.norm"}  # modern-bert's pre-norms
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

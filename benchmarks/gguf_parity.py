@@ -12,6 +12,7 @@ tiny random ones written as llama.cpp's converter writes them (tests/support), s
   the type embedding's first row), kvyard the document segment 1 as transformers does, so they differ by what
   that row changes;
 - a tiny Nomic BERT embedder (nomic-embed-text's kind: `nomic-bert`, rotary positions, SwiGLU): the cosine;
+- a tiny ModernBERT embedder (`modern-bert`: byte-level BPE, windowed layers, GeGLU): the token ids, the cosine;
 - a tiny XLM-RoBERTa embedder and cross-encoder (BGE-M3's and bge-reranker's kind: a SentencePiece Unigram
   vocabulary, `t5`): the token ids, single and paired, then the vectors' cosine and the scores;
 - a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
@@ -116,6 +117,15 @@ def main() -> None:
     theirs = vectors(llama_answers(path, "--embedding", [("/v1/embeddings", embed)])[0])
     show("Nomic BERT embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", embed, root / "nomic.log")),
          theirs, cosines)
+
+    path = write_bert_gguf(tiny_encoder(root / "modernbert", arch="ModernBertModel"), root / "modernbert-tiny.gguf")
+    long = [*TEXTS, " ".join(TEXTS * 2)]  # past the window of 4: the local layers' band shows
+    answers = llama_answers(path, "--embedding", [("/tokenize", {"content": t, "add_special": True}) for t in long]
+                            + [("/v1/embeddings", {"input": long})])
+    same = all(a["tokens"] == pooling_tokenizer(path).encode(t).ids for a, t in zip(answers, long))
+    print(f"{'ModernBERT: token ids equal to llama-server /tokenize':55} {same}")
+    show("ModernBERT embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", {"input": long},
+                                                             root / "modernbert.log")), vectors(answers[-1]), cosines)
 
     rerank = {"query": QUERY, "documents": TEXTS}
     path = write_bert_gguf(cross_encoder(root / "ce", "BertForSequenceClassification"), root / "cross-encoder.gguf")

@@ -40,7 +40,7 @@ class _PreTokenizer:
 
 
 PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
-    **dict.fromkeys(("gpt-2", "phi-2", "roberta-bpe", "mpt", "olmo", "jais"), _PreTokenizer(_GPT2_SPLIT)),
+    **dict.fromkeys(("gpt-2", "phi-2", "roberta-bpe", "mpt", "olmo", "jais", "modern-bert"), _PreTokenizer(_GPT2_SPLIT)),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
                     _PreTokenizer(_GPT2_SPLIT, digits=True)),
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3"),

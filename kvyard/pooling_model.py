@@ -45,7 +45,7 @@ ENCODER_ARCHITECTURES = {
     "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert", "modern-bert")
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
@@ -57,9 +57,10 @@ POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # token (Qwen3-Reranker: `cls.output` is the LM head's yes and no rows).
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, XLM-R, ms-marco cross-encoders as
-# llama.cpp converts them; `nomic-bert`: nomic-embed-text v1/v1.5, rotary positions and a SwiGLU FFN) pool
-# always; without a pooling type, as a Hugging Face BERT directory without sentence-transformers files: CLS.
-GGUF_ENCODERS = ("bert", "nomic-bert")
+# llama.cpp converts them; `nomic-bert`: nomic-embed-text v1/v1.5, rotary positions and a SwiGLU FFN;
+# `modern-bert`: ModernBERT's embedders) pool always; without a pooling type, as a Hugging Face BERT directory
+# without sentence-transformers files: CLS.
+GGUF_ENCODERS = ("bert", "nomic-bert", "modern-bert")
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
 

@@ -7,7 +7,7 @@ model tests with DEVICE=cuda):
 - the same in bfloat16 (what DEVICE=cuda serves by default), teacher-forced over prompt and continuation;
 - LoRA adapters beside the base in one batch against PEFT (float32);
 - a BERT encoder's pooled embeddings against transformers (float32), and Nomic BERT (rotary, SwiGLU) and XLM-R
-  (a Unigram vocabulary) as llama.cpp's GGUFs, and a ModernBERT directory (windowed layers, GeGLU);
+  (a Unigram vocabulary) and ModernBERT (windowed layers, GeGLU) as llama.cpp's GGUFs;
 - a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32);
 - `kvyard serve` with DEVICE=cuda and its defaults (bfloat16) answering the official openai client.
 
@@ -162,15 +162,13 @@ def test_encoder_matches_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["NomicBertModel", "XLMRobertaModel", "ModernBertModel"])
 def test_gguf_encoders_match_transformers(tmp_path: Path, arch: str) -> None:
-    """The newer encoders' own steps on the device: rotary positions and SwiGLU (Nomic BERT), the Unigram
-    vocabulary's ids and one segment type (XLM-R), as GGUFs; pre-norm, windowed layers and GeGLU (ModernBERT,
-    a directory); mean-pooled and normalised."""
+    """The newer encoders' own steps on the device, as llama.cpp's GGUFs: rotary positions and SwiGLU (Nomic
+    BERT), the Unigram vocabulary's ids and one segment type (XLM-R), pre-norm, windowed layers and GeGLU
+    (ModernBERT); mean-pooled and normalised."""
     import transformers
     hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith("XLM"))
-    path = hf if arch == "ModernBertModel" else write_bert_gguf(hf, tmp_path / "model.gguf")
-    tok = pooling_tokenizer(path)
-    tok.no_padding()
-    ids, types, mask = _batch(tok, SENTENCES)
+    path = write_bert_gguf(hf, tmp_path / "model.gguf")
+    ids, types, mask = _batch(pooling_tokenizer(path), SENTENCES)
     pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
                       ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
     ours = torch.tensor([p.values for p in pooled])

@@ -281,3 +281,26 @@ def test_a_modernbert_directory_embeds_as_sentence_transformers(tmp_path: Path) 
         served = torch.tensor([d.embedding for d in client.embeddings.create(model="modernbert-tiny",
                                                                              input=TEXTS[-3:]).data])
         assert F.cosine_similarity(served, theirs[-3:]).min() >= 0.99999
+
+
+@pytest.mark.parametrize("qtype, cosine", [("F32", 0.99999), ("Q8_0", 0.999)])
+def test_a_modernbert_gguf_embeds_as_sentence_transformers(tmp_path: Path, qtype: str, cosine: float) -> None:
+    """llama.cpp's `modern-bert`: its byte-level BPE vocabulary (pre-tokenizer `modern-bert`) with [CLS] and [SEP]
+    added, the window and the pattern of global layers from `attention.sliding_window(_pattern)`, both rotary
+    bases, the pre-norms and final norm under llama.cpp's names."""
+    from sentence_transformers import SentenceTransformer
+    hf = tiny_encoder(tmp_path / "modernbert", arch="ModernBertModel")
+    path = write_bert_gguf(hf, tmp_path / f"modernbert-tiny.{qtype}.gguf", qtype)
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.model_type, spec.pooling, spec.is_decoder) == \
+        (ModelKind.EMBED, "modern-bert", "mean", False)
+    tok = pooling_tokenizer(path)
+    reference = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    assert all(tok.encode(t).ids == reference.encode(t).ids for t in TEXTS)
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, TEXTS)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(TEXTS))
+    similarity = F.cosine_similarity(ours, theirs)
+    print(f"{qtype}: lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
+    assert similarity.min() >= cosine
+    if qtype == "F32":
+        assert (ours - theirs).abs().max() < 1e-4

@@ -66,6 +66,23 @@ def unigram_tokenizer(path: Path) -> int:
     return len(vocab)
 
 
+def bpe_tokenizer(path: Path) -> int:
+    """ModernBERT's kind of vocabulary: a byte-level BPE (GPT-2's split) trained here, [CLS] $A [SEP] around each
+    text ([CLS] [SEP] [PAD] [UNK] [MASK] first). Saved into path; returns its size."""
+    from tokenizers import processors
+
+    from tests.support.tiny_tokenizers import byte_level_tokenizer
+    specials = ("[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]")
+    tok = byte_level_tokenizer("gpt-2", vocab_size=400, specials=specials).reference
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 0), ("[SEP]", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok.get_vocab_size()
+
+
 def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mean_tokens", normalize: bool = True,
                  num_labels: int = 1, seed: int = 0, bge_m3: bool = False, prompts: dict[str, str] | None = None,
                  max_seq_length: int | None = None, id2label: dict[int, str] | None = None,
@@ -79,14 +96,15 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     torch.manual_seed(seed)
     xlmr = arch.startswith("XLMRoberta")
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = unigram_tokenizer(path) + 1 if unigram else VOCAB
+    modern = arch == "ModernBertModel"
+    vocab_size = unigram_tokenizer(path) + 1 if unigram else bpe_tokenizer(path) if modern else VOCAB
     common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=258 if unigram else 64 if not xlmr else 66, hidden_act="gelu")
     if arch == "ModernBertModel":
         cfg = transformers.ModernBertConfig(
-            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
-            max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=0,
-            bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102)
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=2,
+            bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)
     elif arch == "NomicBertModel":
         cfg = transformers.NomicBertConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=2,
                                            pad_token_id=0)
@@ -111,7 +129,7 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
             if arch == "ModernBertModel" and name.endswith("Wqkv.weight"):
                 p[:64].mul_(10)  # q and k rows, as above: the window and the rotary bases then show
     model.save_pretrained(path)
-    if not unigram:
+    if not (unigram or modern):
         for name in TOKENIZER_FILES:
             shutil.copy(embedded_embedding_path() / name, path / name)
     _write_st(path, pooling if "ForSequenceClassification" not in arch else None, normalize, prompts, max_seq_length)
@@ -123,11 +141,13 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
 
 # llama.cpp's `bert` tensor names for a Hugging Face BERT's (a layer's part after `encoder.layer.N.`).
 _GGUF_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
-             "embeddings.position_embeddings": "position_embd", "embeddings.LayerNorm": "token_embd_norm"}
+             "embeddings.position_embeddings": "position_embd", "embeddings.LayerNorm": "token_embd_norm",
+             "final_norm": "output_norm"}  # ModernBERT's
 _GGUF_LAYER = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
                "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
                "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
-               "qkv": "attn_qkv", "intermediate.gate": "ffn_gate"}  # the last two: Nomic BERT's
+               "qkv": "attn_qkv", "intermediate.gate": "ffn_gate",  # Nomic BERT's
+               "attention.norm": "attn_norm", "ffn.norm": "ffn_norm"}  # ModernBERT's pre-norms
 # A cross-encoder's head: BERT's pooler and classifier, the converter's `cls` and `cls.output`.
 # XLM-R's (RobertaClassificationHead: dense, tanh, out_proj) are the same two steps under other names.
 _GGUF_HEAD = {"pooler.dense": "cls", "classifier": "cls.output", "classifier.dense": "cls",
@@ -152,17 +172,23 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     offset = cfg["pad_token_id"] + 1 if cfg["model_type"] == "xlm-roberta" else 0
-    nomic = cfg["model_type"] == "nomic_bert"
-    w = gguf.GGUFWriter(str(path), "nomic-bert" if nomic else "bert")
+    nomic, modern = cfg["model_type"] == "nomic_bert", cfg["model_type"] == "modernbert"
+    w = gguf.GGUFWriter(str(path), "nomic-bert" if nomic else "modern-bert" if modern else "bert")
     if nomic:
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if modern:  # as the converter writes ModernBERT's (transformers 5 keys)
+        w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
+        w.add_sliding_window(cfg["local_attention"])
+        w.add_sliding_window_pattern(cfg["global_attn_every_n_layers"])
+        w.add_string("modern-bert.hidden_activation", cfg["hidden_activation"])
     w.add_name(hf_dir.name)
     w.add_context_length(cfg["max_position_embeddings"] - offset)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-12))
+    w.add_layer_norm_eps(cfg.get("norm_eps" if modern else "layer_norm_eps", 1e-12))
     w.add_causal_attention(False)
     pooling_file = hf_dir / "1_Pooling" / "config.json"
     classifier = cfg["architectures"][0].endswith("ForSequenceClassification")
@@ -176,12 +202,14 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         pooling = json.loads(pooling_file.read_text())
         w.add_pooling_type(gguf.PoolingType.MEAN if pooling.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS)
     w.add_token_type_count(cfg.get("type_vocab_size", 2))
-    if tok["model"]["type"] == "Unigram":
+    if modern:
+        _write_bpe_vocab(w, tok)
+    elif tok["model"]["type"] == "Unigram":
         _write_unigram_vocab(w, tok, cfg["vocab_size"])
     else:
         _write_wordpiece_vocab(w, tok)
     weights = load_file(str(hf_dir / "model.safetensors"))
-    for name, t in (_nomic_as_bert(weights) if nomic else weights).items():
+    for name, t in (_nomic_as_bert(weights) if nomic else _modernbert_as_bert(weights) if modern else weights).items():
         name = name.removeprefix("bert.").removeprefix("roberta.")
         stem, kind = name.rsplit(".", 1)
         if stem in _GGUF_TOP:
@@ -216,6 +244,29 @@ def _nomic_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     which write_bert_gguf maps to llama.cpp's (`attn_qkv`, `ffn_gate`, ...)."""
     from backend.encoder import NOMIC_NAMES, nomic_layer_name
     return {NOMIC_NAMES.get(name) or nomic_layer_name(name) or name: t for name, t in weights.items()}
+
+
+def _modernbert_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from backend.encoder import modernbert_name
+    return {modernbert_name(name) or name: t for name, t in weights.items()}
+
+
+def _write_bpe_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def]
+    """ModernBERT's: byte-level BPE (`gpt2`, pre-tokenizer `modern-bert`), [CLS] as BOS and [SEP] as EOS, added."""
+    import gguf
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("modern-bert")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for add, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("unk", "[UNK]"),
+                       ("mask", "[MASK]")):
+        getattr(w, f"add_{add}_token_id")(vocab[token])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
 
 
 def _write_wordpiece_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def]
