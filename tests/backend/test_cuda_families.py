@@ -6,8 +6,8 @@ model tests with DEVICE=cuda):
   greedy tokens and logits within 2e-3, cold and from the prefix cache;
 - the same in bfloat16 (what DEVICE=cuda serves by default), teacher-forced over prompt and continuation;
 - LoRA adapters beside the base in one batch against PEFT (float32);
-- a BERT encoder's pooled embeddings against transformers (float32), and Nomic BERT (rotary, SwiGLU) and XLM-R
-  (a Unigram vocabulary) and ModernBERT (windowed layers, GeGLU) as llama.cpp's GGUFs;
+- a BERT encoder's pooled embeddings against transformers (float32), and Nomic BERT (rotary, SwiGLU), XLM-R (a
+  Unigram vocabulary) and ModernBERT (windowed layers, GeGLU) as llama.cpp's GGUFs;
 - a Qwen2.5-VL image prompt (tower, M-RoPE, then decode) against transformers (float32);
 - `kvyard serve` with DEVICE=cuda and its defaults (bfloat16) answering the official openai client.
 
@@ -144,31 +144,16 @@ def test_lora_batch_matches_peft(tmp_path: Path) -> None:
         assert diff <= ATOL, f"{name}: max |logit diff| {diff:.2e}"
 
 
-def test_encoder_matches_transformers(tmp_path: Path) -> None:
-    import transformers
-    path = tiny_encoder(tmp_path / "bert", pooling="mean_tokens", normalize=False)
-    ids, types, mask = _batch(_tokenizer(path), SENTENCES)
-    pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
-                      ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
-    ours = torch.tensor([p.values for p in pooled])
-    with torch.no_grad():
-        hidden = transformers.BertModel.from_pretrained(path).eval()(
-            input_ids=ids, token_type_ids=types, attention_mask=mask.long()).last_hidden_state
-    m = mask.unsqueeze(-1).float()
-    ref = (hidden * m).sum(1) / m.sum(1)
-    assert F.cosine_similarity(ours, ref).min() >= 0.9999
-    assert torch.allclose(ours, ref, atol=1e-4)
-
-
-@pytest.mark.parametrize("arch", ["NomicBertModel", "XLMRobertaModel", "ModernBertModel"])
-def test_gguf_encoders_match_transformers(tmp_path: Path, arch: str) -> None:
-    """The newer encoders' own steps on the device, as llama.cpp's GGUFs: rotary positions and SwiGLU (Nomic
-    BERT), the Unigram vocabulary's ids and one segment type (XLM-R), pre-norm, windowed layers and GeGLU
-    (ModernBERT); mean-pooled and normalised."""
+@pytest.mark.parametrize("arch, as_gguf", [("BertModel", False), ("NomicBertModel", True),
+                                           ("XLMRobertaModel", True), ("ModernBertModel", True)])
+def test_encoders_match_transformers(tmp_path: Path, arch: str, as_gguf: bool) -> None:
+    """Each encoder family's steps on the device: BERT from its directory; as llama.cpp's GGUFs, rotary positions
+    and SwiGLU (Nomic BERT), the Unigram vocabulary's ids and one segment type (XLM-R), pre-norm, windowed layers
+    and GeGLU (ModernBERT); mean-pooled and normalised, against transformers on the CPU."""
     import transformers
     hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith("XLM"))
-    path = write_bert_gguf(hf, tmp_path / "model.gguf")
-    ids, types, mask = _batch(pooling_tokenizer(path), SENTENCES)
+    path = write_bert_gguf(hf, tmp_path / "model.gguf") if as_gguf else hf
+    ids, types, mask = _batch(pooling_tokenizer(path) if as_gguf else _tokenizer(path), SENTENCES)
     pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
                       ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
     ours = torch.tensor([p.values for p in pooled])

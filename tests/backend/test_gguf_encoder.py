@@ -205,10 +205,32 @@ def test_an_xlm_roberta_cross_encoder_gguf_scores_pairs_as_transformers(tmp_path
         assert all(abs(r["relevance_score"] - float(expected[r["index"]])) < 1e-4 for r in body["results"])
 
 
+def _embeds_as_sentence_transformers(path: Path, hf: Path, texts: list[str], cosine: float = 0.99999,
+                                     served: str | None = None) -> None:
+    """path (a GGUF or a directory) pooled here against sentence-transformers' encode of the directory hf: the
+    lowest cosine at least `cosine`, within 1e-4 when that is 0.99999; served under that name too when given."""
+    from sentence_transformers import SentenceTransformer
+    spec = load_pooling_spec(path)
+    tok = pooling_tokenizer(path)
+    tok.no_padding()  # a directory's tokenizer.json may pad (MiniLM's: to 128); the frontend sends inputs as they are
+    tok.no_truncation()
+    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, texts)))
+    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(texts))
+    similarity = F.cosine_similarity(ours, theirs)
+    print(f"{path.name}: lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
+    assert similarity.min() >= cosine
+    if cosine >= 0.99999:
+        assert (ours - theirs).abs().max() < 1e-4
+    if served:
+        with pdfusion(path, served, path.parent / f"{served}.log") as url:  # as a user runs it
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            got = torch.tensor([d.embedding for d in client.embeddings.create(model=served, input=texts[:4]).data])
+            assert F.cosine_similarity(got, theirs[:4]).min() >= 0.99999
+
+
 @pytest.mark.parametrize("qtype, cosine", [("F32", 0.99999), ("Q8_0", 0.999)])
 def test_a_nomic_bert_gguf_embeds_as_sentence_transformers(tmp_path: Path, qtype: str, cosine: float) -> None:
     """Rotary positions (a text's tokens in another order embed otherwise), [gate; up] SwiGLU, fused q/k/v."""
-    from sentence_transformers import SentenceTransformer
     hf = tiny_encoder(tmp_path / "nomic", arch="NomicBertModel")
     path = write_bert_gguf(hf, tmp_path / f"nomic-embed-tiny.{qtype}.gguf", qtype)
     spec = load_pooling_spec(path)
@@ -216,36 +238,20 @@ def test_a_nomic_bert_gguf_embeds_as_sentence_transformers(tmp_path: Path, qtype
         (ModelKind.EMBED, ModelKind.EMBED, "nomic-bert", "mean", False)
     texts = [t for t in TEXTS if len(pooling_tokenizer(path).encode(t).ids) <= spec.max_len]
     assert len(texts) >= 8
-    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(pooling_tokenizer(path), texts)))
-    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(texts))
-    similarity = F.cosine_similarity(ours, theirs)
-    print(f"{qtype}: lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
-    assert similarity.min() >= cosine
-    if qtype == "F32":
-        assert (ours - theirs).abs().max() < 1e-4
-        with pdfusion(path, "nomic-embed-tiny", tmp_path / "pdfusion.log") as url:  # as a user runs it
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-            served = torch.tensor([d.embedding for d in client.embeddings.create(model="nomic-embed-tiny",
-                                                                                 input=texts[:4]).data])
-            assert F.cosine_similarity(served, theirs[:4]).min() >= 0.99999
+    _embeds_as_sentence_transformers(path, hf, texts, cosine, served="nomic-embed-tiny" if qtype == "F32" else None)
 
 
 def test_a_nomic_bert_directory_embeds_as_sentence_transformers(tmp_path: Path) -> None:
     """The same model as a Hugging Face directory (nomic-embed-text's checkpoint names, as transformers saves them)."""
-    from sentence_transformers import SentenceTransformer
     hf = tiny_encoder(tmp_path / "nomic", arch="NomicBertModel")
     spec = load_pooling_spec(hf)
     assert (model_kind(hf), spec.model_type, spec.pooling, spec.max_len, spec.is_decoder) == \
         (ModelKind.EMBED, "nomic_bert", "mean", 64, False)
     tok = pooling_tokenizer(hf)
-    tok.no_padding()  # MiniLM's tokenizer.json pads to 128; the frontend sends each input as it is
-    tok.no_truncation()
+    tok.no_padding()
     texts = [t for t in TEXTS if len(tok.encode(t).ids) <= spec.max_len]
     assert len(texts) >= 8
-    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, texts)))
-    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(texts))
-    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
-    assert (ours - theirs).abs().max() < 1e-4
+    _embeds_as_sentence_transformers(hf, hf, texts)
 
 
 def test_a_nomic_bert_kind_it_does_not_run_is_refused(tmp_path: Path) -> None:
@@ -262,25 +268,11 @@ def test_a_nomic_bert_kind_it_does_not_run_is_refused(tmp_path: Path) -> None:
 def test_a_modernbert_directory_embeds_as_sentence_transformers(tmp_path: Path) -> None:
     """Pre-norm layers, rotary at a base per layer kind, two of every three layers attending within 4 positions
     (texts of up to 30 tokens: the window cuts), GeGLU, a final norm; against transformers' own ModernBERT."""
-    from sentence_transformers import SentenceTransformer
     hf = tiny_encoder(tmp_path / "modernbert", arch="ModernBertModel")
     spec = load_pooling_spec(hf)
     assert (model_kind(hf), spec.model_type, spec.pooling, spec.max_len, spec.is_decoder) == \
         (ModelKind.EMBED, "modernbert", "mean", 256, False)
-    tok = pooling_tokenizer(hf)
-    tok.no_padding()
-    tok.no_truncation()
-    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, TEXTS)))
-    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(TEXTS))
-    similarity = F.cosine_similarity(ours, theirs)
-    print(f"lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
-    assert similarity.min() >= 0.99999
-    assert (ours - theirs).abs().max() < 1e-4
-    with pdfusion(hf, "modernbert-tiny", tmp_path / "pdfusion.log") as url:  # as a user runs it
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        served = torch.tensor([d.embedding for d in client.embeddings.create(model="modernbert-tiny",
-                                                                             input=TEXTS[-3:]).data])
-        assert F.cosine_similarity(served, theirs[-3:]).min() >= 0.99999
+    _embeds_as_sentence_transformers(hf, hf, TEXTS, served="modernbert-tiny")
 
 
 @pytest.mark.parametrize("qtype, cosine", [("F32", 0.99999), ("Q8_0", 0.999)])
@@ -288,19 +280,11 @@ def test_a_modernbert_gguf_embeds_as_sentence_transformers(tmp_path: Path, qtype
     """llama.cpp's `modern-bert`: its byte-level BPE vocabulary (pre-tokenizer `modern-bert`) with [CLS] and [SEP]
     added, the window and the pattern of global layers from `attention.sliding_window(_pattern)`, both rotary
     bases, the pre-norms and final norm under llama.cpp's names."""
-    from sentence_transformers import SentenceTransformer
     hf = tiny_encoder(tmp_path / "modernbert", arch="ModernBertModel")
     path = write_bert_gguf(hf, tmp_path / f"modernbert-tiny.{qtype}.gguf", qtype)
     spec = load_pooling_spec(path)
     assert (model_kind(path), spec.model_type, spec.pooling, spec.is_decoder) == \
         (ModelKind.EMBED, "modern-bert", "mean", False)
-    tok = pooling_tokenizer(path)
     reference = Tokenizer.from_file(str(hf / "tokenizer.json"))
-    assert all(tok.encode(t).ids == reference.encode(t).ids for t in TEXTS)
-    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.EMBED, *_batch(tok, TEXTS)))
-    theirs = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(TEXTS))
-    similarity = F.cosine_similarity(ours, theirs)
-    print(f"{qtype}: lowest cosine {similarity.min():.6f}, largest difference {(ours - theirs).abs().max():.2e}")
-    assert similarity.min() >= cosine
-    if qtype == "F32":
-        assert (ours - theirs).abs().max() < 1e-4
+    assert all(pooling_tokenizer(path).encode(t).ids == reference.encode(t).ids for t in TEXTS)
+    _embeds_as_sentence_transformers(path, hf, TEXTS, cosine)
