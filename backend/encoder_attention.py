@@ -32,7 +32,7 @@ def packed_attention(kernel: ModuleType | None, qkv: torch.Tensor, offsets: torc
     N, D = qkv.shape[0], qkv.shape[1] // 3
     d = D // heads
     banded = {b for b, n in enumerate(lengths) if window and n > window + 1}
-    if kernel is not None:
+    if kernel is not None and len(banded) < len(lengths):
         out = kernel.encoder_attention(qkv, offsets, heads, d ** -0.5)
         todo = banded  # the kernel attends to whole sequences: the windowed ones again below
     else:
