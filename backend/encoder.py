@@ -8,7 +8,8 @@ BERT directory (nomic-embed-text), rotary positions (NeoX halves) on q and k, a 
 ModernBERT's pre-norm layers (its first without a norm, a final norm after the last): rotary positions at a base
 per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN. Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
-  (tanh) and `classifier.out_proj` over <s>. Logits out; the frontend turns them into probabilities.
+  (tanh) and `classifier.out_proj` over <s>; ModernBERT's `head` (dense, its activation, a norm) over [CLS] or
+  the mean of the tokens, then `classifier`. Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
   linear per token, and a linear per token after the first, L2-normalised."""
 from __future__ import annotations
@@ -48,6 +49,8 @@ class EncoderConfig:
     sliding: tuple[int, ...] = ()  # layers attending only to keys within `window` positions (ModernBERT's local)
     window: int = 0            # ... |query - key| <= window (ModernBERT: local_attention // 2)
     local_rope_theta: float = 0.0  # the sliding layers' rotary base (ModernBERT: 10000)
+    head_pooling: str = "cls"      # a ModernBERT classifier's: "cls" or "mean" (classifier_pooling)
+    head_activation: str = "gelu"  # ... and its head's activation (classifier_activation, an ACT2FN key)
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
@@ -93,7 +96,9 @@ class EncoderConfig:
                        prenorm=True, sliding=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
                        window=int(cfg.get("local_attention", 128)) // 2,
                        local_rope_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
-                                              or cfg.get("local_rope_theta") or 10000.0))
+                                              or cfg.get("local_rope_theta") or 10000.0),
+                       head_pooling=str(cfg.get("classifier_pooling", "cls")),
+                       head_activation=str(cfg.get("classifier_activation", "gelu")))
         if cfg["model_type"] == "nomic_bert":  # nomic-embed-text's own keys, or transformers' NomicBertConfig's
             theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") or 1000.0
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
@@ -195,9 +200,15 @@ class EncoderModel:
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
     def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, T, D] → logits [B, num_labels], from the first token (ids, mask: unused)."""
+        """hidden: [B, T, D] (zeros at padding) → logits [B, num_labels], from the first token or (a ModernBERT
+        head's "mean") every real one; mask [B, T] bool (ids: unused)."""
         w = self.w
         first = hidden[:, 0]                                                # [B, D]
+        if "head.dense.weight" in w:  # ModernBERT: pool, dense, activation, norm, classifier
+            pooled = first if self.cfg.head_pooling == "cls" else \
+                hidden.sum(dim=1) / mask.sum(dim=1, keepdim=True).to(hidden.dtype)
+            h = _HEAD_ACTS[self.cfg.head_activation](F.linear(pooled, w["head.dense.weight"], w.get("head.dense.bias")))
+            return F.linear(self._norm(h, "head.norm"), w["classifier.weight"], w["classifier.bias"])
         if self.spec.model_type == "xlm-roberta":
             h = torch.tanh(F.linear(first, w["classifier.dense.weight"], w["classifier.dense.bias"]))
             return F.linear(h, w["classifier.out_proj.weight"], w["classifier.out_proj.bias"])
@@ -238,6 +249,12 @@ class EncoderModel:
         return torch.ops.aten.gelu_(h, approximate="none" if self.cfg.activation == "gelu" else "tanh")
 
 
+# A ModernBERT classifier head's activations (transformers' ACT2FN; kvyard/pooling_model.HEAD_ACTIVATIONS).
+_HEAD_ACTS = {"gelu": F.gelu, "gelu_new": lambda h: F.gelu(h, approximate="tanh"),
+              "gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu, "silu": F.silu,
+              "tanh": torch.tanh}
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x [N, heads, d] in place: RoPE on the two halves of each head (GPT-NeoX's layout, llama.cpp's NEOX)."""
     lo, hi = x.chunk(2, dim=-1)
@@ -257,6 +274,7 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     names += [f"encoder.layer.{i}.qkv.weight" for i in range(cfg.num_layers)]
     if spec.kind is ModelKind.CLASSIFY:
         names += ["classifier.out_proj.weight"] if spec.model_type == "xlm-roberta" else \
+            ["head.dense.weight", "head.norm.weight", "classifier.weight"] if spec.model_type == "modernbert" else \
             ["pooler.dense.weight", "classifier.weight"]
     if spec.has_head("sparse"):
         names.append("sparse_linear.weight")

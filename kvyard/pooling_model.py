@@ -43,6 +43,7 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
     "NomicBertModel": ModelKind.EMBED,  # nomic-embed-text v1 / v1.5
     "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
+    "ModernBertForSequenceClassification": ModelKind.CLASSIFY,  # gte-reranker-modernbert
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
 ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert", "modern-bert")
@@ -191,6 +192,8 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         unknown = set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
         if unknown:
             raise ModelFileError(f"{path}: ModernBERT layer types {sorted(unknown)} are not supported")
+        if kind is ModelKind.CLASSIFY:
+            _check_modernbert_head(path, cfg)
         positions = int(cfg["max_position_embeddings"])
     elif model_type == "nomic_bert":
         _check_nomic(path, cfg)
@@ -218,6 +221,20 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
         labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
+
+
+# The activations a ModernBERT classifier's head may name (transformers' ACT2FN keys backend/encoder.py runs).
+HEAD_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "tanh")
+
+
+def _check_modernbert_head(path: Path, cfg: dict[str, Any]) -> None:
+    """ModernBertForSequenceClassification's head: [CLS] or the mean of the tokens, a dense layer, its
+    activation and a norm, then the classifier; another pooling or activation is refused by name."""
+    pooling, act = cfg.get("classifier_pooling", "cls"), cfg.get("classifier_activation", "gelu")
+    if pooling not in ("cls", "mean"):
+        raise ModelFileError(f"{path}: classifier_pooling {pooling!r} is not supported (cls or mean)")
+    if act not in HEAD_ACTIVATIONS:
+        raise ModelFileError(f"{path}: classifier_activation {act!r} is not supported ({', '.join(HEAD_ACTIVATIONS)})")
 
 
 def _check_nomic(path: Path, cfg: dict[str, Any]) -> None:

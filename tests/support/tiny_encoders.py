@@ -86,22 +86,23 @@ def bpe_tokenizer(path: Path) -> int:
 def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mean_tokens", normalize: bool = True,
                  num_labels: int = 1, seed: int = 0, bge_m3: bool = False, prompts: dict[str, str] | None = None,
                  max_seq_length: int | None = None, id2label: dict[int, str] | None = None,
-                 unigram: bool = False) -> Path:
+                 unigram: bool = False, classifier_pooling: str = "cls") -> Path:
     """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification,
     NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases), ModernBertModel (pre-norm,
-    rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU).
+    rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU), ModernBertForSequenceClassification (that,
+    with its head over [CLS] or, classifier_pooling "mean", the mean of the tokens).
     unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
     import transformers
     torch.manual_seed(seed)
     xlmr = arch.startswith("XLMRoberta")
     path.mkdir(parents=True, exist_ok=True)
-    modern = arch == "ModernBertModel"
+    modern = arch.startswith("ModernBert")
     vocab_size = unigram_tokenizer(path) + 1 if unigram else bpe_tokenizer(path) if modern else VOCAB
     common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=258 if unigram else 64 if not xlmr else 66, hidden_act="gelu")
-    if arch == "ModernBertModel":
-        cfg = transformers.ModernBertConfig(
+    if modern:
+        cfg = transformers.ModernBertConfig(classifier_pooling=classifier_pooling,
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=2,
             bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)
@@ -124,9 +125,9 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                 p.add_(torch.randn_like(p) * 0.1)
             if arch == "NomicBertModel" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
-            if arch == "ModernBertModel" and "norm" in name:
+            if modern and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if arch == "ModernBertModel" and name.endswith("Wqkv.weight"):
+            if modern and name.endswith("Wqkv.weight"):
                 p[:64].mul_(10)  # q and k rows, as above: the window and the rotary bases then show
     model.save_pretrained(path)
     if not (unigram or modern):
