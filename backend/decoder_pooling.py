@@ -18,6 +18,7 @@ from backend.attention import KVCache
 from backend.model import LlamaModel
 from backend.ops import TorchOps, Weight
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
+from backend.st_dense import load_dense
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, is_gguf
@@ -61,6 +62,7 @@ class DecoderPoolingModel:
             raise ModelFileError(f"{spec.path}: a sequence classifier without its `score.weight`")
         self.llama = LlamaModel(config, weights, ops=ops, max_positions=spec.max_len, cuda_graphs=False)  # no decode steps
         self.cfg = DecoderPoolingConfig(config.vocab_size)
+        self.dense = load_dense(spec.dense, dtype, device)
         self.device, self.dtype = self.llama.device, self.llama.dtype
         pad = None if is_gguf(spec.path) else json.loads((spec.path / "config.json").read_text()).get("pad_token_id")
         self.pad_token_id: int | None = pad if isinstance(pad, int) else None  # classify only (never a GGUF)

@@ -26,6 +26,7 @@ import numpy as np
 from safetensors.torch import load_file
 
 from backend.encoder_attention import attention_kernel, packed_attention
+from backend.st_dense import load_dense
 from kvyard.gguf_meta import read_gguf_index, read_tensor_bytes
 from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
@@ -135,6 +136,7 @@ class EncoderModel:
             for name in _LAYER_LINEARS:
                 key = f"encoder.layer.{i}.{name}.weight"
                 self.w[key] = self.w[key].t().contiguous()
+        self.dense = load_dense(spec.dense, dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(dtype, device, head_dim)
         self._inv_freq = [1.0 / theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim)

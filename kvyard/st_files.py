@@ -1,26 +1,46 @@
 """A sentence-transformers checkpoint's own files (modules.json, 1_Pooling/config.json, sentence_bert_config.json,
-config_sentence_transformers.json): how it pools, whether it normalises, its prompts and longest input, as
-kvyard/pooling_model.py builds a PoolingSpec from them. No torch here: the frontend reads them too."""
+config_sentence_transformers.json, each Dense module's folder): how it pools, the dense layers after the pooling,
+whether it normalises, its prompts and longest input, as kvyard/pooling_model.py builds a PoolingSpec from them.
+No torch here: the frontend reads them too."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvyard.model_path import ModelFileError
 
 POOLING_METHODS = ("mean", "cls", "max", "mean_sqrt_len", "last")
+# A Dense module's activation as its config.json names the torch class → ours (backend/st_dense.py runs them).
+DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh",
+                     "torch.nn.modules.activation.ReLU": "relu", "torch.nn.modules.activation.GELU": "gelu",
+                     "torch.nn.modules.activation.SiLU": "silu", "torch.nn.modules.activation.Sigmoid": "sigmoid"}
+DENSE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module after the pooling (LaBSE's tanh projection, stella's and
+    EmbeddingGemma's projections): activation(x W^T + b), plus x (or x R^T) with use_residual."""
+    weights: Path        # its model.safetensors or pytorch_model.bin: linear.weight/.bias (and residual.weight)
+    in_features: int
+    out_features: int
+    activation: str      # one of DENSE_ACTIVATIONS' values
+    residual: bool = False
 
 
 def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:
     """Pooling, normalisation, prompts and max_seq_length from the sentence-transformers files (absent:
     CLS pooling, no normalisation, BGE's habit). A module we cannot honour is refused by name."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"dense": []}
     modules_file = path / "modules.json"
     modules = read_json(modules_file) if modules_file.is_file() else []
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         where = path / module.get("path", "")
+        if out.get("normalize") and kind != "Normalize":
+            raise ModelFileError(f"{path}: sentence-transformers module {kind} after Normalize is not supported")
         if kind == "Transformer":
             bert_cfg = where / "sentence_bert_config.json"
             if bert_cfg.is_file():
@@ -29,17 +49,37 @@ def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:
                     out["max_seq_length"] = min(int(max_seq), positions)
         elif kind == "Pooling":
             out["pooling"] = _pooling_mode(read_json(where / "config.json"), where)
+        elif kind == "Dense" and "pooling" in out:
+            out["dense"].append(_dense(where))
         elif kind == "Normalize":
             out["normalize"] = True
         else:
             raise ModelFileError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
-                                 "(supported: Transformer, Pooling, Normalize)")
+                                 "(supported: Transformer, Pooling, Dense after Pooling, Normalize)")
     st_file = path / "config_sentence_transformers.json"
     if st_file.is_file():
         st = read_json(st_file)
         out["prompts"] = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
         out["default_prompt_name"] = st.get("default_prompt_name") or None
     return out
+
+
+def _dense(where: Path) -> DenseModule:
+    """A Dense module's folder → its facts; one that reads token embeddings, or whose activation or weights we
+    cannot honour, is refused naming the folder."""
+    cfg = read_json(where / "config.json")
+    act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")  # sentence-transformers' default
+    if act not in DENSE_ACTIVATIONS:
+        raise ModelFileError(f"{where}: Dense activation {act!r} is not supported "
+                             f"(supported: {', '.join(n.rsplit('.', 1)[-1] for n in DENSE_ACTIVATIONS)})")
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+            raise ModelFileError(f"{where}: a Dense module with {key} {cfg[key]!r} is not supported")
+    weights = next((where / f for f in DENSE_WEIGHT_FILES if (where / f).is_file()), None)
+    if weights is None:
+        raise ModelFileError(f"{where}: the Dense module has no {' or '.join(DENSE_WEIGHT_FILES)}")
+    return DenseModule(weights, int(cfg["in_features"]), int(cfg["out_features"]), DENSE_ACTIVATIONS[act],
+                       bool(cfg.get("use_residual", False)))
 
 
 def _pooling_mode(cfg: dict[str, Any], where: Path) -> str:
