@@ -251,7 +251,7 @@ class EncoderModel:
         return torch.ops.aten.gelu_(h, approximate="none" if self.cfg.activation == "gelu" else "tanh")
 
 
-# A ModernBERT classifier head's activations (transformers' ACT2FN; kvyard/pooling_model.HEAD_ACTIVATIONS).
+# A ModernBERT classifier head's activations (transformers' ACT2FN; kvyard/encoder_families.HEAD_ACTIVATIONS).
 _HEAD_ACTS = {"gelu": F.gelu, "gelu_new": lambda h: F.gelu(h, approximate="tanh"),
               "gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu, "silu": F.silu,
               "tanh": torch.tanh}

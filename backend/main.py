@@ -30,6 +30,7 @@ from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
 from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
+from backend.gemma_encoder import GemmaEncoderModel
 from backend.grpc_server import set_serving, start_grpc_server
 from backend.pd_transfer import DecodeChannels
 from backend.server import ModelRpcServicer, watch_engine
@@ -120,10 +121,12 @@ def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
     spec = load_pooling_spec(cfg.checkpoint_path)
     before = resident_mb()
     dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
-    model: DecoderPoolingModel | EncoderModel
+    model: DecoderPoolingModel | EncoderModel | GemmaEncoderModel
     if spec.is_decoder:
         weights, ops = load_decoder(cfg, load_model_config(cfg.checkpoint_path))
         model = DecoderPoolingModel(spec, dtype, device, weights, ops)
+    elif spec.model_type == "gemma3_text":  # EmbeddingGemma
+        model = GemmaEncoderModel(spec, dtype, device)
     else:
         model = EncoderModel(spec, dtype, device)
     log.info("pooling model %s (%s, %s pooling%s, heads %s): %.0f MB of weights, %s; resident %.0f -> %.0f MB",

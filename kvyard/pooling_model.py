@@ -12,6 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvyard.encoder_families import encoder_positions
 from kvyard.gguf_meta import read_gguf_index
 from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
@@ -44,9 +45,10 @@ ENCODER_ARCHITECTURES = {
     "NomicBertModel": ModelKind.EMBED,  # nomic-embed-text v1 / v1.5
     "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
     "ModernBertForSequenceClassification": ModelKind.CLASSIFY,  # gte-reranker-modernbert
+    "Gemma3TextModel": ModelKind.EMBED,  # EmbeddingGemma (bidirectional: kvyard/encoder_families.py)
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "nomic-bert", "modern-bert")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "nomic-bert", "modern-bert")
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
@@ -187,29 +189,7 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
         return _decoder_spec(path, cfg, kind)
-    if model_type == "modernbert":
-        act = cfg.get("hidden_activation", "gelu")
-        if act not in ("gelu", "silu"):
-            raise ModelFileError(f"{path}: a ModernBERT with hidden_activation {act!r} is not supported")
-        unknown = set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ModelFileError(f"{path}: ModernBERT layer types {sorted(unknown)} are not supported")
-        if kind is ModelKind.CLASSIFY:
-            _check_modernbert_head(path, cfg)
-        positions = int(cfg["max_position_embeddings"])
-    elif model_type == "nomic_bert":
-        _check_nomic(path, cfg)
-        # Rotary positions have no table; the context is the one it was trained for (v1/v1.5: 2048 of 8192).
-        positions = int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings") or cfg["n_positions"])
-    else:
-        act = cfg.get("hidden_act", "gelu")
-        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
-            raise ModelFileError(f"{path}: hidden_act {act!r} is not supported")
-        if cfg.get("position_embedding_type", "absolute") != "absolute":
-            raise ModelFileError(f"{path}: position_embedding_type {cfg['position_embedding_type']!r} is not supported")
-        positions = int(cfg["max_position_embeddings"])
-    if model_type == "xlm-roberta":  # positions start after the padding index
-        positions -= int(cfg.get("pad_token_id", 1)) + 1
+    positions = encoder_positions(path, cfg, kind is ModelKind.CLASSIFY)  # a config we would not run: refused
     st = sentence_transformers_files(path, positions)
     heads = ["dense"]
     if (path / "sparse_linear.pt").is_file():
@@ -224,36 +204,6 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
         labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
-
-
-# The activations a ModernBERT classifier's head may name (transformers' ACT2FN keys backend/encoder.py runs).
-HEAD_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "tanh")
-
-
-def _check_modernbert_head(path: Path, cfg: dict[str, Any]) -> None:
-    """ModernBertForSequenceClassification's head: [CLS] or the mean of the tokens, a dense layer, its
-    activation and a norm, then the classifier; another pooling or activation is refused by name."""
-    pooling, act = cfg.get("classifier_pooling", "cls"), cfg.get("classifier_activation", "gelu")
-    if pooling not in ("cls", "mean"):
-        raise ModelFileError(f"{path}: classifier_pooling {pooling!r} is not supported (cls or mean)")
-    if act not in HEAD_ACTIVATIONS:
-        raise ModelFileError(f"{path}: classifier_activation {act!r} is not supported ({', '.join(HEAD_ACTIVATIONS)})")
-
-
-def _check_nomic(path: Path, cfg: dict[str, Any]) -> None:
-    """What backend/encoder.py runs of Nomic BERT (the keys of nomic-embed-text's own config.json, or
-    transformers' NomicBertConfig): post-norm layers, SwiGLU, rotary positions on the whole head in halves, no
-    biases; anything else (v2's mixture of experts, a prenorm variant) is refused by name."""
-    act = cfg.get("hidden_act") or cfg.get("activation_function", "silu")
-    wanted = {"activation": (act in ("silu", "swiglu"), act), "prenorm": (not cfg.get("prenorm"), cfg.get("prenorm")),
-              "rotary_emb_fraction": (cfg.get("rotary_emb_fraction", 1.0) == 1.0, cfg.get("rotary_emb_fraction")),
-              "rotary_emb_interleaved": (not cfg.get("rotary_emb_interleaved"), cfg.get("rotary_emb_interleaved")),
-              "qkv_proj_bias": (not cfg.get("qkv_proj_bias"), cfg.get("qkv_proj_bias")),
-              "mlp_fc1_bias": (not cfg.get("mlp_fc1_bias"), cfg.get("mlp_fc1_bias")),
-              "moe_every_n_layers": (not cfg.get("moe_every_n_layers"), cfg.get("moe_every_n_layers"))}
-    for key, (ok, value) in wanted.items():
-        if not ok:
-            raise ModelFileError(f"{path}: a Nomic BERT with {key}={value!r} is not supported")
 
 
 def _decoder_spec(path: Path, cfg: dict[str, Any], kind: ModelKind) -> PoolingSpec:
