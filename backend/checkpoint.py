@@ -284,3 +284,19 @@ def _hf_name(key: str) -> str | None:
 
 def open_checkpoint(path: Path, config: ModelConfig) -> Source:
     return GGUFSource(path, config) if is_gguf(path) else SafetensorsSource(path)
+
+
+def read_gguf_floats(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """A GGUF's tensors (those in `names`; all by default) dequantized whole to float32, under the file's
+    names, in PyTorch order: for the small models read at once (encoders, their heads)."""
+    index = read_gguf_index(path)
+    out: dict[str, torch.Tensor] = {}
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        for name, info in index.tensors.items():
+            if names is None or name in names:
+                values = gguf.quants.dequantize(read_tensor_bytes(fd, info), info.qtype)
+                out[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
+    finally:
+        os.close(fd)
+    return out

@@ -15,19 +15,17 @@ per layer kind, every few layers attending globally and the others within a wind
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import gguf
-import numpy as np
 from safetensors.torch import load_file
 
+from backend.checkpoint import read_gguf_floats
 from backend.encoder_attention import attention_kernel, packed_attention
 from backend.st_dense import load_dense
-from kvyard.gguf_meta import read_gguf_index, read_tensor_bytes
+from kvyard.gguf_meta import read_gguf_index
 from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
 
@@ -302,22 +300,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str
     """A BERT (or Nomic BERT) GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under
     Hugging Face's names (a cross-encoder's `cls` / `cls.output`: BERT's pooler and classifier); then as _load. A
     tensor we have no place for is refused by name."""
-    index = read_gguf_index(path)
     raw: dict[str, torch.Tensor] = {}
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        for name, info in index.tensors.items():
-            parts = name.split(".")
-            if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
-                ours = f"encoder.layer.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-            elif ".".join(parts[:-1]) in _GGUF_TOP:
-                ours = f"{_GGUF_TOP['.'.join(parts[:-1])]}.{parts[-1]}"
-            else:
-                raise ModelFileError(f"{path}: tensor {name} is not part of a BERT encoder this server runs")
-            values = gguf.quants.dequantize(read_tensor_bytes(fd, info), info.qtype)
-            raw[ours] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
-    finally:
-        os.close(fd)
+    for name, t in read_gguf_floats(path).items():
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
+            ours = f"encoder.layer.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+        elif ".".join(parts[:-1]) in _GGUF_TOP:
+            ours = f"{_GGUF_TOP['.'.join(parts[:-1])]}.{parts[-1]}"
+        else:
+            raise ModelFileError(f"{path}: tensor {name} is not part of a BERT encoder this server runs")
+        raw[ours] = t
     return _fuse_and_place(raw, dtype, device)
 
 

@@ -1,6 +1,8 @@
 """EmbeddingGemma's encoder: Gemma 3's text layers attending both ways (`use_bidirectional_attention`), token
 ids → the final-normed hidden states, for the pooling engine (backend/pooling_engine.py) as backend/encoder.py's
 models are; sentence-transformers' mean pooling, Dense modules and Normalize follow in backend/pooling.py.
+From a Hugging Face directory or llama.cpp's `gemma-embedding` GGUF (its norms stored as 1 + w, its Dense
+matrices as `dense_2` / `dense_3`: kvyard/pooling_model.py).
 
 Per layer: RMSNorm (scaled by 1 + w, in float32) before and after attention and before and after the GeGLU
 feed-forward; q and k heads RMS-normed, then rotary positions (NeoX halves) at a base per layer kind; grouped
@@ -18,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from backend.checkpoint import read_gguf_floats
 from backend.st_dense import load_dense
-from kvyard.model_path import ModelFileError
+from kvyard.gguf_meta import read_gguf_index
+from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import PoolingSpec
 
 
@@ -38,6 +42,30 @@ class GemmaEncoderConfig:
     rope_theta: float              # full layers' base
     local_rope_theta: float        # sliding layers' base
     type_vocab_size: int = 1       # no segments
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> GemmaEncoderConfig:
+        """llama.cpp's keys: the sliding layers from `attention.sliding_window_pattern` (a flag per layer, or n:
+        every n-th layer full, the others sliding; 6 when absent, as llama.cpp reads it), its window symmetric
+        (`sliding_window / 2` either side), scores scaled by key_length^-1/2 as llama.cpp scales them."""
+        index = read_gguf_index(path)
+        meta, a = index.meta, "gemma-embedding"
+        try:
+            n, heads = int(meta[f"{a}.block_count"]), int(meta[f"{a}.attention.head_count"])
+            hidden = int(meta[f"{a}.embedding_length"])
+            head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
+            pattern = meta.get(f"{a}.attention.sliding_window_pattern", 6)
+            flags = [bool(f) for f in pattern] if isinstance(pattern, list) else \
+                [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n)]
+            return cls(vocab_size=index.tensors["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=n,
+                       num_heads=heads, num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or heads),
+                       head_dim=head_dim, eps=float(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
+                       scaling=head_dim ** -0.5, sliding=tuple(i for i, f in enumerate(flags) if f),
+                       window=int(meta[f"{a}.attention.sliding_window"]) // 2,
+                       rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+                       local_rope_theta=float(meta.get(f"{a}.rope.freq_base_swa", 10000.0)))
+        except KeyError as exc:
+            raise ModelFileError(f"{path}: GGUF lacks {exc.args[0]!r}") from None
 
     @classmethod
     def from_dir(cls, path: Path) -> GemmaEncoderConfig:
@@ -62,8 +90,9 @@ class GemmaEncoderModel:
 
     def __init__(self, spec: PoolingSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec, self.dtype, self.device = spec, dtype, device
-        self.cfg = GemmaEncoderConfig.from_dir(spec.path)
-        self.w = _load(spec.path, self.cfg, dtype, device)
+        gguf_file = is_gguf(spec.path)
+        self.cfg = (GemmaEncoderConfig.from_gguf if gguf_file else GemmaEncoderConfig.from_dir)(spec.path)
+        self.w = (_load_gguf if gguf_file else _load)(spec.path, self.cfg, dtype, device)
         self.dense = load_dense(spec.dense, dtype, device)
         d = self.cfg.head_dim
         self._inv_freq = [1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
@@ -127,10 +156,10 @@ class GemmaEncoderModel:
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Gemma's RMSNorm: in float32, scaled by 1 + w, back in the model's dtype."""
+        """Gemma's RMSNorm: in float32, times the norm's scale (1 + w, held as such in float32), back in the
+        model's dtype."""
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
-        return (xf * (1.0 + self.w[name].float())).to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * self.w[name]).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,28 +168,64 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
 
 
+# Our names for a layer's tensors; the norms hold their scale, 1 + w.
+_NORMS = ("q_norm", "k_norm", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm")
+_HF_LAYER = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+             "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+             "mlp.down_proj": "down", **{n: n for n in _NORMS[2:]}}
+_GGUF_LAYER = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "attn_q_norm": "q_norm",
+               "attn_k_norm": "k_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+               "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
 def _load(path: Path, cfg: GemmaEncoderConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Gemma3TextModel's tensors (a `model.` prefix dropped) → ours: q/k/v as one matrix, gate and up as one."""
+    """Gemma3TextModel's safetensors (a `model.` prefix dropped)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{path}: no *.safetensors files")
-    raw = {name.removeprefix("model."): t for f in files for name, t in load_file(str(f)).items()}
-    w = {"embed": raw.pop("embed_tokens.weight", None), "norm": raw.pop("norm.weight", None)}
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            name = name.removeprefix("model.")
+            parts = name.removesuffix(".weight").split(".", 2)
+            if parts[0] == "layers" and len(parts) == 3 and parts[2] in _HF_LAYER:
+                name = f"layers.{parts[1]}.{_HF_LAYER[parts[2]]}"
+                t = t.float() + 1.0 if name.endswith(_NORMS) else t
+            elif name in ("embed_tokens.weight", "norm.weight"):
+                name, t = ("embed", t) if name == "embed_tokens.weight" else ("norm", t.float() + 1.0)
+            else:
+                raise ModelFileError(f"{path}: tensor {name} is not part of a Gemma 3 encoder this server runs")
+            raw[name] = t
+    return _assemble(path, raw, cfg, dtype, device)
+
+
+def _load_gguf(path: Path, cfg: GemmaEncoderConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """llama.cpp's `gemma-embedding` tensors (the norms already 1 + w; dense_2 / dense_3 are the Dense modules',
+    read by backend/st_dense.py)."""
+    raw: dict[str, torch.Tensor] = {}
+    for name, t in read_gguf_floats(path).items():
+        parts = name.removesuffix(".weight").split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
+            raw[f"layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"] = t
+        elif name in ("token_embd.weight", "output_norm.weight"):
+            raw["embed" if name == "token_embd.weight" else "norm"] = t
+        elif name not in ("dense_2.weight", "dense_3.weight", "output.weight"):  # output: an unused LM head
+            raise ModelFileError(f"{path}: tensor {name} is not part of a Gemma 3 encoder this server runs")
+    return _assemble(path, raw, cfg, dtype, device)
+
+
+def _assemble(path: Path, raw: dict[str, torch.Tensor], cfg: GemmaEncoderConfig, dtype: torch.dtype,
+              device: torch.device) -> dict[str, torch.Tensor]:
+    """q/k/v as one matrix and gate/up as one per layer; the norms' scales kept in float32, the rest in dtype."""
+    needed = ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in set(_HF_LAYER.values())]
+    missing = [n for n in needed if n not in raw]
+    if missing:
+        raise ModelFileError(f"{path}: weights missing {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        parts = {n: raw.pop(p + n + ".weight", None) for n in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-            "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-            "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
-        missing = [n for n, t in parts.items() if t is None]
-        if missing:
-            raise ModelFileError(f"{path}: weights missing {p}{missing[0]}.weight")
-        w[p + "qkv"] = torch.cat([parts.pop(f"self_attn.{m}_proj") for m in "qkv"])  # type: ignore[misc]
-        w[p + "gate_up"] = torch.cat([parts.pop("mlp.gate_proj"), parts.pop("mlp.up_proj")])  # type: ignore[list-item]
-        w[p + "o"], w[p + "down"] = parts.pop("self_attn.o_proj"), parts.pop("mlp.down_proj")
-        w.update({p + n.removeprefix("self_attn."): t for n, t in parts.items()})
-    if w["embed"] is None or w["norm"] is None:
-        raise ModelFileError(f"{path}: weights missing {'embed_tokens' if w['embed'] is None else 'norm'}.weight")
-    if raw:
-        raise ModelFileError(f"{path}: tensor {next(iter(raw))} is not part of a Gemma 3 encoder this server runs")
-    return {n: t.to(device=device, dtype=dtype).contiguous() for n, t in w.items()}  # type: ignore[union-attr]
+        raw[p + "qkv"] = torch.cat([raw.pop(p + m) for m in "qkv"])
+        raw[p + "gate_up"] = torch.cat([raw.pop(p + "gate"), raw.pop(p + "up")])
+    return {n: t.to(device=device, dtype=torch.float32 if n == "norm" or n.endswith(_NORMS) else dtype).contiguous()
+            for n, t in raw.items()}

@@ -39,7 +39,7 @@ from backend.vit_client import VitClient
 from backend.weights import load_weights
 from kvyard.model_config import ModelConfig, load_model_config
 from kvyard.roles import Role
-from kvyard.pooling_model import ModelKind, load_pooling_spec
+from kvyard.pooling_model import GEMMA_TYPES, ModelKind, load_pooling_spec
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.backend")
@@ -125,7 +125,7 @@ def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
     if spec.is_decoder:
         weights, ops = load_decoder(cfg, load_model_config(cfg.checkpoint_path))
         model = DecoderPoolingModel(spec, dtype, device, weights, ops)
-    elif spec.model_type == "gemma3_text":  # EmbeddingGemma
+    elif spec.model_type in GEMMA_TYPES:  # EmbeddingGemma
         model = GemmaEncoderModel(spec, dtype, device)
     else:
         model = EncoderModel(spec, dtype, device)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from backend.checkpoint import read_gguf_floats
 from kvyard.model_path import ModelFileError
 from kvyard.st_files import DenseModule
 
@@ -28,11 +29,15 @@ class DenseLayer:
 def load_dense(modules: tuple[DenseModule, ...], dtype: torch.dtype, device: torch.device) -> list[DenseLayer]:
     layers = []
     for m in modules:
-        raw = load_file(str(m.weights)) if m.weights.suffix == ".safetensors" else \
-            torch.load(m.weights, map_location="cpu", weights_only=True)
+        if m.tensor:
+            raw = {"linear.weight": read_gguf_floats(m.weights, {m.tensor}).get(m.tensor)}
+        elif m.weights.suffix == ".safetensors":
+            raw = load_file(str(m.weights))
+        else:
+            raw = torch.load(m.weights, map_location="cpu", weights_only=True)
         weight = raw.get("linear.weight")
         if weight is None or tuple(weight.shape) != (m.out_features, m.in_features):
-            raise ModelFileError(f"{m.weights}: linear.weight is not [{m.out_features}, {m.in_features}]")
+            raise ModelFileError(f"{m.weights}: {m.tensor or 'linear.weight'} is not [{m.out_features}, {m.in_features}]")
         residual = raw.get("residual.weight") if m.residual and m.in_features != m.out_features else None
         if m.residual and m.in_features != m.out_features and residual is None:
             raise ModelFileError(f"{m.weights}: use_residual needs residual.weight")

@@ -13,6 +13,8 @@ tiny random ones written as llama.cpp's converter writes them (tests/support), s
   that row changes;
 - a tiny Nomic BERT embedder (nomic-embed-text's kind: `nomic-bert`, rotary positions, SwiGLU): the cosine;
 - a tiny ModernBERT embedder (`modern-bert`: byte-level BPE, windowed layers, GeGLU): the token ids, the cosine;
+- a tiny EmbeddingGemma (`gemma-embedding`: bidirectional Gemma 3 layers, a symmetric window, norms as 1 + w, the
+  Dense matrices dense_2 / dense_3): the token ids, the cosine;
 - a tiny XLM-RoBERTa embedder and cross-encoder (BGE-M3's and bge-reranker's kind: a SentencePiece Unigram
   vocabulary, `t5`): the token ids, single and paired, then the vectors' cosine and the scores;
 - a tiny Qwen3-Reranker (rank, the head's yes/no rows): both scores are P(yes).
@@ -39,6 +41,7 @@ from kvyard.ports import free_port_block  # noqa: E402
 from kvyard.tokenizer import pooling_tokenizer  # noqa: E402
 from tests.backend.test_gguf_pooling import yes_no  # noqa: E402
 from tests.support.procs import pdfusion, stop_groups, wait_healthy  # noqa: E402
+from tests.support.tiny_embedding_gemma import tiny_embedding_gemma, write_embedding_gemma_gguf  # noqa: E402
 from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf  # noqa: E402
 from tests.support.tiny_models import EXACT_TYPES, tiny_model, write_gguf  # noqa: E402
 
@@ -126,6 +129,15 @@ def main() -> None:
     print(f"{'ModernBERT: token ids equal to llama-server /tokenize':55} {same}")
     show("ModernBERT embedder (mean)", vectors(kvyard_answer(path, "/v1/embeddings", {"input": long},
                                                              root / "modernbert.log")), vectors(answers[-1]), cosines)
+
+    gemma = tiny_embedding_gemma(root / "embeddinggemma-tiny")
+    path = write_embedding_gemma_gguf(gemma, root / "embeddinggemma-tiny.gguf")
+    answers = llama_answers(path, "--embedding", [("/tokenize", {"content": t, "add_special": True}) for t in long]
+                            + [("/v1/embeddings", {"input": long})])
+    same = all(a["tokens"] == pooling_tokenizer(path).encode(t).ids for a, t in zip(answers, long))
+    print(f"{'EmbeddingGemma: token ids equal to llama-server /tokenize':55} {same}")
+    show("EmbeddingGemma (mean, dense_2, dense_3)", vectors(kvyard_answer(path, "/v1/embeddings", {"input": long},
+                                                                          root / "gemma.log")), vectors(answers[-1]), cosines)
 
     rerank = {"query": QUERY, "documents": TEXTS}
     path = write_bert_gguf(cross_encoder(root / "ce", "BertForSequenceClassification"), root / "cross-encoder.gguf")

@@ -48,7 +48,9 @@ ENCODER_ARCHITECTURES = {
     "Gemma3TextModel": ModelKind.EMBED,  # EmbeddingGemma (bidirectional: kvyard/encoder_families.py)
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "nomic-bert", "modern-bert")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "nomic-bert", "modern-bert",
+                 "gemma-embedding")
+GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
 # *ForSequenceClassification (a `score` head over the last token).
@@ -60,9 +62,9 @@ DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, XLM-R, ms-marco cross-encoders as
 # llama.cpp converts them; `nomic-bert`: nomic-embed-text v1/v1.5, rotary positions and a SwiGLU FFN;
-# `modern-bert`: ModernBERT's embedders) pool always; without a pooling type, as a Hugging Face BERT directory
+# `modern-bert`: ModernBERT's embedders; `gemma-embedding`: EmbeddingGemma) pool always; without a pooling type, as a Hugging Face BERT directory
 # without sentence-transformers files: CLS.
-GGUF_ENCODERS = ("bert", "nomic-bert", "modern-bert")
+GGUF_ENCODERS = ("bert", "nomic-bert", "modern-bert", "gemma-embedding")
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
 
@@ -246,8 +248,10 @@ def _gguf_spec(path: Path) -> PoolingSpec:
             labels = tuple(str(named[i]) if i < len(named) else f"LABEL_{i}" for i in range(head.shape[0]))
             return PoolingSpec(path=path, kind=ModelKind.CLASSIFY, model_type=arch, hidden_size=hidden, max_len=context,
                                labels=labels)
+        dense = [DenseModule(path, t.shape[1], t.shape[0], "identity", tensor=name) for name in ("dense_2.weight",
+                 "dense_3.weight") if (t := read_gguf_index(path).tensors.get(name)) is not None]  # EmbeddingGemma's
         return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
-                           pooling=pooling, normalize=True)
+                           pooling=pooling, normalize=True, dense=_dense_chain(path, ModelKind.EMBED, hidden, dense))
     config, pooling = load_model_config(path), _gguf_pooling(path)  # an unsupported architecture fails by name
     if pooling == "rank":
         return _gguf_qwen3_reranker(path, config.architecture, config.hidden_size, config.max_position_embeddings)

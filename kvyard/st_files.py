@@ -28,6 +28,7 @@ class DenseModule:
     out_features: int
     activation: str      # one of DENSE_ACTIVATIONS' values
     residual: bool = False
+    tensor: str = ""     # set: `weights` is a GGUF holding the matrix under this name (llama.cpp's dense_2, no bias)
 
 
 def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """EmbeddingGemma (backend/gemma_encoder.py): a tiny random Gemma3TextModel with bidirectional attention and
 EmbeddingGemma's sentence-transformers pipeline against sentence-transformers' own `encode` over transformers on
 the same weights — texts longer than the sliding layers' window, a batch with padding, the query prompt — and
-served through the openai client; a causal Gemma 3 refused by name."""
+served through the openai client; a causal Gemma 3 refused by name. The same as llama.cpp's converter writes it
+(`gemma-embedding`: norms as 1 + w, the Dense matrices as dense_2 / dense_3, a byte-level vocabulary)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -20,7 +22,7 @@ from kvyard.pooling_model import ModelKind, load_pooling_spec, model_kind
 from kvyard.tokenizer import pooling_tokenizer
 from tests.backend.test_encoder import _batch, _values
 from tests.support.procs import pdfusion
-from tests.support.tiny_embedding_gemma import PROMPTS, tiny_embedding_gemma
+from tests.support.tiny_embedding_gemma import PROMPTS, tiny_embedding_gemma, write_embedding_gemma_gguf
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -101,3 +103,56 @@ def test_a_gemma_it_does_not_run_is_refused(gemma: Path, tmp_path: Path) -> None
         (path / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ModelFileError, match=key):
             load_pooling_spec(path)
+
+
+@pytest.mark.parametrize("qtype, cosine", [("F32", 0.99999), ("Q8_0", 0.999)])
+def test_a_gguf_embeds_as_sentence_transformers(gemma: Path, tmp_path: Path, qtype: str, cosine: float) -> None:
+    path = write_embedding_gemma_gguf(gemma, tmp_path / f"embeddinggemma-tiny.{qtype}.gguf", qtype)
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.model_type, spec.pooling, spec.normalize, spec.dimensions, spec.is_decoder) == \
+        (ModelKind.EMBED, "gemma-embedding", "mean", True, 64, False)
+    assert [(d.in_features, d.out_features, d.tensor) for d in spec.dense] == [(64, 96, "dense_2.weight"),
+                                                                              (96, 64, "dense_3.weight")]
+    reference = pooling_tokenizer(gemma)
+    tok = pooling_tokenizer(path)
+    assert all(tok.encode(t).ids == reference.encode(t).ids for t in TEXTS)  # <bos> ... <eos>, as the directory's
+    model = GemmaEncoderModel(spec, torch.float32, CPU)
+    assert model.cfg.eps == pytest.approx(1e-6)  # stored as a float32
+    assert replace(model.cfg, eps=1e-6) == GemmaEncoderConfig.from_dir(gemma)  # scale: key_length^-1/2, 16 both
+    ours = _values(run_task(model, PoolTask.EMBED, *_batch(tok, TEXTS)))
+    theirs = _st(gemma, TEXTS)
+    assert F.cosine_similarity(ours, theirs).min() >= cosine
+    if qtype == "F32":
+        assert (ours - theirs).abs().max() < 1e-5
+        with pdfusion(path, "embeddinggemma-gguf", tmp_path / "pdfusion.log") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            got = client.embeddings.create(model="embeddinggemma-gguf", input=TEXTS[:2]).data
+            assert F.cosine_similarity(torch.tensor([d.embedding for d in got]), theirs[:2]).min() >= 0.99999
+
+
+def test_a_gguf_without_the_pattern_takes_llama_cpps(gemma: Path, tmp_path: Path) -> None:
+    """No sliding_window_pattern (as the converter writes EmbeddingGemma): every sixth layer full, as llama.cpp
+    reads it — the published 24-layer model's layer_types."""
+    import gguf
+    import numpy as np
+    path = write_embedding_gemma_gguf(gemma, tmp_path / "with.gguf")
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "without.gguf"), "gemma-embedding")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "gemma-embedding.attention.sliding_window_pattern"):
+            continue
+        value = field.contents()
+        if field.name == "gemma-embedding.block_count":
+            value = 24
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, kind)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg = GemmaEncoderConfig.from_gguf(tmp_path / "without.gguf")
+    assert cfg.num_layers == 24 and [i for i in range(24) if i not in cfg.sliding] == [5, 11, 17, 23]

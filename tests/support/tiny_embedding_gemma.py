@@ -53,3 +53,80 @@ def tiny_embedding_gemma(path: Path, seed: int = 0, sliding_window: int = 8) -> 
         Dense(n_in, n_out, bias=False, activation_function=nn.Identity()).save(str(path / folder))
     (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS, "default_prompt_name": None}))
     return path
+
+
+def write_embedding_gemma_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """The directory as llama.cpp's converter writes EmbeddingGemma (`gemma-embedding`): the norms stored as
+    1 + w, the Dense modules' matrices as dense_2 / dense_3 with their feature sizes, mean pooling, the
+    checkpoint's sliding_window (512 in the published one); the byte-level vocabulary as `gpt2` (pre-tokenizer
+    gpt-2) with <bos> and <eos> added. The sliding layers as a flag per layer (the converter leaves the key out:
+    llama.cpp's default, every sixth layer full, is the published model's, not this 3-layer one's). Matrices in
+    `qtype` (F32, F16, Q8_0), vectors in F32."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    a = "gemma-embedding"
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_name(hf_dir.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    dense = {"dense_2": hf_dir / "2_Dense", "dense_3": hf_dir / "3_Dense"}
+    for name, folder in dense.items():
+        c = json.loads((folder / "config.json").read_text())
+        w.add_dense_features_dims(name, c["in_features"], c["out_features"])
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    control = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for add, token in (("bos", "<bos>"), ("eos", "<eos>"), ("pad", "<pad>"), ("unk", "<unk>")):
+        getattr(w, f"add_{add}_token_id")(vocab[token])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    tensors = {}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        stem = name.removesuffix(".weight")
+        if stem == "embed_tokens":
+            ours = "token_embd"
+        elif stem == "norm":
+            ours = "output_norm"
+        else:
+            _, i, part = stem.split(".", 2)
+            ours = f"blk.{i}.{layer[part]}"
+        tensors[ours + ".weight"] = t.float() + 1.0 if ours.endswith("norm") else t.float()
+    for name, folder in dense.items():
+        tensors[name + ".weight"] = load_file(str(folder / "model.safetensors"))["linear.weight"].float()
+    for name, t in tensors.items():
+        array = t.numpy().astype(np.float32)
+        if array.ndim == 2 and qtype != "F32":
+            kind = getattr(gguf.GGMLQuantizationType, qtype)
+            w.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
