@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.encoder import EncoderModel
+from backend.gemma_encoder import GemmaEncoderModel
 from backend.engine_types import PoolTask
 from backend.vision_tower import load_vision_tower
 from backend.lora_weights import load_adapter
@@ -43,6 +44,7 @@ from tests.backend.test_vision_qwen import Served, assert_close
 from tests.backend.test_vision_qwen import engine_run as vision_run
 from tests.backend.test_vision_qwen import hf_greedy as vision_greedy
 from kvyard.tokenizer import pooling_tokenizer
+from tests.support.tiny_embedding_gemma import tiny_embedding_gemma
 from tests.support.tiny_encoders import tiny_encoder, write_bert_gguf
 from tests.support.procs import RoleProcess, free_port_block
 from tests.support.tiny_models import EXACT_TYPES, hf_greedy, save_hf_dir, tiny_model
@@ -164,6 +166,34 @@ def test_encoders_match_transformers(tmp_path: Path, arch: str, as_gguf: bool) -
     m = mask.unsqueeze(-1).float()
     ref = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
     assert F.cosine_similarity(ours, ref).min() >= 0.99999
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.03)])
+def test_embedding_gemma_matches_sentence_transformers(tmp_path: Path, dtype: torch.dtype, atol: float) -> None:
+    """EmbeddingGemma's encoder (grouped heads, the window, Gemma's norms, two Dense projections) on the device,
+    float32 and bfloat16, against sentence-transformers on the CPU in float32."""
+    from sentence_transformers import SentenceTransformer
+    hf = tiny_embedding_gemma(tmp_path / "gemma")
+    ids, types, mask = _batch(pooling_tokenizer(hf), SENTENCES)
+    pooled = run_task(GemmaEncoderModel(load_pooling_spec(hf), dtype, DEVICE), PoolTask.EMBED,
+                      ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
+    ours = torch.tensor([p.values for p in pooled])
+    ref = torch.from_numpy(SentenceTransformer(str(hf), device="cpu").encode(SENTENCES))
+    assert F.cosine_similarity(ours, ref).min() >= (0.99999 if dtype == torch.float32 else 0.999)
+    assert (ours - ref).abs().max() < atol
+
+
+def test_a_modernbert_classifier_matches_transformers(tmp_path: Path) -> None:
+    import transformers
+    hf = tiny_encoder(tmp_path / "ce", arch="ModernBertForSequenceClassification", num_labels=3, classifier_pooling="mean")
+    ids, types, mask = _batch(pooling_tokenizer(hf), SENTENCES[:3], SENTENCES[3:6])
+    logits = run_task(EncoderModel(load_pooling_spec(hf), torch.float32, DEVICE), PoolTask.CLASSIFY,
+                      ids.to(DEVICE), types.to(DEVICE), mask.to(DEVICE))
+    ours = torch.tensor([p.values for p in logits])
+    with torch.no_grad():
+        ref = transformers.ModernBertForSequenceClassification.from_pretrained(hf).eval()(
+            input_ids=ids, attention_mask=mask.long()).logits
     assert torch.allclose(ours, ref, atol=1e-4)
 
 
