@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: 
     MODEL_NAME on the main backend, and the chat routes answer 400 (FrontendConfig.generates)."""
     value = env.get("EMBEDDING_MODEL_PATH", "")
     if main is not None:  # CHECKPOINT_PATH pools
-        spec = load_pooling_spec(main)
+        spec = _matryoshka(env, load_pooling_spec(main))
         if value:
             raise ValueError(f"CHECKPOINT_PATH {main} is itself {spec.kind.a}; a frontend serves one pooling "
                              "model, so EMBEDDING_MODEL_PATH cannot add another (give a chat model as CHECKPOINT_PATH)")
@@ -134,10 +134,30 @@ def _embedding(env: Mapping[str, str], port: int, main: Path | None, main_name: 
     if not value:
         return {}
     path = resolve_embedding_path(value)
-    return {"embedding": load_pooling_spec(path),
+    return {"embedding": _matryoshka(env, load_pooling_spec(path)),
             "embedding_model_name": env_str(env, "EMBEDDING_MODEL_NAME", embedding_model_name(path)),
             "embedding_backend_address": env_str(env, "EMBEDDING_BACKEND_ADDRESS",
                                                  f"127.0.0.1:{backend_grpc_port(embedding_start_port(port))}")}
+
+
+def _matryoshka(env: Mapping[str, str], spec: PoolingSpec) -> PoolingSpec:
+    """MATRYOSHKA_DIMENSIONS: the shorter sizes `dimensions` may ask of an embed model whose files do not say
+    (EmbeddingGemma: 512,256,128; vLLM's `--hf-overrides '{"matryoshka_dimensions": [...]}'`): a comma-separated
+    list, or `any`; unset, the checkpoint's `matryoshka_dimensions` / `is_matryoshka`."""
+    value = env.get("MATRYOSHKA_DIMENSIONS", "").strip()
+    if not value:
+        return spec
+    if spec.kind is not ModelKind.EMBED:
+        raise ValueError(f"MATRYOSHKA_DIMENSIONS is for an embed model; {spec.path} is {spec.kind.a}")
+    if value == "any":
+        return replace(spec, matryoshka_dimensions=())
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"MATRYOSHKA_DIMENSIONS must be `any` or sizes like 512,256,128, not {value!r}") from None
+    if any(not 0 < d <= spec.dimensions for d in sizes):
+        raise ValueError(f"MATRYOSHKA_DIMENSIONS {value!r}: each size must be 1..{spec.dimensions} (the model's)")
+    return replace(spec, matryoshka_dimensions=sizes)
 
 
 def _tool_parser(name: str | None) -> str | None:

@@ -83,11 +83,32 @@ def test_transformers_4_keys_read_the_same(gemma: Path, tmp_path: Path) -> None:
 
 
 def test_served_through_the_openai_client(gemma: Path) -> None:
+    """With MATRYOSHKA_DIMENSIONS (EmbeddingGemma's files do not list its sizes): `dimensions` 32 is the vector's
+    first 32 values, renormalised, as sentence-transformers' truncate_dim gives them; 24 is a 400."""
+    from sentence_transformers import SentenceTransformer
     theirs = _st(gemma, TEXTS[:3])
-    with pdfusion(gemma, "embeddinggemma-tiny", gemma.parent / "pdfusion.log") as url:
+    short = torch.from_numpy(SentenceTransformer(str(gemma), device="cpu", truncate_dim=32).encode(
+        TEXTS[:3], normalize_embeddings=True))
+    with pdfusion(gemma, "embeddinggemma-tiny", gemma.parent / "pdfusion.log",
+                  env={"MATRYOSHKA_DIMENSIONS": "32,16"}) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         got = torch.tensor([d.embedding for d in client.embeddings.create(model="embeddinggemma-tiny", input=TEXTS[:3]).data])
         assert got.shape == (3, 64) and F.cosine_similarity(got, theirs).min() >= 0.99999
+        cut = client.embeddings.create(model="embeddinggemma-tiny", input=TEXTS[:3], dimensions=32).data
+        got = torch.tensor([d.embedding for d in cut])
+        assert got.shape == (3, 32) and (got - short).abs().max() < 1e-5
+        with pytest.raises(openai.BadRequestError, match="16, 32, 64"):
+            client.embeddings.create(model="embeddinggemma-tiny", input="x", dimensions=24)
+
+
+def test_matryoshka_dimensions_a_frontend_cannot_honour_stop_the_start(gemma: Path) -> None:
+    from frontend.config import FrontendConfig
+    env = {"CHECKPOINT_PATH": str(gemma), "START_PORT": "7000"}
+    assert FrontendConfig.from_env(env).embedding.matryoshka_dimensions is None  # type: ignore[union-attr]
+    assert FrontendConfig.from_env({**env, "MATRYOSHKA_DIMENSIONS": "any"}).embedding.matryoshka_dimensions == ()  # type: ignore[union-attr]
+    for bad, message in (("128", "1..64"), ("0", "1..64"), ("half", "any")):
+        with pytest.raises(ValueError, match=message):
+            FrontendConfig.from_env({**env, "MATRYOSHKA_DIMENSIONS": bad})
 
 
 def test_a_gemma_it_does_not_run_is_refused(gemma: Path, tmp_path: Path) -> None:
