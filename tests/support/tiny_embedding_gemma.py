@@ -66,6 +66,7 @@ def write_embedding_gemma_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> 
     import numpy as np
     from safetensors.torch import load_file
 
+    from tests.support.tiny_encoders import write_bpe_vocab
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     a = "gemma-embedding"
@@ -88,18 +89,7 @@ def write_embedding_gemma_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> 
     for name, folder in dense.items():
         c = json.loads((folder / "config.json").read_text())
         w.add_dense_features_dims(name, c["in_features"], c["out_features"])
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    control = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    for add, token in (("bos", "<bos>"), ("eos", "<eos>"), ("pad", "<pad>"), ("unk", "<unk>")):
-        getattr(w, f"add_{add}_token_id")(vocab[token])
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
+    write_bpe_vocab(w, tok, "gpt-2", {"bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>"})
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",

@@ -204,7 +204,7 @@ def write_bert_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         w.add_pooling_type(gguf.PoolingType.MEAN if pooling.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS)
     w.add_token_type_count(cfg.get("type_vocab_size", 2))
     if modern:
-        _write_bpe_vocab(w, tok)
+        write_bpe_vocab(w, tok)
     elif tok["model"]["type"] == "Unigram":
         _write_unigram_vocab(w, tok, cfg["vocab_size"])
     else:
@@ -252,19 +252,23 @@ def _modernbert_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {modernbert_name(name) or name: t for name, t in weights.items()}
 
 
-def _write_bpe_vocab(w, tok: dict) -> None:  # type: ignore[no-untyped-def]
-    """ModernBERT's: byte-level BPE (`gpt2`, pre-tokenizer `modern-bert`), [CLS] as BOS and [SEP] as EOS, added."""
+MODERNBERT_SPECIALS = {"bos": "[CLS]", "eos": "[SEP]", "sep": "[SEP]", "pad": "[PAD]", "unk": "[UNK]", "mask": "[MASK]"}
+
+
+def write_bpe_vocab(w, tok: dict, pre: str = "modern-bert",  # type: ignore[no-untyped-def]
+                    specials: dict[str, str] = MODERNBERT_SPECIALS) -> None:
+    """A tokenizer.json's byte-level BPE as `gpt2` under llama.cpp's pre-tokenizer `pre`, its special tokens'
+    ids (ModernBERT's by default: [CLS] as BOS and [SEP] as EOS), BOS and EOS added."""
     import gguf
     vocab: dict[str, int] = tok["model"]["vocab"]
     control = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("modern-bert")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    for add, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("unk", "[UNK]"),
-                       ("mask", "[MASK]")):
+    for add, token in specials.items():
         getattr(w, f"add_{add}_token_id")(vocab[token])
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
