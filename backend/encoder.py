@@ -20,17 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
-from backend.checkpoint import read_gguf_floats
 from backend.encoder_attention import attention_kernel, packed_attention
+from backend.encoder_weights import LAYER_LINEARS, load_encoder_weights
 from backend.st_dense import load_dense
 from kvyard.gguf_meta import read_gguf_index
 from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
 
-_PREFIXES = ("bert.", "roberta.", "model.")
-_LAYER_LINEARS = ("qkv", "attention.output.dense", "intermediate.dense", "output.dense")
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,7 @@ class EncoderModel:
         self.cfg = EncoderConfig.from_gguf(spec.path) if gguf_file else EncoderConfig.from_dir(spec.path)
         self.device = device
         self.dtype = dtype
-        self.w = (_load_gguf if gguf_file else _load)(spec.path, dtype, device)
+        self.w = load_encoder_weights(spec.path, dtype, device, gguf_file)
         missing = [n for n in _required(self.cfg, spec) if n not in self.w]
         if missing:
             raise ModelFileError(f"{spec.path}: weights missing {', '.join(missing[:5])}")
@@ -131,7 +128,7 @@ class EncoderModel:
         # for one short sentence (a few rows, the weights streamed from memory) cut the linears by ~20-25%
         # and is no slower for a batch of 32 (one core, 6 layers' FFN: 3.1-3.9 vs 4.2-5.7 ms at 6 rows).
         for i in range(self.cfg.num_layers):
-            for name in _LAYER_LINEARS:
+            for name in LAYER_LINEARS:
                 key = f"encoder.layer.{i}.{name}.weight"
                 self.w[key] = self.w[key].t().contiguous()
         self.dense = load_dense(spec.dense, dtype, device)
@@ -281,112 +278,3 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     if spec.has_head("colbert"):
         names.append("colbert_linear.weight")
     return names
-
-
-# llama.cpp's `bert` tensor names → Hugging Face BERT's (a layer's part after `blk.N.`).
-_GGUF_TOP = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
-             "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
-             "cls": "pooler.dense", "cls.output": "classifier",  # a cross-encoder's head (pooling type rank)
-             "output_norm": "final_norm"}  # ModernBERT's
-_GGUF_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
-               "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
-               "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
-               # nomic-bert's: q, k and v in one matrix; SwiGLU's gate beside ffn_up (joined as [gate; up] below)
-               "attn_qkv": "qkv", "ffn_gate": "intermediate.gate",
-               "attn_norm": "attention.norm", "ffn_norm": "ffn.norm"}  # modern-bert's pre-norms
-
-
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """A BERT (or Nomic BERT) GGUF's tensors, dequantized (an encoder's linears run as float GEMMs here), under
-    Hugging Face's names (a cross-encoder's `cls` / `cls.output`: BERT's pooler and classifier); then as _load. A
-    tensor we have no place for is refused by name."""
-    raw: dict[str, torch.Tensor] = {}
-    for name, t in read_gguf_floats(path).items():
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
-            ours = f"encoder.layer.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-        elif ".".join(parts[:-1]) in _GGUF_TOP:
-            ours = f"{_GGUF_TOP['.'.join(parts[:-1])]}.{parts[-1]}"
-        else:
-            raise ModelFileError(f"{path}: tensor {name} is not part of a BERT encoder this server runs")
-        raw[ours] = t
-    return _fuse_and_place(raw, dtype, device)
-
-
-def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor under our names, q/k/v fused into one [3D, D] matrix per layer."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{path}: no *.safetensors files")
-    raw: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, t in load_file(str(file)).items():
-            for prefix in _PREFIXES:
-                if name.startswith(prefix):
-                    name = name[len(prefix):]
-                    break
-            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or modernbert_name(name) or name] = t
-    for head in ("sparse_linear", "colbert_linear"):  # BGE-M3 ships these as torch state dicts
-        if (path / f"{head}.pt").is_file():
-            for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
-                raw[f"{head}.{key}"] = t
-    return _fuse_and_place(raw, dtype, device)
-
-
-# Nomic BERT's checkpoint names (as nomic-embed-text ships them, and as transformers saves its NomicBertModel):
-# `fc11` is the up and `fc12` the gate projection.
-NOMIC_NAMES = {"emb_ln.weight": "embeddings.LayerNorm.weight", "emb_ln.bias": "embeddings.LayerNorm.bias"}
-NOMIC_LAYER = {"attn.Wqkv": "qkv", "attn.out_proj": "attention.output.dense", "norm1": "attention.output.LayerNorm",
-                "mlp.fc11": "intermediate.dense", "mlp.fc12": "intermediate.gate", "mlp.fc2": "output.dense",
-                "norm2": "output.LayerNorm"}
-
-
-def nomic_layer_name(name: str) -> str | None:
-    """encoder.layers.N.<part>.<kind> → encoder.layer.N.<ours>.<kind>, or None for any other name."""
-    if not name.startswith("encoder.layers."):
-        return None
-    _, _, i, rest = name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"encoder.layer.{i}.{NOMIC_LAYER[part]}.{kind}" if part in NOMIC_LAYER else None
-
-
-# ModernBERT's names (after the `model.` prefix): its pre-norms as `attention.norm` / `ffn.norm`.
-_MODERNBERT_LAYER = {"attn_norm": "attention.norm", "attn.Wqkv": "qkv", "attn.Wo": "attention.output.dense",
-                     "mlp_norm": "ffn.norm", "mlp.Wi": "intermediate.dense", "mlp.Wo": "output.dense"}
-_MODERNBERT_TOP = {"embeddings.tok_embeddings": "embeddings.word_embeddings", "embeddings.norm": "embeddings.LayerNorm"}
-
-
-def modernbert_name(name: str) -> str | None:
-    """layers.N.<part>.<kind> and the embeddings' names → ours, or None for any other name."""
-    stem, kind = name.rsplit(".", 1)
-    if stem in _MODERNBERT_TOP:
-        return f"{_MODERNBERT_TOP[stem]}.{kind}"
-    if not name.startswith("layers."):
-        return None
-    _, i, part = stem.split(".", 2)
-    return f"encoder.layer.{i}.{_MODERNBERT_LAYER[part]}.{kind}" if part in _MODERNBERT_LAYER else None
-
-
-def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    i = 0
-    while f"encoder.layer.{i}.attention.self.query.weight" in raw:
-        p = f"encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            raw[p + "qkv." + kind] = torch.cat([raw.pop(f"{p}attention.self.{n}.{kind}")
-                                                for n in ("query", "key", "value")])
-        i += 1
-    i = 0
-    while f"encoder.layer.{i}.qkv.weight" in raw:
-        p = f"encoder.layer.{i}."
-        if p + "intermediate.gate.weight" in raw:  # SwiGLU: [gate; up], as _act splits it
-            raw[p + "intermediate.dense.weight"] = torch.cat([raw.pop(p + "intermediate.gate.weight"),
-                                                              raw[p + "intermediate.dense.weight"]])
-        for name in _LAYER_LINEARS:  # Nomic BERT and ModernBERT have no biases: zeros, so every linear is one addmm
-            if p + name + ".weight" in raw and p + name + ".bias" not in raw:
-                raw[p + name + ".bias"] = torch.zeros(raw[p + name + ".weight"].shape[0])
-        i += 1
-    for name in [n for n in raw if n.endswith("norm.weight") or n.endswith("LayerNorm.weight")]:
-        raw.setdefault(name.removesuffix("weight") + "bias", torch.zeros_like(raw[name]))  # ModernBERT's norms
-    raw.pop("embeddings.position_ids", None)
-    return {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
-            for n, t in raw.items()}

@@ -243,12 +243,12 @@ def _nomic_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Nomic BERT's checkpoint names (transformers saves them as nomic-embed-text ships them: `emb_ln`,
     `encoder.layers.N.attn.Wqkv`, `mlp.fc11` the up and `fc12` the gate projection) under the encoder's names,
     which write_bert_gguf maps to llama.cpp's (`attn_qkv`, `ffn_gate`, ...)."""
-    from backend.encoder import NOMIC_NAMES, nomic_layer_name
+    from backend.encoder_weights import NOMIC_NAMES, nomic_layer_name
     return {NOMIC_NAMES.get(name) or nomic_layer_name(name) or name: t for name, t in weights.items()}
 
 
 def _modernbert_as_bert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from backend.encoder import modernbert_name
+    from backend.encoder_weights import modernbert_name
     return {modernbert_name(name) or name: t for name, t in weights.items()}
 
 
