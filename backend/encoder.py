@@ -1,4 +1,4 @@
-"""The encoder model family (BERT, XLM-RoBERTa, Nomic BERT): token ids → hidden states → the checkpoint's heads.
+"""The encoder model family (BERT, XLM-RoBERTa, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
 The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
@@ -6,7 +6,8 @@ directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpo
 llama.cpp's `bert` architecture (dequantized at load); or, from a GGUF of llama.cpp's `nomic-bert` or a Nomic
 BERT directory (nomic-embed-text), rotary positions (NeoX halves) on q and k, a SwiGLU FFN and no biases; or
 ModernBERT's pre-norm layers (its first without a norm, a final norm after the last): rotary positions at a base
-per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN. Heads:
+per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN; or GTE's
+post-norm layers with rotary positions (fixed NTK scaling in Alibaba's `new` configs) and a GeGLU FFN. Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
   (tanh) and `classifier.out_proj` over <s>; ModernBERT's `head` (dense, its activation, a norm) over [CLS] or
   the mean of the tokens, then `classifier`. Logits out; the frontend turns them into probabilities.
@@ -47,6 +48,7 @@ class EncoderConfig:
     local_rope_theta: float = 0.0  # the sliding layers' rotary base (ModernBERT: 10000)
     head_pooling: str = "cls"      # a ModernBERT classifier's: "cls" or "mean" (classifier_pooling)
     head_activation: str = "gelu"  # ... and its head's activation (classifier_activation, an ACT2FN key)
+    ntk_factor: float = 1.0        # GTE's `new` checkpoints' fixed NTK scaling: base x f, frequencies / f^(2/d)
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
@@ -95,6 +97,16 @@ class EncoderConfig:
                                               or cfg.get("local_rope_theta") or 10000.0),
                        head_pooling=str(cfg.get("classifier_pooling", "cls")),
                        head_activation=str(cfg.get("classifier_activation", "gelu")))
+        if cfg["model_type"] in ("gte", "new"):  # transformers' GteConfig, or Alibaba's own (NewConfig's) keys
+            rope = cfg.get("rope_parameters") or {}
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+                       num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
+                       layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                       activation="swiglu" if cfg.get("hidden_act", "gelu") == "silu" else "geglu", position_offset=0,
+                       type_vocab_size=int(cfg.get("type_vocab_size", 0 if cfg["model_type"] == "new" else 1)),
+                       rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta")
+                                        or (10000.0 if cfg["model_type"] == "new" else 160000.0)),
+                       ntk_factor=float((cfg.get("rope_scaling") or {}).get("factor", 1.0)))
         if cfg["model_type"] == "nomic_bert":  # nomic-embed-text's own keys, or transformers' NomicBertConfig's
             theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") or 1000.0
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
@@ -134,7 +146,8 @@ class EncoderModel:
         self.dense = load_dense(spec.dense, dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(dtype, device, head_dim)
-        self._inv_freq = [1.0 / theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim)
+        f = self.cfg.ntk_factor
+        self._inv_freq = [1.0 / (theta * f) ** (torch.arange(0, head_dim, 2, device=device) / head_dim) / f ** (2 / head_dim)
                           for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta) if theta]
 
     def weight_bytes(self) -> int:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from backend.checkpoint import read_gguf_floats
 from kvyard.model_path import ModelFileError
 
-_PREFIXES = ("bert.", "roberta.", "model.")
+_PREFIXES = ("bert.", "roberta.", "model.", "gte.", "new.")
 LAYER_LINEARS = ("qkv", "attention.output.dense", "intermediate.dense", "output.dense")
 
 
@@ -63,7 +63,7 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, tor
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
-            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or modernbert_name(name) or name] = t
+            raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or modernbert_name(name) or gte_name(name) or name] = t
     for head in ("sparse_linear", "colbert_linear"):  # BGE-M3 ships these as torch state dicts
         if (path / f"{head}.pt").is_file():
             for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
@@ -105,6 +105,22 @@ def modernbert_name(name: str) -> str | None:
     return f"encoder.layer.{i}.{_MODERNBERT_LAYER[part]}.{kind}" if part in _MODERNBERT_LAYER else None
 
 
+# GTE's names (gte-multilingual, gte-*-en-v1.5: Alibaba's `new` checkpoints, and transformers' GteModel, which
+# saves in the same names): q/k/v in one matrix, [up; gate] in one.
+_GTE_LAYER = {"attention.qkv_proj": "qkv", "attention.o_proj": "attention.output.dense",
+              "attn_ln": "attention.output.LayerNorm", "mlp.up_gate_proj": "intermediate.up_gate",
+              "mlp.down_proj": "output.dense", "mlp_ln": "output.LayerNorm"}
+
+
+def gte_name(name: str) -> str | None:
+    """encoder.layer.N.<GTE's part>.<kind> → ours, or None for any other name."""
+    if not name.startswith("encoder.layer."):
+        return None
+    _, _, i, rest = name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"encoder.layer.{i}.{_GTE_LAYER[part]}.{kind}" if part in _GTE_LAYER else None
+
+
 def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     i = 0
     while f"encoder.layer.{i}.attention.self.query.weight" in raw:
@@ -116,6 +132,9 @@ def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: to
     i = 0
     while f"encoder.layer.{i}.qkv.weight" in raw:
         p = f"encoder.layer.{i}."
+        if p + "intermediate.up_gate.weight" in raw:  # GTE's [up; gate]
+            up, gate = raw.pop(p + "intermediate.up_gate.weight").chunk(2)
+            raw[p + "intermediate.gate.weight"], raw[p + "intermediate.dense.weight"] = gate, up
         if p + "intermediate.gate.weight" in raw:  # SwiGLU: [gate; up], as _act splits it
             raw[p + "intermediate.dense.weight"] = torch.cat([raw.pop(p + "intermediate.gate.weight"),
                                                               raw[p + "intermediate.dense.weight"]])

@@ -1,4 +1,4 @@
-"""What each encoder family's config.json must say for backend/encoder.py (BERT, XLM-R, Nomic BERT, ModernBERT)
+"""What each encoder family's config.json must say for backend/encoder.py (BERT, XLM-R, Nomic BERT, ModernBERT, GTE)
 or backend/gemma_encoder.py (EmbeddingGemma) to run it as its reference does; anything else is refused at load,
 naming the key. kvyard/pooling_model.py asks here for the context the checkpoint's positions allow."""
 from __future__ import annotations
@@ -29,6 +29,9 @@ def encoder_positions(path: Path, cfg: dict[str, Any], classify: bool) -> int:
         _check_nomic(path, cfg)
         # Rotary positions have no table; the context is the one it was trained for (v1/v1.5: 2048 of 8192).
         return int(cfg.get("max_trained_positions") or cfg.get("max_position_embeddings") or cfg["n_positions"])
+    if model_type in ("gte", "new"):
+        _check_gte(path, cfg)
+        return int(cfg.get("max_position_embeddings", 8192))
     if model_type == "gemma3_text":
         _check_gemma(path, cfg)
         return int(cfg.get("max_position_embeddings", 2048))
@@ -93,3 +96,24 @@ def _check_gemma(path: Path, cfg: dict[str, Any]) -> None:
             raise ModelFileError(f"{path}: a Gemma 3 with {key}={value!r} is not supported (kvyard runs EmbeddingGemma's "
                                  "bidirectional encoder)")
     _check_layer_types(path, cfg, "Gemma 3")
+
+
+def _check_gte(path: Path, cfg: dict[str, Any]) -> None:
+    """GTE (gte-multilingual-base and its reranker, gte-*-en-v1.5): transformers' GteConfig (plain rotary
+    positions) or Alibaba's own `new` config (rotary, fixed NTK scaling allowed), post-norm LayerNorms, a gated
+    GELU or SiLU feed-forward; anything else refused by name."""
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("type") or scaling.get("rope_type")
+    wanted = {"hidden_act": (cfg.get("hidden_act", "gelu") in ("gelu", "silu"), cfg.get("hidden_act")),
+              "rope_parameters": ((cfg.get("rope_parameters") or {}).get("rope_type", "default") == "default",
+                                  cfg.get("rope_parameters")),
+              "rope_scaling": (not scaling or (kind == "ntk" and scaling.get("mixed_b") is None), scaling)}
+    if cfg["model_type"] == "new":
+        wanted.update({
+            "position_embedding_type": (cfg.get("position_embedding_type", "rope") == "rope",
+                                        cfg.get("position_embedding_type")),
+            "layer_norm_type": (cfg.get("layer_norm_type", "layer_norm") == "layer_norm", cfg.get("layer_norm_type")),
+            "logn_attention_scale": (not cfg.get("logn_attention_scale"), cfg.get("logn_attention_scale"))})
+    for key, (ok, value) in wanted.items():
+        if not ok:
+            raise ModelFileError(f"{path}: a GTE model with {key}={value!r} is not supported")

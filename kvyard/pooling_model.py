@@ -46,10 +46,12 @@ ENCODER_ARCHITECTURES = {
     "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
     "ModernBertForSequenceClassification": ModelKind.CLASSIFY,  # gte-reranker-modernbert
     "Gemma3TextModel": ModelKind.EMBED,  # EmbeddingGemma (bidirectional: kvyard/encoder_families.py)
+    "GteModel": ModelKind.EMBED, "NewModel": ModelKind.EMBED,  # gte-multilingual-base, gte-*-en-v1.5
+    "GteForSequenceClassification": ModelKind.CLASSIFY, "NewForSequenceClassification": ModelKind.CLASSIFY,
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "nomic-bert", "modern-bert",
-                 "gemma-embedding")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
+                 "modern-bert", "gemma-embedding")
 GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or

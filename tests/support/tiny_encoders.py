@@ -89,7 +89,8 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                  unigram: bool = False, classifier_pooling: str = "cls") -> Path:
     """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification,
     NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases), ModernBertModel (pre-norm,
-    rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU), ModernBertForSequenceClassification (that,
+    rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU), GteModel / GteForSequenceClassification
+    (post-norm, rotary at base 1000, GeGLU; saved in Alibaba's `new` names), ModernBertForSequenceClassification (that,
     with its head over [CLS] or, classifier_pooling "mean", the mean of the tokens).
     unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
@@ -106,6 +107,10 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=2,
             bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)
+    elif arch.startswith("Gte"):  # gte-multilingual's kind: XLM-R's vocabulary and pad id, one segment type
+        cfg = transformers.GteConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=1,
+                                     pad_token_id=1 if unigram else 0, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 1000.0})
     elif arch == "NomicBertModel":
         cfg = transformers.NomicBertConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=2,
                                            pad_token_id=0)
@@ -123,7 +128,7 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
         for name, p in model.named_parameters():
             if "LayerNorm" in name or "layernorm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if arch == "NomicBertModel" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch.startswith(("NomicBert", "Gte")) and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
             if modern and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
