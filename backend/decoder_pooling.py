@@ -18,7 +18,7 @@ from backend.attention import KVCache
 from backend.model import LlamaModel
 from backend.ops import TorchOps, Weight
 from backend.model_runner import DirectChunk, DirectSeq, ModelRunner
-from backend.st_dense import load_dense
+from backend.st_dense import dense_bytes, load_dense
 from backend.weights import load_weights
 from kvyard.model_config import load_model_config
 from kvyard.model_path import ModelFileError, is_gguf
@@ -69,7 +69,7 @@ class DecoderPoolingModel:
         self._cache: _SharedLayerCache | None = None
 
     def weight_bytes(self) -> int:
-        return self.llama.weight_bytes()
+        return self.llama.weight_bytes() + dense_bytes(self.dense)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from backend.checkpoint import read_gguf_floats
-from backend.st_dense import load_dense
+from backend.st_dense import dense_bytes, load_dense
 from kvyard.gguf_meta import read_gguf_index
 from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import PoolingSpec
@@ -99,7 +99,7 @@ class GemmaEncoderModel:
                           for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta)]
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
+        return sum(t.numel() * t.element_size() for t in self.w.values()) + dense_bytes(self.dense)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

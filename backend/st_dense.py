@@ -49,6 +49,11 @@ def load_dense(modules: tuple[DenseModule, ...], dtype: torch.dtype, device: tor
     return layers
 
 
+def dense_bytes(layers: list[DenseLayer]) -> int:
+    return sum(t.numel() * t.element_size() for layer in layers for t in (layer.weight, layer.bias, layer.residual)
+               if t is not None)
+
+
 def apply_dense(layers: list[DenseLayer], x: torch.Tensor) -> torch.Tensor:
     """x [B, in] → [B, out] through every layer."""
     for layer in layers:
