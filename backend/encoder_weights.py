@@ -79,13 +79,18 @@ NOMIC_LAYER = {"attn.Wqkv": "qkv", "attn.out_proj": "attention.output.dense", "n
                 "norm2": "output.LayerNorm"}
 
 
+def _layer_name(name: str, prefix: str, parts: dict[str, str]) -> str | None:
+    """<prefix>N.<part>.<kind> → encoder.layer.N.<ours>.<kind> for a part in `parts`, else None."""
+    if not name.startswith(prefix):
+        return None
+    i, rest = name[len(prefix):].split(".", 1)
+    part, kind = rest.rsplit(".", 1)
+    return f"encoder.layer.{i}.{parts[part]}.{kind}" if part in parts else None
+
+
 def nomic_layer_name(name: str) -> str | None:
     """encoder.layers.N.<part>.<kind> → encoder.layer.N.<ours>.<kind>, or None for any other name."""
-    if not name.startswith("encoder.layers."):
-        return None
-    _, _, i, rest = name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"encoder.layer.{i}.{NOMIC_LAYER[part]}.{kind}" if part in NOMIC_LAYER else None
+    return _layer_name(name, "encoder.layers.", NOMIC_LAYER)
 
 
 # ModernBERT's names (after the `model.` prefix): its pre-norms as `attention.norm` / `ffn.norm`.
@@ -114,11 +119,7 @@ _GTE_LAYER = {"attention.qkv_proj": "qkv", "attention.o_proj": "attention.output
 
 def gte_name(name: str) -> str | None:
     """encoder.layer.N.<GTE's part>.<kind> → ours, or None for any other name."""
-    if not name.startswith("encoder.layer."):
-        return None
-    _, _, i, rest = name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"encoder.layer.{i}.{_GTE_LAYER[part]}.{kind}" if part in _GTE_LAYER else None
+    return _layer_name(name, "encoder.layer.", _GTE_LAYER)
 
 
 def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
