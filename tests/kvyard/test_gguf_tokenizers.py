@@ -1,7 +1,8 @@
 """GGUF tokenizers of each family against the tokenizer they were made from: a vocabulary trained here
 per llama.cpp pre-tokenizer (split by the regexes transformers ships for those families), exported to
 GGUF metadata as llama.cpp's converter does, rebuilt by kvyard from that metadata alone, and compared
-on a few hundred strings (digits, CJK, emoji, code, whitespace runs, contractions, combining accents)."""
+on a few hundred strings (digits, CJK, emoji, code, whitespace runs, contractions, combining accents); the
+SentencePiece kind with and without the "▁" in front of the text (Llama 2's; Gemma's, `add_space_prefix` false)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,16 +33,17 @@ def reference_ids(spec: TokenizerSpec, text: str) -> list[int]:
     return enc if isinstance(enc, list) else enc.ids
 
 
-@pytest.fixture(scope="module", params=["gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "spm"])
+@pytest.fixture(scope="module", params=["gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "spm", "spm-no-prefix"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[TokenizerSpec, TextTokenizer]:
     pre = request.param
-    if pre == "spm":
-        spec = sentencepiece_tokenizer(extra_specials=("[INST]", "[/INST]"))
+    if pre.startswith("spm"):  # spm-no-prefix: Gemma's kind (add_space_prefix false)
+        spec = sentencepiece_tokenizer(extra_specials=("[INST]", "[/INST]"), space_prefix=pre == "spm")
     else:
         specials = {"llama-bpe": LLAMA3_SPECIALS, "qwen2": QWEN2_SPECIALS}.get(pre, ("<|endoftext|>",))
         spec = byte_level_tokenizer(pre, specials=specials,
                                     user_defined=("<tool_call>", "</tool_call>") if pre == "qwen2" else ())
     path = write_tokenizer_gguf(spec, tmp_path_factory.mktemp(pre.replace("-", "_")) / "tok.gguf")
+    assert gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.add_space_prefix") is not None or not pre.startswith("spm")
     return spec, TextTokenizer.from_path(path)
 
 

@@ -53,6 +53,7 @@ class TokenizerSpec:
     merges: list[str] = field(default_factory=list)   # byte-level BPE merges ("a b")
     scores: list[float] = field(default_factory=list)  # SentencePiece scores
     specials: dict[str, str] = field(default_factory=dict)  # role → token: bos, eos, eot, eom, unk
+    space_prefix: bool = True       # SentencePiece: "▁" put in front of the text (Gemma's vocabularies: no)
 
     def id(self, token: str) -> int:
         return self.tokens.index(token)
@@ -86,10 +87,12 @@ def byte_level_tokenizer(pre: str, vocab_size: int = 600, specials: tuple[str, .
     return TokenizerSpec(pre, tok, tokens, types, merges=merges)
 
 
-def sentencepiece_tokenizer(vocab_size: int = 500, extra_specials: tuple[str, ...] = (), seed: int = 2) -> TokenizerSpec:
+def sentencepiece_tokenizer(vocab_size: int = 500, extra_specials: tuple[str, ...] = (), seed: int = 2,
+                            space_prefix: bool = True) -> TokenizerSpec:
     """A SentencePiece-style BPE vocabulary as Llama 2 / Mistral GGUFs store it: <unk>, <s>, </s>, the 256
     <0xNN> byte tokens, then pieces with scores (a merged piece scores minus its merge's rank). The
-    reference is transformers' LlamaTokenizer built from those pieces and scores."""
+    reference is transformers' LlamaTokenizer built from those pieces and scores. space_prefix False: as
+    Gemma's (`add_space_prefix` false in the GGUF): spaces become "▁" and nothing is put in front."""
     from transformers import LlamaTokenizer
     from transformers.tokenization_utils_base import generate_merges
 
@@ -110,20 +113,21 @@ def sentencepiece_tokenizer(vocab_size: int = 500, extra_specials: tuple[str, ..
     # transformers' merges from the scores, in Llama 2's tokenizer.json structure (sentencepiece's and
     # llama.cpp's space handling: "▁" in front of every stretch of text, even one starting with a space).
     reference = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab, normal)).backend_tokenizer
-    reference.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    reference.normalizer = normalizers.Sequence([*([normalizers.Prepend("\u2581")] if space_prefix else []),
+                                                 normalizers.Replace(" ", "\u2581")])
     reference.pre_tokenizer = None
     reference.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+                                           *([decoders.Strip(" ", 1, 0)] if space_prefix else [])])
     reference.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return TokenizerSpec("spm", reference, tokens, types, scores=scores,
-                         specials={"unk": "<unk>", "bos": "<s>", "eos": "</s>"})
+                         specials={"unk": "<unk>", "bos": "<s>", "eos": "</s>"}, space_prefix=space_prefix)
 
 
 def add_gguf_tokenizer(w: gguf.GGUFWriter, spec: TokenizerSpec, chat_template: str | None = None) -> None:
     if spec.pre == "spm":
         w.add_tokenizer_model("llama")
         w.add_token_scores(spec.scores)
-        w.add_add_space_prefix(True)
+        w.add_add_space_prefix(spec.space_prefix)
     else:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(spec.pre)
