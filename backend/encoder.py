@@ -1,4 +1,4 @@
-"""The encoder model family (BERT, XLM-RoBERTa, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
+"""The encoder model family (BERT, XLM-RoBERTa, DistilBERT, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
 The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
@@ -9,7 +9,7 @@ ModernBERT's pre-norm layers (its first without a norm, a final norm after the l
 per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN; or GTE's
 post-norm layers with rotary positions (fixed NTK scaling in Alibaba's `new` configs) and a GeGLU FFN. Heads:
 - classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
-  (tanh) and `classifier.out_proj` over <s>; ModernBERT's `head` (dense, its activation, a norm) over [CLS] or
+  (tanh) and `classifier.out_proj` over <s>; DistilBERT's ReLU `pre_classifier` over [CLS]; ModernBERT's `head` (dense, its activation, a norm) over [CLS] or
   the mean of the tokens, then `classifier`. Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
   linear per token, and a linear per token after the first, L2-normalised."""
@@ -107,6 +107,10 @@ class EncoderConfig:
                        rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta")
                                         or (10000.0 if cfg["model_type"] == "new" else 160000.0)),
                        ntk_factor=float((cfg.get("rope_scaling") or {}).get("factor", 1.0)))
+        if cfg["model_type"] == "distilbert":  # BERT without segments, its LayerNorms at transformers' fixed 1e-12
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["dim"]), num_layers=int(cfg["n_layers"]),
+                       num_heads=int(cfg["n_heads"]), layer_norm_eps=1e-12, activation=str(cfg.get("activation", "gelu")),
+                       position_offset=0, type_vocab_size=0)
         if cfg["model_type"] == "nomic_bert":  # nomic-embed-text's own keys, or transformers' NomicBertConfig's
             theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") or 1000.0
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
@@ -214,6 +218,9 @@ class EncoderModel:
         head's "mean") every real one; mask [B, T] bool (ids: unused)."""
         w = self.w
         first = hidden[:, 0]                                                # [B, D]
+        if "pre_classifier.weight" in w:  # DistilBERT: relu of a dense layer over [CLS]
+            h = torch.relu(F.linear(first, w["pre_classifier.weight"], w["pre_classifier.bias"]))
+            return F.linear(h, w["classifier.weight"], w["classifier.bias"])
         if "head.dense.weight" in w:  # ModernBERT: pool, dense, activation, norm, classifier
             pooled = first if self.cfg.head_pooling == "cls" else \
                 hidden.sum(dim=1) / mask.sum(dim=1, keepdim=True).to(hidden.dtype)
@@ -285,6 +292,7 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     if spec.kind is ModelKind.CLASSIFY:
         names += ["classifier.out_proj.weight"] if spec.model_type == "xlm-roberta" else \
             ["head.dense.weight", "head.norm.weight", "classifier.weight"] if spec.model_type == "modernbert" else \
+            ["pre_classifier.weight", "classifier.weight"] if spec.model_type == "distilbert" else \
             ["pooler.dense.weight", "classifier.weight"]
     if spec.has_head("sparse"):
         names.append("sparse_linear.weight")

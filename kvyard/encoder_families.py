@@ -32,6 +32,10 @@ def encoder_positions(path: Path, cfg: dict[str, Any], classify: bool) -> int:
     if model_type in ("gte", "new"):
         _check_gte(path, cfg)
         return int(cfg.get("max_position_embeddings", 8192))
+    if model_type == "distilbert":
+        if cfg.get("activation", "gelu") not in ("gelu", "relu"):
+            raise ModelFileError(f"{path}: a DistilBERT with activation {cfg['activation']!r} is not supported")
+        return int(cfg.get("max_position_embeddings", 512))
     if model_type == "gemma3_text":
         _check_gemma(path, cfg)
         return int(cfg.get("max_position_embeddings", 2048))

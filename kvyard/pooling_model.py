@@ -48,9 +48,10 @@ ENCODER_ARCHITECTURES = {
     "Gemma3TextModel": ModelKind.EMBED,  # EmbeddingGemma (bidirectional: kvyard/encoder_families.py)
     "GteModel": ModelKind.EMBED, "NewModel": ModelKind.EMBED,  # gte-multilingual-base, gte-*-en-v1.5
     "GteForSequenceClassification": ModelKind.CLASSIFY, "NewForSequenceClassification": ModelKind.CLASSIFY,
+    "DistilBertModel": ModelKind.EMBED, "DistilBertForSequenceClassification": ModelKind.CLASSIFY,  # msmarco-distilbert
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
+ENCODER_TYPES = ("bert", "xlm-roberta", "distilbert", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
                  "modern-bert", "gemma-embedding")
 GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
@@ -201,10 +202,10 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
     if (path / "colbert_linear.pt").is_file():
         heads.append("colbert")
     return PoolingSpec(
-        path=path, kind=kind, model_type=model_type, hidden_size=int(cfg.get("hidden_size") or cfg["n_embd"]),
+        path=path, kind=kind, model_type=model_type, hidden_size=_width(cfg),
         max_len=min(positions, st.get("max_seq_length") or positions),
         pooling=st.get("pooling", "cls"), normalize=st.get("normalize", False), heads=tuple(heads),
-        dense=_dense_chain(path, kind, int(cfg.get("hidden_size") or cfg["n_embd"]), st["dense"]),
+        dense=_dense_chain(path, kind, _width(cfg), st["dense"]),
         matryoshka_dimensions=_matryoshka(cfg),
         prompts=st.get("prompts", {}), default_prompt_name=st.get("default_prompt_name"),
         labels=_labels(cfg, kind), problem_type=str(cfg.get("problem_type") or ""))
@@ -327,6 +328,11 @@ def _token_ids(path: Path) -> dict[str, int]:
     vocab = dict((tok.get("model") or {}).get("vocab") or {})
     vocab.update({a["content"]: a["id"] for a in tok.get("added_tokens") or []})
     return vocab
+
+
+def _width(cfg: dict[str, Any]) -> int:
+    """An encoder's hidden size under its family's key (Nomic BERT's own config: n_embd; DistilBERT: dim)."""
+    return int(cfg.get("hidden_size") or cfg.get("dim") or cfg["n_embd"])
 
 
 def _dense_chain(path: Path, kind: ModelKind, hidden: int, modules: list[DenseModule]) -> tuple[DenseModule, ...]:

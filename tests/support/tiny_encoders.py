@@ -90,7 +90,9 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     """arch: BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification,
     NomicBertModel (transformers' own: rotary positions at base 1000, SwiGLU, no biases), ModernBertModel (pre-norm,
     rotary, layers 1 and 2 of every 3 attending within 4 positions, GeGLU), GteModel / GteForSequenceClassification
-    (post-norm, rotary at base 1000, GeGLU; saved in Alibaba's `new` names), ModernBertForSequenceClassification (that,
+    (post-norm, rotary at base 1000, GeGLU; saved in Alibaba's `new` names), DistilBertModel /
+    DistilBertForSequenceClassification (BERT's layers under other names, no segments; a ReLU pre-classifier),
+    ModernBertForSequenceClassification (that,
     with its head over [CLS] or, classifier_pooling "mean", the mean of the tokens).
     unigram: XLM-R's own kind of vocabulary (unigram_tokenizer), one embedding row more than it has pieces (as
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
@@ -107,6 +109,9 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=2,
             bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)
+    elif arch.startswith("DistilBert"):  # msmarco-distilbert's kind: MiniLM's WordPiece vocabulary, no segments
+        cfg = transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                            max_position_embeddings=256, pad_token_id=0)
     elif arch.startswith("Gte"):  # gte-multilingual's kind: XLM-R's vocabulary and pad id, one segment type
         cfg = transformers.GteConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=1,
                                      pad_token_id=1 if unigram else 0, rope_parameters={"rope_type": "default",
@@ -126,7 +131,7 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():  # LayerNorms start at 1/0: make them random too, so a wrong norm shows
         for name, p in model.named_parameters():
-            if "LayerNorm" in name or "layernorm" in name:
+            if "LayerNorm" in name or "layernorm" in name or "layer_norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             if arch.startswith(("NomicBert", "Gte")) and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
