@@ -1,4 +1,4 @@
-"""The encoder model family (BERT, XLM-RoBERTa, DistilBERT, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
+"""The encoder model family (BERT, XLM-RoBERTa, MPNet, DistilBERT, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
 The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
 Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
@@ -16,6 +16,7 @@ post-norm layers with rotary positions (fixed NTK scaling in Alibaba's `new` con
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class EncoderConfig:
     head_pooling: str = "cls"      # a ModernBERT classifier's: "cls" or "mean" (classifier_pooling)
     head_activation: str = "gelu"  # ... and its head's activation (classifier_activation, an ACT2FN key)
     ntk_factor: float = 1.0        # GTE's `new` checkpoints' fixed NTK scaling: base x f, frequencies / f^(2/d)
+    relative_buckets: int = 0      # MPNet: a learned bias per head and bucket of key - query distance (32)
 
     @classmethod
     def from_gguf(cls, path: Path) -> EncoderConfig:
@@ -107,6 +109,12 @@ class EncoderConfig:
                        rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta")
                                         or (10000.0 if cfg["model_type"] == "new" else 160000.0)),
                        ntk_factor=float((cfg.get("rope_scaling") or {}).get("factor", 1.0)))
+        if cfg["model_type"] == "mpnet":  # positions from padding_idx + 1 = 2, as transformers' MPNet counts them
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+                       num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
+                       layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)), activation=str(cfg.get("hidden_act", "gelu")),
+                       position_offset=2, type_vocab_size=0,
+                       relative_buckets=int(cfg.get("relative_attention_num_buckets", 32)))
         if cfg["model_type"] == "distilbert":  # BERT without segments, its LayerNorms at transformers' fixed 1e-12
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["dim"]), num_layers=int(cfg["n_layers"]),
                        num_heads=int(cfg["n_heads"]), layer_norm_eps=1e-12, activation=str(cfg.get("activation", "gelu")),
@@ -187,6 +195,7 @@ class EncoderModel:
         x = self._norm(x, "embeddings.LayerNorm")                          # [N, D]
         offsets = F.pad(lengths.cumsum(0), (1, 0)).cpu()                  # [B + 1]
         sizes = lengths.tolist()
+        bias = self._relative_bias(max(sizes)) if cfg.relative_buckets else None  # [H, T, T], every layer's
         # The two widest activations reuse one buffer each through the layers (fewer fresh pages to fault in).
         qkv = x.new_empty((x.shape[0], 3 * D))                              # [N, 3D]
         h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (GLU: [N, 2I])
@@ -197,7 +206,7 @@ class EncoderModel:
             self._linear(self._norm(x, pre) if pre + ".weight" in w else x, p + "qkv", qkv)
             if rotary:
                 _rotate(qkv[:, :2 * D].view(-1, 2 * H, D // H), *rotary[local])  # q and k, every head
-            a = packed_attention(self._kernel, qkv, offsets, sizes, H, cfg.window if local else 0)  # [N, D]
+            a = packed_attention(self._kernel, qkv, offsets, sizes, H, cfg.window if local else 0, bias)  # [N, D]
             if cfg.prenorm:
                 x = self._linear(a, p + "attention.output.dense").add_(x)
                 g = self._act(self._linear(self._norm(x, p + "ffn.norm"), p + "intermediate.dense", h))
@@ -207,6 +216,13 @@ class EncoderModel:
             g = self._act(self._linear(x, p + "intermediate.dense", h))
             x = self._norm(self._linear(g, p + "output.dense").add_(x), p + "output.LayerNorm")
         return self._norm(x, "final_norm") if cfg.prenorm else x
+
+    def _relative_bias(self, n: int) -> torch.Tensor:
+        """MPNet's [H, n, n] bias: the learned value of each head for the bucket of key - query distance (exact
+        below 8 either way, then logarithmic up to 128; 16 buckets a direction)."""
+        i = torch.arange(n, device=self.device)
+        buckets = _relative_bucket(i[None, :] - i[:, None], self.cfg.relative_buckets)       # [n, n]
+        return self.w["encoder.relative_attention_bias.weight"][buckets].permute(2, 0, 1).contiguous()
 
     def _rotary(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, 1, d/2] of each token's position (float32 angles, then the model's dtype)."""
@@ -226,7 +242,7 @@ class EncoderModel:
                 hidden.sum(dim=1) / mask.sum(dim=1, keepdim=True).to(hidden.dtype)
             h = _HEAD_ACTS[self.cfg.head_activation](F.linear(pooled, w["head.dense.weight"], w.get("head.dense.bias")))
             return F.linear(self._norm(h, "head.norm"), w["classifier.weight"], w["classifier.bias"])
-        if self.spec.model_type == "xlm-roberta":
+        if self.spec.model_type in ("xlm-roberta", "mpnet"):  # RoBERTa's head
             h = torch.tanh(F.linear(first, w["classifier.dense.weight"], w["classifier.dense.bias"]))
             return F.linear(h, w["classifier.out_proj.weight"], w["classifier.out_proj.bias"])
         pooled = torch.tanh(F.linear(first, w["pooler.dense.weight"], w["pooler.dense.bias"]))
@@ -272,6 +288,17 @@ _HEAD_ACTS = {"gelu": F.gelu, "gelu_new": lambda h: F.gelu(h, approximate="tanh"
               "tanh": torch.tanh}
 
 
+def _relative_bucket(relative: torch.Tensor, buckets: int, max_distance: int = 128) -> torch.Tensor:
+    """T5's bidirectional buckets of key - query distance, as MPNet (and transformers) compute them."""
+    half = buckets // 2
+    n = -relative
+    out = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    return out + torch.where(n < exact, n, large.clamp(max=half - 1))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x [N, heads, d] in place: RoPE on the two halves of each head (GPT-NeoX's layout, llama.cpp's NEOX)."""
     lo, hi = x.chunk(2, dim=-1)
@@ -289,8 +316,10 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     if cfg.prenorm:
         names += ["final_norm.weight"] + [f"encoder.layer.{i}.ffn.norm.weight" for i in range(cfg.num_layers)]
     names += [f"encoder.layer.{i}.qkv.weight" for i in range(cfg.num_layers)]
+    if cfg.relative_buckets:
+        names.append("encoder.relative_attention_bias.weight")
     if spec.kind is ModelKind.CLASSIFY:
-        names += ["classifier.out_proj.weight"] if spec.model_type == "xlm-roberta" else \
+        names += ["classifier.out_proj.weight"] if spec.model_type in ("xlm-roberta", "mpnet") else \
             ["head.dense.weight", "head.norm.weight", "classifier.weight"] if spec.model_type == "modernbert" else \
             ["pre_classifier.weight", "classifier.weight"] if spec.model_type == "distilbert" else \
             ["pooler.dense.weight", "classifier.weight"]

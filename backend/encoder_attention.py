@@ -25,14 +25,16 @@ def attention_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) ->
 
 
 def packed_attention(kernel: ModuleType | None, qkv: torch.Tensor, offsets: torch.Tensor, lengths: list[int],
-                     heads: int, window: int = 0) -> torch.Tensor:
+                     heads: int, window: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: [N, 3 * H * d], each token's q, k and v heads side by side; sequence b is rows offsets[b] ..
     offsets[b + 1] (lengths[b] of them). window > 0: a token sees only the keys at most `window` positions
-    away (ModernBERT's local layers); a sequence no longer than window + 1 sees all of itself. → [N, H * d]."""
+    away (ModernBERT's local layers); a sequence no longer than window + 1 sees all of itself. bias [H, T, T]
+    (MPNet's relative-position bias, T the longest sequence): added to every sequence's scaled scores, its
+    [:, :n, :n] corner (the kernel takes none: SDPA per sequence). → [N, H * d]."""
     N, D = qkv.shape[0], qkv.shape[1] // 3
     d = D // heads
     banded = {b for b, n in enumerate(lengths) if window and n > window + 1}
-    if kernel is not None and len(banded) < len(lengths):
+    if kernel is not None and len(banded) < len(lengths) and bias is None:
         out = kernel.encoder_attention(qkv, offsets, heads, d ** -0.5)
         todo = banded  # the kernel attends to whole sequences: the windowed ones again below
     else:
@@ -40,7 +42,7 @@ def packed_attention(kernel: ModuleType | None, qkv: torch.Tensor, offsets: torc
     for b in todo:
         start, n = int(offsets[b]), lengths[b]
         q, k, v = qkv[start:start + n].view(n, 3, heads, d).permute(1, 2, 0, 3)    # each [H, n, d]
-        mask = None
+        mask = None if bias is None else bias[:, :n, :n]
         if b in banded:
             i = torch.arange(n, device=qkv.device)
             mask = (i[:, None] - i[None, :]).abs() <= window                     # [n, n]

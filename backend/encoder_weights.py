@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from backend.checkpoint import read_gguf_floats
 from kvyard.model_path import ModelFileError
 
-_PREFIXES = ("bert.", "roberta.", "distilbert.", "model.", "gte.", "new.")
+_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.", "gte.", "new.")
 LAYER_LINEARS = ("qkv", "attention.output.dense", "intermediate.dense", "output.dense")
 
 
@@ -64,7 +64,8 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, tor
                     name = name[len(prefix):]
                     break
             raw[NOMIC_NAMES.get(name) or nomic_layer_name(name) or modernbert_name(name) or gte_name(name)
-                or _layer_name(name, "transformer.layer.", _DISTILBERT_LAYER) or name] = t
+                or _layer_name(name, "transformer.layer.", _DISTILBERT_LAYER) or _layer_name(name, "encoder.layer.",
+                                                                                              _MPNET_LAYER) or name] = t
     for head in ("sparse_linear", "colbert_linear"):  # BGE-M3 ships these as torch state dicts
         if (path / f"{head}.pt").is_file():
             for key, t in torch.load(path / f"{head}.pt", map_location="cpu", weights_only=True).items():
@@ -128,6 +129,12 @@ _DISTILBERT_LAYER = {"attention.q_lin": "attention.self.query", "attention.k_lin
                      "attention.v_lin": "attention.self.value", "attention.out_lin": "attention.output.dense",
                      "sa_layer_norm": "attention.output.LayerNorm", "ffn.lin1": "intermediate.dense",
                      "ffn.lin2": "output.dense", "output_layer_norm": "output.LayerNorm"}
+
+
+# MPNet's (after the `mpnet.` prefix of its classifier): q/k/v/o under `attention.attn`, the attention's norm.
+_MPNET_LAYER = {"attention.attn.q": "attention.self.query", "attention.attn.k": "attention.self.key",
+                "attention.attn.v": "attention.self.value", "attention.attn.o": "attention.output.dense",
+                "attention.LayerNorm": "attention.output.LayerNorm"}
 
 
 def _fuse_and_place(raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

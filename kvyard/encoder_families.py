@@ -47,6 +47,8 @@ def encoder_positions(path: Path, cfg: dict[str, Any], classify: bool) -> int:
     positions = int(cfg["max_position_embeddings"])
     if model_type == "xlm-roberta":  # positions start after the padding index
         positions -= int(cfg.get("pad_token_id", 1)) + 1
+    if model_type == "mpnet":  # after transformers' fixed padding index, 1
+        positions -= 2
     return positions
 
 

@@ -49,9 +49,10 @@ ENCODER_ARCHITECTURES = {
     "GteModel": ModelKind.EMBED, "NewModel": ModelKind.EMBED,  # gte-multilingual-base, gte-*-en-v1.5
     "GteForSequenceClassification": ModelKind.CLASSIFY, "NewForSequenceClassification": ModelKind.CLASSIFY,
     "DistilBertModel": ModelKind.EMBED, "DistilBertForSequenceClassification": ModelKind.CLASSIFY,  # msmarco-distilbert
+    "MPNetModel": ModelKind.EMBED, "MPNetForSequenceClassification": ModelKind.CLASSIFY,  # all-mpnet-base-v2
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "distilbert", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
+ENCODER_TYPES = ("bert", "xlm-roberta", "distilbert", "mpnet", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
                  "modern-bert", "gemma-embedding")
 GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture

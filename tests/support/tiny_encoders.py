@@ -109,6 +109,9 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3, pad_token_id=2,
             bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)
+    elif arch.startswith("MPNet"):  # all-mpnet-base-v2's kind (MiniLM's WordPiece vocabulary stands in for its own)
+        cfg = transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=258, relative_attention_num_buckets=32)
     elif arch.startswith("DistilBert"):  # msmarco-distilbert's kind: MiniLM's WordPiece vocabulary, no segments
         cfg = transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                                             max_position_embeddings=256, pad_token_id=0)
@@ -135,6 +138,8 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
                 p.add_(torch.randn_like(p) * 0.1)
             if arch.startswith(("NomicBert", "Gte")) and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(10)  # attention far from uniform, so positions (rotary only) change every output
+            if name.endswith("relative_attention_bias.weight"):
+                p.normal_(0.0, 2.0)  # MPNet's: far from its near-zero initialisation, so a wrong bucket shows
             if modern and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             if modern and name.endswith("Wqkv.weight"):
