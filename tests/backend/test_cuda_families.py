@@ -147,13 +147,15 @@ def test_lora_batch_matches_peft(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch, as_gguf", [("BertModel", False), ("NomicBertModel", True),
-                                           ("XLMRobertaModel", True), ("ModernBertModel", True)])
+                                           ("XLMRobertaModel", True), ("ModernBertModel", True), ("MPNetModel", False),
+                                           ("DistilBertModel", False), ("GteModel", False)])
 def test_encoders_match_transformers(tmp_path: Path, arch: str, as_gguf: bool) -> None:
     """Each encoder family's steps on the device: BERT from its directory; as llama.cpp's GGUFs, rotary positions
     and SwiGLU (Nomic BERT), the Unigram vocabulary's ids and one segment type (XLM-R), pre-norm, windowed layers
-    and GeGLU (ModernBERT); mean-pooled and normalised, against transformers on the CPU."""
+    and GeGLU (ModernBERT); MPNet's relative-position bias, DistilBERT's names, GTE's rotary GeGLU layers from their
+    directories; mean-pooled and normalised, against transformers on the CPU."""
     import transformers
-    hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith("XLM"))
+    hf = tiny_encoder(tmp_path / "hf", arch=arch, unigram=arch.startswith(("XLM", "Gte")))
     path = write_bert_gguf(hf, tmp_path / "model.gguf") if as_gguf else hf
     ids, types, mask = _batch(pooling_tokenizer(path) if as_gguf else _tokenizer(path), SENTENCES)
     pooled = run_task(EncoderModel(load_pooling_spec(path), torch.float32, DEVICE), PoolTask.EMBED,
@@ -162,7 +164,7 @@ def test_encoders_match_transformers(tmp_path: Path, arch: str, as_gguf: bool) -
     with torch.no_grad():
         hidden = transformers.AutoModel.from_pretrained(hf).eval()(
             input_ids=ids, attention_mask=mask.long(),
-            **({} if arch == "ModernBertModel" else {"token_type_ids": types})).last_hidden_state
+            **({"token_type_ids": types} if arch in ("BertModel", "NomicBertModel", "XLMRobertaModel") else {})).last_hidden_state
     m = mask.unsqueeze(-1).float()
     ref = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
     assert F.cosine_similarity(ours, ref).min() >= 0.99999
