@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from backend.encoder_attention import attention_kernel, packed_attention
 from backend.encoder_weights import LAYER_LINEARS, load_encoder_weights
 from backend.st_dense import dense_bytes, load_dense
+from kvyard.encoder_families import ROBERTA_TYPES
 from kvyard.gguf_meta import read_gguf_index
 from kvyard.model_path import ModelFileError, is_gguf
 from kvyard.pooling_model import ModelKind, PoolingSpec
@@ -82,7 +83,7 @@ class EncoderConfig:
     @classmethod
     def from_dir(cls, path: Path) -> EncoderConfig:
         cfg = json.loads((path / "config.json").read_text())
-        xlmr = cfg["model_type"] == "xlm-roberta"
+        xlmr = cfg["model_type"] in ROBERTA_TYPES
         if cfg["model_type"] == "modernbert":  # transformers' keys of 4.48+ or of 5 (layer_types, rope_parameters)
             n, rope = int(cfg["num_hidden_layers"]), cfg.get("rope_parameters") or {}
             kinds = cfg.get("layer_types") or ["full_attention" if i % int(cfg.get("global_attn_every_n_layers", 3)) == 0
@@ -242,7 +243,7 @@ class EncoderModel:
                 hidden.sum(dim=1) / mask.sum(dim=1, keepdim=True).to(hidden.dtype)
             h = _HEAD_ACTS[self.cfg.head_activation](F.linear(pooled, w["head.dense.weight"], w.get("head.dense.bias")))
             return F.linear(self._norm(h, "head.norm"), w["classifier.weight"], w["classifier.bias"])
-        if self.spec.model_type in ("xlm-roberta", "mpnet"):  # RoBERTa's head
+        if self.spec.model_type in (*ROBERTA_TYPES, "mpnet"):  # RoBERTa's head
             h = torch.tanh(F.linear(first, w["classifier.dense.weight"], w["classifier.dense.bias"]))
             return F.linear(h, w["classifier.out_proj.weight"], w["classifier.out_proj.bias"])
         pooled = torch.tanh(F.linear(first, w["pooler.dense.weight"], w["pooler.dense.bias"]))
@@ -319,7 +320,7 @@ def _required(cfg: EncoderConfig, spec: PoolingSpec) -> list[str]:
     if cfg.relative_buckets:
         names.append("encoder.relative_attention_bias.weight")
     if spec.kind is ModelKind.CLASSIFY:
-        names += ["classifier.out_proj.weight"] if spec.model_type in ("xlm-roberta", "mpnet") else \
+        names += ["classifier.out_proj.weight"] if spec.model_type in (*ROBERTA_TYPES, "mpnet") else \
             ["head.dense.weight", "head.norm.weight", "classifier.weight"] if spec.model_type == "modernbert" else \
             ["pre_classifier.weight", "classifier.weight"] if spec.model_type == "distilbert" else \
             ["pooler.dense.weight", "classifier.weight"]

@@ -8,6 +8,9 @@ from typing import Any
 
 from kvyard.model_path import ModelFileError
 
+# RoBERTa's architecture under its three names (all-distilroberta-v1 and the roberta cross-encoders, XLM-R/BGE-M3,
+# CamemBERT): positions after the padding index, one segment type, the classifier's dense + out_proj head.
+ROBERTA_TYPES = ("xlm-roberta", "roberta", "camembert")
 # The activations a ModernBERT classifier's head may name (transformers' ACT2FN keys backend/encoder.py runs).
 HEAD_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "tanh")
 LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -45,7 +48,7 @@ def encoder_positions(path: Path, cfg: dict[str, Any], classify: bool) -> int:
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ModelFileError(f"{path}: position_embedding_type {cfg['position_embedding_type']!r} is not supported")
     positions = int(cfg["max_position_embeddings"])
-    if model_type == "xlm-roberta":  # positions start after the padding index
+    if model_type in ROBERTA_TYPES:  # positions start after the padding index
         positions -= int(cfg.get("pad_token_id", 1)) + 1
     if model_type == "mpnet":  # after transformers' fixed padding index, 1
         positions -= 2

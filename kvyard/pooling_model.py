@@ -12,7 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvyard.encoder_families import encoder_positions
+from kvyard.encoder_families import ROBERTA_TYPES, encoder_positions
 from kvyard.gguf_meta import read_gguf_index
 from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
@@ -42,6 +42,8 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaModel": ModelKind.EMBED,
     "BertForSequenceClassification": ModelKind.CLASSIFY,
     "XLMRobertaForSequenceClassification": ModelKind.CLASSIFY,
+    "RobertaModel": ModelKind.EMBED, "RobertaForSequenceClassification": ModelKind.CLASSIFY,  # all-distilroberta-v1
+    "CamembertModel": ModelKind.EMBED, "CamembertForSequenceClassification": ModelKind.CLASSIFY,
     "NomicBertModel": ModelKind.EMBED,  # nomic-embed-text v1 / v1.5
     "ModernBertModel": ModelKind.EMBED,  # modernbert-embed, gte-modernbert
     "ModernBertForSequenceClassification": ModelKind.CLASSIFY,  # gte-reranker-modernbert
@@ -52,8 +54,8 @@ ENCODER_ARCHITECTURES = {
     "MPNetModel": ModelKind.EMBED, "MPNetForSequenceClassification": ModelKind.CLASSIFY,  # all-mpnet-base-v2
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
-ENCODER_TYPES = ("bert", "xlm-roberta", "distilbert", "mpnet", "nomic_bert", "modernbert", "gemma3_text", "gte", "new", "nomic-bert",
-                 "modern-bert", "gemma-embedding")
+ENCODER_TYPES = ("bert", *ROBERTA_TYPES, "distilbert", "mpnet", "nomic_bert", "modernbert", "gemma3_text", "gte",
+                 "new", "nomic-bert", "modern-bert", "gemma-embedding")
 GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or

@@ -98,7 +98,7 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
     a real checkpoint may pad its matrix); else the embedded MiniLM's WordPiece one."""
     import transformers
     torch.manual_seed(seed)
-    xlmr = arch.startswith("XLMRoberta")
+    xlmr = arch.startswith(("XLMRoberta", "Roberta", "Camembert"))  # one architecture under three names
     path.mkdir(parents=True, exist_ok=True)
     modern = arch.startswith("ModernBert")
     vocab_size = unigram_tokenizer(path) + 1 if unigram else bpe_tokenizer(path) if modern else VOCAB
@@ -123,7 +123,8 @@ def tiny_encoder(path: Path, arch: str = "BertModel", pooling: str | None = "mea
         cfg = transformers.NomicBertConfig(**{k: v for k, v in common.items() if k != "hidden_act"}, type_vocab_size=2,
                                            pad_token_id=0)
     elif xlmr:
-        cfg = transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1 if unigram else 0,
+        family = "XLMRoberta" if arch.startswith("XLMRoberta") else "Roberta" if arch.startswith("Roberta") else "Camembert"
+        cfg = getattr(transformers, f"{family}Config")(**common, type_vocab_size=1, pad_token_id=1 if unigram else 0,
                                             bos_token_id=0 if unigram else 101, eos_token_id=2 if unigram else 102)
     else:
         cfg = transformers.BertConfig(**common, type_vocab_size=2, pad_token_id=0)
