@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from kvyard.pooling_model import ModelKind, load_pooling_spec, model_kind
 from kvyard.tokenizer import pooling_tokenizer
 from tests.backend.test_encoder import _batch, _values
 from tests.backend.test_gguf_encoder import TEXTS, _embeds_as_sentence_transformers
-from tests.support.procs import pdfusion
+from tests.support.cross_encoder_checks import assert_scores_as_transformers, assert_served_rerank
 from tests.support.tiny_encoders import tiny_encoder
 
 pytestmark = pytest.mark.slow
@@ -83,22 +82,12 @@ def test_fixed_ntk_scaling_as_alibabas_code_scales(gte: Path, tmp_path: Path) ->
 
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path: Path, num_labels: int) -> None:
-    import transformers
     hf = tiny_encoder(tmp_path / "gte-reranker", arch="GteForSequenceClassification", num_labels=num_labels, unigram=True)
     spec = load_pooling_spec(hf)
     assert (spec.kind, spec.model_type, len(spec.labels)) == (ModelKind.CLASSIFY, "gte", num_labels)
-    pairs = [(QUERY, t) for t in TEXTS[:5]]
-    ids, types, mask = _batch(pooling_tokenizer(hf), [q for q, _ in pairs], [d for _, d in pairs])
-    ours = _values(run_task(EncoderModel(spec, torch.float32, CPU), PoolTask.CLASSIFY, ids, types, mask))
-    with torch.no_grad():
-        ref = transformers.GteForSequenceClassification.from_pretrained(hf).eval()(
-            input_ids=ids, attention_mask=mask.long()).logits
-    assert ours.shape == ref.shape and torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    ref = assert_scores_as_transformers(hf, "GteForSequenceClassification", QUERY, TEXTS[:5])
     if num_labels == 1:
-        with pdfusion(hf, "gte-reranker", tmp_path / "pdfusion.log") as url:
-            body = httpx.post(f"{url}/v1/rerank", json={"query": QUERY, "documents": TEXTS[:5]}, timeout=60).json()
-            got = {r["index"]: r["relevance_score"] for r in body["results"]}
-            assert max(abs(got[i] - float(torch.sigmoid(ref[i, 0]))) for i in range(5)) < 1e-4
+        assert_served_rerank(hf, QUERY, TEXTS[:5], ref, tmp_path / "pdfusion.log")
 
 
 def test_a_gte_it_does_not_run_is_refused(gte: Path, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from kvyard.pooling_model import ModelKind, load_pooling_spec, model_kind
 from kvyard.tokenizer import pooling_tokenizer
 from tests.backend.test_encoder import _batch, _values
 from tests.backend.test_gguf_encoder import TEXTS, _embeds_as_sentence_transformers
-from tests.support.procs import pdfusion
+from tests.support.cross_encoder_checks import assert_scores_as_transformers, assert_served_rerank
 from tests.support.tiny_encoders import tiny_encoder
 
 pytestmark = pytest.mark.slow
@@ -54,19 +53,7 @@ def test_the_relative_bias_matters(tmp_path: Path) -> None:
 
 
 def test_a_classifier_scores_as_transformers(tmp_path: Path) -> None:
-    import transformers
     hf = tiny_encoder(tmp_path / "ce", arch="MPNetForSequenceClassification", num_labels=1)
-    cfg = json.loads((hf / "config.json").read_text())
-    assert cfg["model_type"] == "mpnet"
-    spec = load_pooling_spec(hf)
-    pairs = [(QUERY, t) for t in [*TEXTS[:4], LONG]]
-    ids, types, mask = _batch(pooling_tokenizer(hf), [q for q, _ in pairs], [d for _, d in pairs])
-    ours = _values(run_task(EncoderModel(spec, torch.float32, torch.device("cpu")), PoolTask.CLASSIFY, ids, types, mask))
-    with torch.no_grad():
-        ref = transformers.MPNetForSequenceClassification.from_pretrained(hf).eval()(
-            input_ids=ids, attention_mask=mask.long()).logits
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
-    with pdfusion(hf, "mpnet-reranker", tmp_path / "pdfusion.log") as url:
-        body = httpx.post(f"{url}/v1/rerank", json={"query": QUERY, "documents": TEXTS[:4]}, timeout=60).json()
-        got = {r["index"]: r["relevance_score"] for r in body["results"]}
-        assert max(abs(got[i] - float(torch.sigmoid(ref[i, 0]))) for i in range(4)) < 1e-4
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "mpnet"
+    ref = assert_scores_as_transformers(hf, "MPNetForSequenceClassification", QUERY, [*TEXTS[:4], LONG])
+    assert_served_rerank(hf, QUERY, TEXTS[:4], ref[:4], tmp_path / "pdfusion.log")
