@@ -34,6 +34,7 @@ from backend.gemma_encoder import GemmaEncoderModel
 from backend.grpc_server import set_serving, start_grpc_server
 from backend.pd_transfer import DecodeChannels
 from backend.server import ModelRpcServicer, watch_engine
+from backend.static_embedding import StaticEmbeddingModel
 from backend.vision_tower import load_vision_tower
 from backend.vit_client import VitClient
 from backend.weights import load_weights
@@ -121,12 +122,14 @@ def build_pooling_loop(cfg: BackendConfig) -> EngineLoop:
     spec = load_pooling_spec(cfg.checkpoint_path)
     before = resident_mb()
     dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
-    model: DecoderPoolingModel | EncoderModel | GemmaEncoderModel
+    model: DecoderPoolingModel | EncoderModel | GemmaEncoderModel | StaticEmbeddingModel
     if spec.is_decoder:
         weights, ops = load_decoder(cfg, load_model_config(cfg.checkpoint_path))
         model = DecoderPoolingModel(spec, dtype, device, weights, ops)
     elif spec.model_type in GEMMA_TYPES:  # EmbeddingGemma
         model = GemmaEncoderModel(spec, dtype, device)
+    elif spec.model_type == "static":  # sentence-transformers' StaticEmbedding
+        model = StaticEmbeddingModel(spec, dtype, device)
     else:
         model = EncoderModel(spec, dtype, device)
     log.info("pooling model %s (%s, %s pooling%s, heads %s): %.0f MB of weights, %s; resident %.0f -> %.0f MB",

