@@ -1,4 +1,5 @@
-"""A sentence-transformers StaticEmbedding model (static-retrieval-mrl-en-v1, static-similarity-mrl-multilingual-v1):
+"""A sentence-transformers StaticEmbedding model (static-retrieval-mrl-en-v1, static-similarity-mrl-multilingual-v1,
+model2vec's potion models in their sentence-transformers layout):
 one learned vector per token, no transformer; backend/pooling.py averages the real tokens' vectors (its
 EmbeddingBag's mean) and applies the checkpoint's Dense and Normalize modules, as for the other pooling models."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ class StaticEmbeddingModel:
         folder = static_embedding(spec.path)
         assert folder is not None
         self.spec, self.dtype, self.device = spec, dtype, device
-        self.embed = load_file(str(folder / "model.safetensors"))["embedding.weight"].to(device=device, dtype=dtype)
+        self.embed = _table(load_file(str(folder / "model.safetensors"))).to(device=device, dtype=dtype)
         self.cfg = StaticConfig(self.embed.shape[0])
         self.dense = load_dense(spec.dense, dtype, device)
 
@@ -35,3 +36,17 @@ class StaticEmbeddingModel:
     def forward(self, ids: torch.Tensor, type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids, mask [B, T] → each token's vector [B, T, D], zeros at padding (type_ids unused)."""
         return self.embed[ids] * mask.unsqueeze(-1).to(self.dtype)
+
+
+def _table(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One row per token id: sentence-transformers' `embedding.weight`, or a model2vec file's `embeddings` picked
+    by its `mapping` and scaled by its per-token `weights` (what model2vec averages; sentence-transformers folds
+    them the same way)."""
+    if "embedding.weight" in weights:
+        return weights["embedding.weight"]
+    table = weights["embeddings"]
+    if "mapping" in weights:
+        table = table[weights["mapping"].long()]
+    if "weights" in weights:
+        table = table.float() * weights["weights"].float()[:, None]
+    return table.contiguous()

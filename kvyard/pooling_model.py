@@ -117,8 +117,10 @@ def model_kind(path: Path) -> ModelKind:
         if pooling == "rank":
             return ModelKind.CLASSIFY
         return ModelKind.EMBED if pooling or _gguf_arch(path) in GGUF_ENCODERS else ModelKind.GENERATE
+    if static_embedding(path):  # before config.json: model2vec directories have one of their own
+        return ModelKind.EMBED
     if not (path / "config.json").is_file():
-        return ModelKind.EMBED if static_embedding(path) else ModelKind.GENERATE
+        return ModelKind.GENERATE
     cfg = read_json(path / "config.json")
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") in ENCODER_TYPES:

@@ -79,17 +79,20 @@ def static_embedding(path: Path) -> Path | None:
 
 
 def static_embedding_shape(folder: Path) -> tuple[int, int]:
-    """[vocabulary, width] of a StaticEmbedding's `embedding.weight`, from its model.safetensors header (no
-    torch here); a model2vec-style file (`embeddings`) or another layout is refused by name."""
+    """[vocabulary, width] of a StaticEmbedding's `embedding.weight`, or of a model2vec file's `embeddings` (rows
+    picked per token id by its `mapping` when it has one), from the model.safetensors header (no torch here);
+    another layout is refused by name."""
     file = folder / "model.safetensors"
     try:
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"cannot read {file}: {exc}") from exc
-    shape = (header.get("embedding.weight") or {}).get("shape")
+    shape = (header.get("embedding.weight") or header.get("embeddings") or {}).get("shape")
+    if shape and len(shape) == 2 and "embedding.weight" not in header and "mapping" in header:
+        shape = [header["mapping"]["shape"][0], shape[1]]
     if not shape or len(shape) != 2:
-        raise ModelFileError(f"{file}: a StaticEmbedding needs its `embedding.weight` [vocabulary, width] "
+        raise ModelFileError(f"{file}: a StaticEmbedding needs its `embedding.weight` (or model2vec's `embeddings`) "
                              f"(found {sorted(k for k in header if k != '__metadata__')[:3]})")
     return int(shape[0]), int(shape[1])
 

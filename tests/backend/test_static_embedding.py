@@ -68,3 +68,29 @@ def test_served_with_matryoshka_sizes(tmp_path: Path) -> None:
         assert got.shape == (3, 64) and F.cosine_similarity(got, theirs).min() >= 0.99999
         short = client.embeddings.create(model="static-tiny", input=TEXTS[:3], dimensions=16).data
         assert torch.allclose(torch.tensor([d.embedding for d in short]), F.normalize(theirs[:, :16], dim=-1), atol=1e-5)
+
+
+def test_a_model2vec_directory_embeds_as_sentence_transformers(tmp_path: Path) -> None:
+    """potion-base's layout: model2vec's own config.json, the StaticEmbedding module at "." and its file as
+    `embeddings` (fewer rows than tokens), `mapping` (token id → row) and per-token `weights`."""
+    import json
+
+    from safetensors.torch import save_file
+    path = static_model(tmp_path / "potion-tiny")
+    modules = json.loads((path / "modules.json").read_text())
+    folder = path / modules[0]["path"]
+    table = torch.randn(500, 64)
+    mapping = torch.randint(0, 500, (30522,))
+    save_file({"embeddings": table, "mapping": mapping, "weights": torch.rand(30522) + 0.5},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "model2vec", "normalize": True, "hidden_dim": 64}))
+    for f in folder.iterdir():
+        f.rename(path / f.name)
+    modules[0]["path"] = "."
+    (path / "modules.json").write_text(json.dumps(modules))
+    spec = load_pooling_spec(path)
+    assert (model_kind(path), spec.model_type, spec.dimensions) == (ModelKind.EMBED, "static", 64)
+    ours = _values(run_task(StaticEmbeddingModel(spec, torch.float32, torch.device("cpu")), PoolTask.EMBED,
+                            *_batch(pooling_tokenizer(path), TEXTS)))
+    theirs = _st(path, TEXTS)
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
