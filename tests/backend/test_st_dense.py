@@ -118,7 +118,7 @@ def test_dense_modules_it_cannot_honour_are_refused(tmp_path: Path) -> None:
             (variant("tokens", [Dense(32, 8)], lambda p: config(p, module_input_name="token_embeddings")),
              "token_embeddings"),
             (variant("width", [Dense(32, 8), Dense(16, 8)]), "reads 16 features"),
-            (variant("order", [Dense(32, 8)], before_pooling), "Dense after Pooling"),
+            (variant("order", [Dense(32, 8)], before_pooling), "Dense after either"),
             (variant("weights", [Dense(32, 8)], lambda p: (p / "2_Dense" / "model.safetensors").unlink()),
              "model.safetensors")):
         with pytest.raises(ModelFileError, match=message):
