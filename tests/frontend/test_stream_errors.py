@@ -91,6 +91,16 @@ def test_a_failure_that_is_not_a_request_error_still_ends_the_stream(http: httpx
 
 # ---- the client goes away -----------------------------------------------------------------------
 
+def idle_cancelled(mock: MockBackendThread) -> int:
+    """The mock's cancellations once no call of an earlier test is still in flight (on a busy machine one may be
+    cancelled after the next test reads the count: a fresh-clone run counted 2 for one request)."""
+    deadline = time.monotonic() + 5
+    while mock.servicer.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mock.servicer.running == 0, "an earlier call is still running"
+    return mock.servicer.cancelled
+
+
 def wait_cancelled(mock: MockBackendThread, before: int) -> None:
     deadline = time.monotonic() + 5
     while (mock.servicer.cancelled == before or mock.servicer.running) and time.monotonic() < deadline:
@@ -105,7 +115,7 @@ def wait_cancelled(mock: MockBackendThread, before: int) -> None:
 def test_disconnect_cancels_a_non_streaming_request(front: MockFrontend, mock: MockBackendThread,
                                                     tokenizer: TextTokenizer, path: str, body: dict[str, Any]) -> None:
     with mock.scripted(slow_script(tokenizer)):
-        before = mock.servicer.cancelled
+        before = idle_cancelled(mock)
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{front.url}{path}", json=body, timeout=0.5)
         wait_cancelled(mock, before)
@@ -113,7 +123,7 @@ def test_disconnect_cancels_a_non_streaming_request(front: MockFrontend, mock: M
 
 def test_disconnect_cancels_a_stream(front: MockFrontend, mock: MockBackendThread, tokenizer: TextTokenizer) -> None:
     with mock.scripted(slow_script(tokenizer)):
-        before = mock.servicer.cancelled
+        before = idle_cancelled(mock)
         with httpx.stream("POST", f"{front.url}/v1/completions", json={"prompt": "x", "max_tokens": 100,
                                                                        "stream": True}) as resp:
             for i, _ in enumerate(resp.iter_lines()):
