@@ -1,16 +1,19 @@
-"""The encoder model family (BERT, XLM-RoBERTa, MPNet, DistilBERT, Nomic BERT, ModernBERT, GTE): token ids → hidden states → the checkpoint's heads.
-The pooling engine (backend/pooling_engine.py) runs it one batch per step, packed: no padding.
+"""The encoder model family: token ids → hidden states → the checkpoint's heads. The pooling engine
+(backend/pooling_engine.py) runs it one batch per step, packed: no padding.
 
-Post-LayerNorm transformer blocks with learned absolute positions, read from a Hugging Face safetensors
-directory (the prefix `bert.` / `roberta.` of *ForSequenceClassification checkpoints is dropped) or a GGUF of
-llama.cpp's `bert` architecture (dequantized at load); or, from a GGUF of llama.cpp's `nomic-bert` or a Nomic
-BERT directory (nomic-embed-text), rotary positions (NeoX halves) on q and k, a SwiGLU FFN and no biases; or
-ModernBERT's pre-norm layers (its first without a norm, a final norm after the last): rotary positions at a base
-per layer kind, every few layers attending globally and the others within a window, a GeGLU FFN; or GTE's
-post-norm layers with rotary positions (fixed NTK scaling in Alibaba's `new` configs) and a GeGLU FFN. Heads:
-- classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier`; XLM-R's `classifier.dense`
-  (tanh) and `classifier.out_proj` over <s>; DistilBERT's ReLU `pre_classifier` over [CLS]; ModernBERT's `head` (dense, its activation, a norm) over [CLS] or
-  the mean of the tokens, then `classifier`. Logits out; the frontend turns them into probabilities.
+Post-LayerNorm transformer blocks with learned absolute positions (BERT; RoBERTa/XLM-R/CamemBERT's from the
+padding index; DistilBERT's names; MPNet's from 2, plus a learned relative-position bias per head), read from a
+Hugging Face safetensors directory (backend/encoder_weights.py: each family's names → BERT's) or a GGUF of
+llama.cpp's `bert` architecture (dequantized at load); or rotary positions (NeoX halves) on q and k with a GLU
+feed-forward: Nomic BERT (a GGUF's `nomic-bert` or a directory: SwiGLU, no biases), GTE (GeGLU, biases, the
+fixed NTK scaling of Alibaba's configs); or ModernBERT's pre-norm layers (its first without a norm, a final norm
+after the last): rotary positions at a base per layer kind, every few layers attending globally and the others
+within a window, a GeGLU FFN. (EmbeddingGemma is backend/gemma_encoder.py's; static embeddings
+backend/static_embedding.py's.) Heads:
+- classify: BERT's pooler (tanh of a dense layer over [CLS]) and `classifier` (GTE's too); RoBERTa's and MPNet's
+  `classifier.dense` (tanh) and `classifier.out_proj` over <s>; DistilBERT's ReLU `pre_classifier` over [CLS];
+  ModernBERT's `head` (dense, its activation, a norm) over [CLS] or the mean of the tokens, then `classifier`.
+  Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
   linear per token, and a linear per token after the first, L2-normalised."""
 from __future__ import annotations

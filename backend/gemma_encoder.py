@@ -222,7 +222,8 @@ def _assemble(path: Path, raw: dict[str, torch.Tensor], cfg: GemmaEncoderConfig,
     needed = ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in set(_HF_LAYER.values())]
     missing = [n for n in needed if n not in raw]
     if missing:
-        raise ModelFileError(f"{path}: weights missing {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(f"{path}: weights missing {missing[0]}{more}")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         raw[p + "qkv"] = torch.cat([raw.pop(p + m) for m in "qkv"])

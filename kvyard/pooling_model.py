@@ -68,8 +68,8 @@ DECODER_BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # Encoder GGUFs (llama.cpp's `bert` architecture: BERT, MiniLM, BGE, E5, XLM-R, ms-marco cross-encoders as
 # llama.cpp converts them; `nomic-bert`: nomic-embed-text v1/v1.5, rotary positions and a SwiGLU FFN;
-# `modern-bert`: ModernBERT's embedders; `gemma-embedding`: EmbeddingGemma) pool always; without a pooling type, as a Hugging Face BERT directory
-# without sentence-transformers files: CLS.
+# `modern-bert`: ModernBERT's embedders; `gemma-embedding`: EmbeddingGemma) pool always; without a pooling type,
+# as a Hugging Face BERT directory without sentence-transformers files: CLS.
 GGUF_ENCODERS = ("bert", "nomic-bert", "modern-bert", "gemma-embedding")
 HEADS = ("dense", "sparse", "colbert")  # what /v1/embeddings/<head> asks of an EMBED model
 
