@@ -258,8 +258,9 @@ def _gguf_spec(path: Path) -> PoolingSpec:
             labels = tuple(str(named[i]) if i < len(named) else f"LABEL_{i}" for i in range(head.shape[0]))
             return PoolingSpec(path=path, kind=ModelKind.CLASSIFY, model_type=arch, hidden_size=hidden, max_len=context,
                                labels=labels)
-        dense = [DenseModule(path, t.shape[1], t.shape[0], "identity", tensor=name) for name in ("dense_2.weight",
-                 "dense_3.weight") if (t := read_gguf_index(path).tensors.get(name)) is not None]  # EmbeddingGemma's
+        tensors = read_gguf_index(path).tensors  # EmbeddingGemma's Dense matrices, read once
+        dense = [DenseModule(path, tensors[n].shape[1], tensors[n].shape[0], "identity", tensor=n)
+                 for n in ("dense_2.weight", "dense_3.weight") if n in tensors]
         return PoolingSpec(path=path, kind=ModelKind.EMBED, model_type=arch, hidden_size=hidden, max_len=context,
                            pooling=pooling, normalize=True, dense=_dense_chain(path, ModelKind.EMBED, hidden, dense))
     config, pooling = load_model_config(path), _gguf_pooling(path)  # an unsupported architecture fails by name
