@@ -67,19 +67,40 @@ def default_prefill_gemm() -> str:
       issue two vpdpwssd a cycle, twice the float32 FMAs' multiply-adds (an Emerald Rapids Xeon, the 1.7B's
       940-token prefill: 8.8 s against 11.3 s on float32 tiles);
     - elsewhere float32 on exactly dequantized tiles (Ice Lake, one vpdpwssd a cycle: 1.3-1.9x the kernels).
+    A capped ISA (KVYARD_CPU_ISA, or the module's cap in tests) runs the capped CPU's choice.
     docs/performance.md has the measurements."""
-    flags = cpu_flags()
-    if "amx_bf16" in flags:
+    if cpu_has_native_bf16():
         return "bfloat16"
-    module = load() if "avx512_fp16" in flags else None
+    module = load() if "avx512_fp16" in cpu_flags() else None
     return "int16" if module is not None and module.has_vnni() else "float32"  # has_vnni: below any ISA cap
 
 
+@functools.cache
+def os_grants_amx() -> bool:
+    """Whether Linux grants this process AMX tile data (arch_prctl ARCH_GET_XCOMP_SUPP lists XTILEDATA, bit 18):
+    a CPU (or a hypervisor's CPU model) can list AMX in /proc/cpuinfo while the OS grants no tile state; oneDNN
+    then takes no AMX path."""
+    import ctypes
+    import platform
+    if platform.machine() != "x86_64":
+        return False
+    mask = ctypes.c_ulong(0)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1021, ctypes.byref(mask)) == 0 and bool(mask.value & (1 << 18))  # SYS_arch_prctl
+    except (OSError, AttributeError):
+        return False
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN multiplies float32 operands in bfloat16 here under its bf16 math mode: AMX-BF16 tiles.
+    """Whether oneDNN multiplies float32 operands in bfloat16 here under its bf16 math mode: AMX-BF16 tiles
+    the OS grants, no ISA cap (KVYARD_CPU_ISA, or the loaded module's) below them.
     The mode only permits the rounding: on an Emerald Rapids Xeon whose OS grants no AMX (AVX512-BF16 only,
     oneDNN 3.12) it kept computing float32, errors ~1e-7 of the product, where bfloat16 gives ~1e-3."""
-    return "amx_bf16" in cpu_flags()
+    if "amx_bf16" not in cpu_flags() or isa_cap() != "native" or not os_grants_amx():
+        return False
+    module = load()
+    return module is not None and module.has_vnni()  # a module capped below VNNI (tests) runs a capped CPU's path
 
 
 def load(verbose: bool = False) -> ModuleType | None:

@@ -2,10 +2,12 @@
 over HTTP, same model (the embedded all-MiniLM-L6-v2), same dtype (float32), same machine, same run.
 
     .venv/bin/python benchmarks/embeddings.py [--sentences 1000] [--batch 32] [--threads N]
-        [--only kvyard,sentence-transformers,vllm,llama,kvyard-gguf]
+        [--only kvyard,sentence-transformers,vllm,llama,kvyard-gguf] [--dtype float32|bfloat16]
 
 `llama` adds llama.cpp's llama-server (`--embedding --pooling mean`) on the same model written as llama.cpp's
 converter lays out a BERT GGUF (F32, into the peer cache); `kvyard-gguf` is kvyard serving that same file.
+`--dtype bfloat16` runs kvyard (DTYPE), sentence-transformers (the model cast) and vLLM (--dtype) in bfloat16 — on
+a CPU with AMX-BF16 all three multiply on its tiles; the cosines are then against float32 sentence-transformers.
 
 Throughput: N sentences of 20-60 words (a fixed seed), in batches of 32: kvyard and vLLM as one HTTP request
 per batch, sequential (a client embedding a corpus); sentence-transformers as model.encode(batch) per batch.
@@ -50,7 +52,7 @@ Embed = Callable[[list[str]], list[list[float]] | None]
 
 
 @contextmanager
-def kvyard_embedder(batch: int, threads: int) -> Iterator[Embed]:
+def kvyard_embedder(batch: int, threads: int, dtype: str = "float32") -> Iterator[Embed]:
     """PDFUSION's embedding backend + a frontend (the chat backend a mock), asked over HTTP."""
     group = ProcessGroup("kvyard-embeddings-", "benchmark-cluster-token-0123456789")
     chat, encoder, frontend = free_port_block(6), free_port_block(6), free_port_block(6)
@@ -59,7 +61,7 @@ def kvyard_embedder(batch: int, threads: int) -> Iterator[Embed]:
         enc = group.kvyard("encoder", {"ROLE_TYPE": "PDFUSION", "FRONTEND_SERVER_COUNT": "0",
                                        "START_PORT": str(encoder), "CHECKPOINT_PATH": str(embedded_embedding_path()),
                                        "TORCH_NUM_THREADS": str(threads), "MAX_NUM_SEQS": str(batch),
-                                       "MAX_NUM_BATCHED_TOKENS": "8192", "DTYPE": "float32"})
+                                       "MAX_NUM_BATCHED_TOKENS": "8192", "DTYPE": dtype})
         fe = group.kvyard("frontend", {"ROLE_TYPE": "FRONTEND", "START_PORT": str(frontend), "MODEL_NAME": "chat",
                                        "MAX_SEQ_LEN": "1024", "BACKEND_ADDRESS": f"127.0.0.1:{chat + 1}",
                                        "EMBEDDING_MODEL_PATH": "embedded",
@@ -122,10 +124,10 @@ def kvyard_gguf_embedder(batch: int, threads: int) -> Iterator[Embed]:
 
 
 @contextmanager
-def vllm_embedder(batch: int) -> Iterator[Embed]:
+def vllm_embedder(batch: int, dtype: str = "float32") -> Iterator[Embed]:
     """vLLM's CPU backend, its pooling runner on the same directory (benchmarks/vllm_peer.py)."""
     from vllm_peer import vllm_pooling_server
-    with vllm_pooling_server(embedded_embedding_path(), EMBEDDED_EMBEDDING_NAME, batch) as (url, _pid), \
+    with vllm_pooling_server(embedded_embedding_path(), EMBEDDED_EMBEDDING_NAME, batch, dtype) as (url, _pid), \
             httpx.Client(base_url=url, timeout=300) as client:
         yield http_embedder(client, EMBEDDED_EMBEDDING_NAME)
 
@@ -142,11 +144,11 @@ def http_embedder(client: httpx.Client, model: str, base64: bool = True) -> Embe
 
 
 @contextmanager
-def st_embedder(batch: int, threads: int) -> Iterator[Embed]:
+def st_embedder(batch: int, threads: int, dtype: str = "float32") -> Iterator[Embed]:
     import torch
     from sentence_transformers import SentenceTransformer
     torch.set_num_threads(threads)
-    model = SentenceTransformer(str(embedded_embedding_path()), device="cpu")
+    model = SentenceTransformer(str(embedded_embedding_path()), device="cpu").to(getattr(torch, dtype))
 
     def embed(texts: list[str], vectors: bool = False) -> list[list[float]] | None:
         out = model.encode(texts, batch_size=batch)
@@ -180,9 +182,11 @@ def interleaved(embedders: dict[str, Embed], texts: list[str], batch: int) -> di
 
 
 def agreement(embedders: dict[str, Embed], texts: list[str]) -> dict[str, float]:
-    """The lowest cosine of each system's vectors against sentence-transformers' (a wrong answer is no win)."""
+    """The lowest cosine of each system's vectors against float32 sentence-transformers' (a wrong answer is no win)."""
     import torch
-    ref = torch.tensor(embedders["sentence-transformers"](texts, True))  # type: ignore[call-arg]
+    from sentence_transformers import SentenceTransformer
+    reference = SentenceTransformer(str(embedded_embedding_path()), device="cpu")
+    ref = torch.tensor(reference.encode(texts, batch_size=len(texts)))
     return {n: float(torch.cosine_similarity(torch.tensor(e(texts, True)), ref).min())  # type: ignore[call-arg]
             for n, e in embedders.items()}
 
@@ -200,26 +204,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="kvyard,sentence-transformers,vllm",
                     help="comma-separated: kvyard, sentence-transformers, vllm, llama, kvyard-gguf")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="kvyard's, sentence-transformers' and vLLM's (llama.cpp reads the F32 GGUF either way)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     texts = sentences(args.sentences)
     only = [n for n in LABELS if n in args.only.split(",")]
-    makers = {"kvyard": lambda: kvyard_embedder(args.batch, args.threads),
-              "sentence-transformers": lambda: st_embedder(args.batch, args.threads),
-              "vllm": lambda: vllm_embedder(args.batch),
+    makers = {"kvyard": lambda: kvyard_embedder(args.batch, args.threads, args.dtype),
+              "sentence-transformers": lambda: st_embedder(args.batch, args.threads, args.dtype),
+              "vllm": lambda: vllm_embedder(args.batch, args.dtype),
               "llama": lambda: llama_embedder(args.batch, args.threads),
               "kvyard-gguf": lambda: kvyard_gguf_embedder(args.batch, args.threads)}
     with ExitStack() as stack:
         embedders = {n: stack.enter_context(makers[n]()) for n in only}
         load = os.getloadavg()
         results = interleaved(embedders, texts, args.batch)
-        cosines = agreement(embedders, texts[:64]) if "sentence-transformers" in embedders else {}
-    print(f"\n{args.sentences} sentences of 20-60 words, batch {args.batch}, all-MiniLM-L6-v2 float32, "
+        cosines = agreement(embedders, texts[:64])
+    print(f"\n{args.sentences} sentences of 20-60 words, batch {args.batch}, all-MiniLM-L6-v2 {args.dtype}, "
           f"{args.threads} torch threads, interleaved; load average at the start {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}, at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| | sentences/s | p50 one short sentence (ms) | min cosine vs sentence-transformers |\n|---|---|---|---|")
+    print("| | sentences/s | p50 one short sentence (ms) | min cosine vs float32 sentence-transformers |\n|---|---|---|---|")
     for name, (rate, p50) in results.items():
-        cos = f"{cosines[name]:.6f}" if name in cosines else ""
+        cos = f"{cosines[name]:.6f}"
         print(f"| {LABELS[name]} | {rate:.0f} | {p50:.1f} | {cos} |")
     if "kvyard" in results:
         for peer in ("sentence-transformers", "vllm", "llama"):

@@ -7,9 +7,11 @@ same machine and thread count, in the same run, each timed call once the machine
 2×2 merge, Qwen2 with M-RoPE) against Qwen2_5_VLForConditionalGeneration (its Qwen2-VL image processor
 included). Then the same image again: kvyard's embedding cache and prefix cache against its first time. --vit-memory instead starts a ROLE_TYPE=VIT process (tower and
 projector only) and a backend (the whole model, KV_CACHE_MB=16) on the same checkpoint and prints each
-one's peak resident memory after loading.
+one's peak resident memory after loading. --dtype bfloat16 runs both sides in bfloat16 (AMX-BF16 tiles where the
+CPU has them).
 
     .venv/bin/python benchmarks/vision.py [--trials 3] [--threads N] [--vit-memory] [--family qwen2_5_vl]
+        [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -49,11 +51,11 @@ def chat_body(image: bytes) -> dict[str, Any]:
             "max_tokens": 1, "temperature": 0, "aux_info": True}
 
 
-def bench_kvyard(path: Path, images: list[bytes], threads: int) -> tuple[list[float], list[float], list[int]]:
+def bench_kvyard(path: Path, images: list[bytes], threads: int, dtype: str) -> tuple[list[float], list[float], list[int]]:
     group = ProcessGroup("kvyard-vision-", "benchmark-cluster-token-0123456789")
     port = free_port_block(6)
     try:
-        proc = group.kvyard("pdfusion", {"START_PORT": str(port), "CHECKPOINT_PATH": str(path), "DTYPE": "float32",
+        proc = group.kvyard("pdfusion", {"START_PORT": str(port), "CHECKPOINT_PATH": str(path), "DTYPE": dtype,
                                          "TORCH_NUM_THREADS": str(threads), "KV_CACHE_MB": "256",
                                          "MAX_NUM_BATCHED_TOKENS": "2048"})
         url = f"http://127.0.0.1:{port}"
@@ -102,14 +104,14 @@ def vit_memory(path: Path, threads: int) -> dict[str, float]:
     return out
 
 
-def bench_transformers_qwen(path: Path, images: list[bytes], threads: int) -> list[float]:
+def bench_transformers_qwen(path: Path, images: list[bytes], threads: int, dtype: str) -> list[float]:
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from backend.image_preprocess import decode_image
     torch.set_num_threads(threads)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     pad = "<|image_pad|>"
@@ -129,7 +131,7 @@ def bench_transformers_qwen(path: Path, images: list[bytes], threads: int) -> li
     return out[1:]  # the first was the warm-up
 
 
-def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[float]:
+def bench_transformers(path: Path, images: list[bytes], threads: int, dtype: str) -> list[float]:
     import io
 
     import torch
@@ -137,7 +139,7 @@ def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[fl
     from transformers import AutoTokenizer, LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     torch.set_num_threads(threads)
-    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     processor: Any = CLIPImageProcessorPil.from_pretrained(str(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     n_image = (SIDE // 14) ** 2
@@ -149,6 +151,7 @@ def bench_transformers(path: Path, images: list[bytes], threads: int) -> list[fl
         settle()
         t = time.perf_counter()
         pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")["pixel_values"]
+        pixels = pixels.to(model.dtype)
         with torch.inference_mode():
             model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=1, do_sample=False)
         out.append(time.perf_counter() - t)
@@ -161,6 +164,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vit-memory", action="store_true", help="only the VIT's and a backend's peak memory")
     ap.add_argument("--family", choices=("llava", "qwen2_5_vl"), default="llava")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     qwen = args.family == "qwen2_5_vl"
@@ -177,11 +181,11 @@ def main() -> None:
         print(f"| backend (the whole model, KV_CACHE_MB=16) | {peaks['PDFUSION']:.0f} |")
         return
     images = [png_bytes(SIDE, SIDE, seed=i) for i in range(args.trials)]
-    first, again, reuse = bench_kvyard(path, images, args.threads)
-    theirs = (bench_transformers_qwen if qwen else bench_transformers)(path, images, args.threads)
+    first, again, reuse = bench_kvyard(path, images, args.threads, args.dtype)
+    theirs = (bench_transformers_qwen if qwen else bench_transformers)(path, images, args.threads, args.dtype)
     med = statistics.median
     print(f"\nTTFT, {args.family}: one {SIDE}x{SIDE} PNG + a short question "
-          f"({(SIDE // 28) ** 2 if qwen else (SIDE // 14) ** 2} image tokens), float32, "
+          f"({(SIDE // 28) ** 2 if qwen else (SIDE // 14) ** 2} image tokens), {args.dtype}, "
           f"{args.threads} torch threads, median of {args.trials}\n")
     print("| | TTFT (ms) |\n|---|---|")
     print(f"| kvyard, a new image (HTTP, end to end) | {med(first) * 1000:.0f} |")

@@ -99,11 +99,11 @@ def vllm_server(gguf: Path, max_seqs: int = 32, context: int = 4096) -> Iterator
 
 
 @contextmanager
-def vllm_pooling_server(model_dir: Path, name: str, max_seqs: int = 32) -> Iterator[tuple[str, int]]:
+def vllm_pooling_server(model_dir: Path, name: str, max_seqs: int = 32,
+                        dtype: str = "float32") -> Iterator[tuple[str, int]]:
     """(base_url, pid) of vLLM's pooling runner on a Hugging Face encoder directory (`--runner pooling
-    --convert embed`: /v1/embeddings), in float32 (see default_dtype: no native bfloat16 here; the
-    benchmarks compare at the same dtype)."""
-    with _vllm_process(model_dir, name, "float32", ["--runner", "pooling", "--convert", "embed",
+    --convert embed`: /v1/embeddings), in float32 unless asked (the benchmarks compare at the same dtype)."""
+    with _vllm_process(model_dir, name, dtype, ["--runner", "pooling", "--convert", "embed",
                                                     "--max-num-seqs", str(max_seqs)]) as served:
         yield served
 

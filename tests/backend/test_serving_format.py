@@ -69,7 +69,15 @@ def test_teacher_forced_agreement_with_float32(model_blocks: LlamaModel, model_r
     want = full_logits(model_reference, model_config, ids)
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= 0.98, agreement
-    assert (got - want).abs().max().item() < MAX_LOGIT_DIFF[layout_of(model_blocks)]
+    assert (got - want).abs().max().item() < max_logit_diff(model_blocks)
+
+
+def max_logit_diff(model: LlamaModel) -> float:
+    """The bound for the model's own prefill path: an AMX CPU's default PREFILL_GEMM multiplies n16 prefill
+    chunks in bfloat16 (measured there 0.33, agreement 0.998), elsewhere its layout's bound."""
+    if layout_of(model) == "n16" and getattr(model.ops, "n16_gemm", None) is torch.bfloat16:
+        return BF16_PREFILL_MAX_LOGIT_DIFF
+    return MAX_LOGIT_DIFF[layout_of(model)]
 
 
 @pytest.mark.parametrize("gemm, max_diff", [("bfloat16", BF16_PREFILL_MAX_LOGIT_DIFF), ("int16", MAX_LOGIT_DIFF["n16"])])
@@ -119,7 +127,7 @@ def test_decode_steps_agree_with_float32(model_blocks: LlamaModel, model_referen
     assert len(got) >= 500
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= 0.98, agreement
-    assert (got - want).abs().max().item() < MAX_LOGIT_DIFF[layout_of(model_blocks)]
+    assert (got - want).abs().max().item() < MAX_LOGIT_DIFF[layout_of(model_blocks)]  # a 16-token prefill: no GEMM path
 
 
 def test_float16_kv_cache_keeps_the_answers(model_blocks: LlamaModel, model_reference: LlamaModel,
