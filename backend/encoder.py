@@ -15,7 +15,10 @@ backend/static_embedding.py's.) Heads:
   ModernBERT's `head` (dense, its activation, a norm) over [CLS] or the mean of the tokens, then `classifier`.
   Logits out; the frontend turns them into probabilities.
 - sparse / colbert (BGE-M3, `sparse_linear.pt` / `colbert_linear.pt` beside the weights): relu of a
-  linear per token, and a linear per token after the first, L2-normalised."""
+  linear per token, and a linear per token after the first, L2-normalised.
+DTYPE=bfloat16 on a CPU keeps the layers' matrices in bfloat16 (oneDNN multiplies them on AMX-BF16 tiles where the
+CPU has them) and everything between them in float32: the embeddings, norms, attention (the float32 kernel),
+activations and residual stream. On a GPU bfloat16 is everything's dtype."""
 from __future__ import annotations
 
 import json
@@ -139,6 +142,10 @@ class EncoderConfig:
                    type_vocab_size=int(cfg.get("type_vocab_size", 2)))
 
 
+# A CPU's bfloat16 GEMMs take rows in multiples of this (EncoderModel._linear).
+ROW_BUCKET = 32
+
+
 class EncoderModel:
     """Plain functions over a dict of tensors; no nn.Module (as backend/model.py)."""
 
@@ -148,7 +155,10 @@ class EncoderModel:
         self.cfg = EncoderConfig.from_gguf(spec.path) if gguf_file else EncoderConfig.from_dir(spec.path)
         self.device = device
         self.dtype = dtype
-        self.w = load_encoder_weights(spec.path, dtype, device, gguf_file)
+        # The dtype between the matrices: float32 for a CPU's bfloat16 (its GEMMs on bfloat16 operands, the
+        # rest exact; the packed attention kernel is float32's).
+        self.act_dtype = torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+        self.w = load_encoder_weights(spec.path, self.act_dtype, device, gguf_file)
         missing = [n for n in _required(self.cfg, spec) if n not in self.w]
         if missing:
             raise ModelFileError(f"{spec.path}: weights missing {', '.join(missing[:5])}")
@@ -158,10 +168,10 @@ class EncoderModel:
         for i in range(self.cfg.num_layers):
             for name in LAYER_LINEARS:
                 key = f"encoder.layer.{i}.{name}.weight"
-                self.w[key] = self.w[key].t().contiguous()
-        self.dense = load_dense(spec.dense, dtype, device)
+                self.w[key] = self.w[key].t().to(dtype).contiguous()
+        self.dense = load_dense(spec.dense, self.act_dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
-        self._kernel = attention_kernel(dtype, device, head_dim)
+        self._kernel = attention_kernel(self.act_dtype, device, head_dim)
         f = self.cfg.ntk_factor
         self._inv_freq = [1.0 / (theta * f) ** (torch.arange(0, head_dim, 2, device=device) / head_dim) / f ** (2 / head_dim)
                           for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta) if theta]
@@ -231,7 +241,7 @@ class EncoderModel:
     def _rotary(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, 1, d/2] of each token's position (float32 angles, then the model's dtype)."""
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
+        return angles.cos().to(self.act_dtype)[:, None], angles.sin().to(self.act_dtype)[:, None]
 
     def classify(self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden: [B, T, D] (zeros at padding) → logits [B, num_labels], from the first token or (a ModernBERT
@@ -264,8 +274,20 @@ class EncoderModel:
         return F.normalize(F.linear(hidden[:, 1:], w["colbert_linear.weight"], w["colbert_linear.bias"]), dim=-1)
 
     def _linear(self, x: torch.Tensor, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + b for one of a layer's matrices (held transposed), into `out` when given."""
-        return torch.addmm(self.w[name + ".bias"], x, self.w[name + ".weight"], out=out)
+        """x @ W^T + b for one of a layer's matrices (held transposed), into `out` when given. W in bfloat16
+        under float32 activations (a CPU's DTYPE=bfloat16): x rounded to bfloat16 for the GEMM, its float32
+        result plus the float32 bias."""
+        weight = self.w[name + ".weight"]
+        if weight.dtype == x.dtype:
+            return torch.addmm(self.w[name + ".bias"], x, weight, out=out)
+        # The rows padded to a multiple of ROW_BUCKET: oneDNN builds (JITs) a GEMM per new shape, ~5 ms each
+        # on an AMX Xeon against ~0.6 ms for a cached one, and every batch brings a new token count.
+        n = x.shape[0]
+        xb = x.new_empty((-(-n // ROW_BUCKET) * ROW_BUCKET, x.shape[1]), dtype=weight.dtype)
+        xb[:n].copy_(x)
+        xb[n:].zero_()
+        y = torch.mm(xb, weight)[:n]
+        return torch.add(y, self.w[name + ".bias"], out=out) if out is not None else y.float().add_(self.w[name + ".bias"])
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from backend.kernels import isa_cap, os_grants_amx  # KVYARD_CPU_ISA, read as kvyard's kernels read it
+from backend.kernels import isa_cap  # KVYARD_CPU_ISA, read as kvyard's kernels read it
 from kvyard.ports import free_port_block
 from tests.support.procs import stop_groups, wait_healthy  # the tests' helpers (peers.py puts the repo on the path)
 
@@ -30,16 +30,15 @@ def torch_isa_env(level: str) -> dict[str, str]:
 
 def llama_cpp_flags(level: str = "native") -> list[str]:
     """llama.cpp's instruction-set options for this CPU (capped at `level`), spelled out: `-DGGML_NATIVE=ON`
-    emits AMX tile code on CPUs that list AMX, which dies with SIGILL where the OS grants no tile state. Where
-    the OS does grant it, llama.cpp's AMX matrix code is built (its strongest path on such a CPU)."""
+    emits AMX tile code on CPUs that list AMX, which dies with SIGILL where the OS grants no tile state, and
+    built with AMX on purpose it died the same way on a Xeon whose OS grants it (its first `tilezero`, in
+    ggml_backend_amx_mul_mat, 2026-11-27): no AMX for llama.cpp, its AVX-512 VNNI code instead."""
     try:
         cpu = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         cpu = set()
     wanted = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
               "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
-    if os_grants_amx():
-        wanted |= {"AMX_TILE": "amx_tile", "AMX_INT8": "amx_int8", "AMX_BF16": "amx_bf16"}
     allowed = {"avx2": {"AVX", "AVX2", "FMA", "F16C", "BMI2"}, "avx512": {"AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512"},
                "native": set(wanted)}[level]
     return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{opt}={'ON' if flag in cpu and opt in allowed else 'OFF'}"
