@@ -146,6 +146,16 @@ class EncoderConfig:
 ROW_BUCKET = 32
 
 
+def _padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype with its rows padded by zeros to a multiple of ROW_BUCKET: oneDNN builds (JITs) a GEMM per new
+    shape, ~5 ms each on an AMX Xeon against ~0.6 ms for a cached one, and every batch brings a new token count."""
+    n = x.shape[0]
+    xb = x.new_empty((-(-n // ROW_BUCKET) * ROW_BUCKET, x.shape[1]), dtype=dtype)
+    xb[:n].copy_(x)
+    xb[n:].zero_()
+    return xb
+
+
 class EncoderModel:
     """Plain functions over a dict of tensors; no nn.Module (as backend/model.py)."""
 
@@ -169,6 +179,9 @@ class EncoderModel:
             for name in LAYER_LINEARS:
                 key = f"encoder.layer.{i}.{name}.weight"
                 self.w[key] = self.w[key].t().to(dtype).contiguous()
+        # The up projections' biases in the matrices' dtype where that differs (EncoderModel._ffn adds them in the GEMM).
+        self._up_bias = {f"encoder.layer.{i}.": self.w[f"encoder.layer.{i}.intermediate.dense.bias"].to(dtype)
+                         for i in range(self.cfg.num_layers)} if dtype != self.act_dtype else {}
         self.dense = load_dense(spec.dense, self.act_dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(self.act_dtype, device, head_dim)
@@ -223,12 +236,10 @@ class EncoderModel:
             a = packed_attention(self._kernel, qkv, offsets, sizes, H, cfg.window if local else 0, bias)  # [N, D]
             if cfg.prenorm:
                 x = self._linear(a, p + "attention.output.dense").add_(x)
-                g = self._act(self._linear(self._norm(x, p + "ffn.norm"), p + "intermediate.dense", h))
-                x = self._linear(g, p + "output.dense").add_(x)
+                x = self._ffn(self._norm(x, p + "ffn.norm"), p, h).add_(x)
                 continue
             x = self._norm(self._linear(a, p + "attention.output.dense").add_(x), p + "attention.output.LayerNorm")
-            g = self._act(self._linear(x, p + "intermediate.dense", h))
-            x = self._norm(self._linear(g, p + "output.dense").add_(x), p + "output.LayerNorm")
+            x = self._norm(self._ffn(x, p, h).add_(x), p + "output.LayerNorm")
         return self._norm(x, "final_norm") if cfg.prenorm else x
 
     def _relative_bias(self, n: int) -> torch.Tensor:
@@ -280,15 +291,21 @@ class EncoderModel:
         weight = self.w[name + ".weight"]
         if weight.dtype == x.dtype:
             return torch.addmm(self.w[name + ".bias"], x, weight, out=out)
-        # The rows padded to a multiple of ROW_BUCKET: oneDNN builds (JITs) a GEMM per new shape, ~5 ms each
-        # on an AMX Xeon against ~0.6 ms for a cached one, and every batch brings a new token count.
-        n = x.shape[0]
-        xb = x.new_empty((-(-n // ROW_BUCKET) * ROW_BUCKET, x.shape[1]), dtype=weight.dtype)
-        xb[:n].copy_(x)
-        xb[n:].zero_()
-        y = torch.mm(xb, weight)[:n]
+        y = torch.mm(_padded(x, weight.dtype), weight)[:x.shape[0]]
         # A copy to float32 then the bias: ~20 % faster than one mixed-dtype add (1376 x 1536 on 2 threads).
         return (y.float() if out is None else out.copy_(y)).add_(self.w[name + ".bias"])
+
+    def _ffn(self, x: torch.Tensor, p: str, h: torch.Tensor) -> torch.Tensor:
+        """A layer's feed-forward before its residual: up (into h), activation, down. Under float32 activations
+        with bfloat16 matrices the wide [N, 4D] activations stay bfloat16 (rows padded): the up GEMM adds its
+        bias in its float32 sums and rounds once, which is what the down GEMM would round its input to anyway;
+        a MiniLM batch skips two conversions and a float32 pass over its widest tensor per layer."""
+        up = self.w[p + "intermediate.dense.weight"]
+        if up.dtype == x.dtype:
+            return self._linear(self._act(self._linear(x, p + "intermediate.dense", h)), p + "output.dense")
+        g = self._act(torch.addmm(self._up_bias[p], _padded(x, up.dtype), up))
+        y = torch.mm(g, self.w[p + "output.dense.weight"])[:x.shape[0]]
+        return y.float().add_(self.w[p + "output.dense.bias"])
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
