@@ -291,7 +291,11 @@ class EncoderModel:
         weight = self.w[name + ".weight"]
         if weight.dtype == x.dtype:
             return torch.addmm(self.w[name + ".bias"], x, weight, out=out)
-        y = torch.mm(_padded(x, weight.dtype), weight)[:x.shape[0]]
+        return self._float_out(_padded(x, weight.dtype), name, x.shape[0], out)
+
+    def _float_out(self, xb: torch.Tensor, name: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """xb (the matrices' dtype, rows padded) @ W^T: its first n rows in float32 plus the float32 bias."""
+        y = torch.mm(xb, self.w[name + ".weight"])[:n]
         # A copy to float32 then the bias: ~20 % faster than one mixed-dtype add (1376 x 1536 on 2 threads).
         return (y.float() if out is None else out.copy_(y)).add_(self.w[name + ".bias"])
 
@@ -304,8 +308,7 @@ class EncoderModel:
         if up.dtype == x.dtype:
             return self._linear(self._act(self._linear(x, p + "intermediate.dense", h)), p + "output.dense")
         g = self._act(torch.addmm(self._up_bias[p], _padded(x, up.dtype), up))
-        y = torch.mm(g, self.w[p + "output.dense.weight"])[:x.shape[0]]
-        return y.float().add_(self.w[p + "output.dense.bias"])
+        return self._float_out(g, p + "output.dense", x.shape[0])
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
