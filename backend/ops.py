@@ -127,6 +127,10 @@ class KernelOps(TorchOps):
         from backend.kernels import default_prefill_gemm
         choice = default_prefill_gemm() if prefill_gemm == "auto" else prefill_gemm
         self.n16_gemm: torch.dtype | None = None if choice == "int16" else getattr(torch, choice)
+        # Whether torch's brgemm multiplies bfloat16 on tiles here (oneDNN's AMX micro-kernel): see brgemm_bf16
+        # (benchmarks/prefill_profile.py turns it off to time the W^T tiles instead).
+        from backend.kernels import cpu_has_native_bf16
+        self.bf16_tiles = cpu_has_native_bf16() and bool(kernels.could_brgemm_bf16())
         # Prefill chunks' attention in the AVX-512 kernel (backend/csrc/prefill_attention.h), else SDPA.
         self.prefill_kernel = kernels.has_avx512()
 
@@ -178,10 +182,17 @@ class KernelOps(TorchOps):
         if isinstance(w, StackedWeight):  # each part into its own columns, as the fused step runs it
             rows = [p.shape[0] for p in w.parts]
             biases = bias.split(rows) if bias is not None else [None] * len(rows)
-            y = torch.cat([self.linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
+            if all(self._on_brgemm(x, p) for p in w.parts):  # x rounded to bfloat16 once for every part
+                xb = x.to(torch.bfloat16)
+                y = torch.cat([self._brgemm(xb, p, b) for p, b in zip(w.parts, biases)], dim=-1)
+            else:
+                y = torch.cat([self.linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
             return y if residual is None else residual + y
         if w.layout == "rows" and x.shape[0] > DENSE_ROWS:
             return self._gemm_tiles(x, w, bias, residual, torch.matmul)
+        if self._on_brgemm(x, w):
+            y = self._brgemm(x.to(torch.bfloat16), w, bias)
+            return y if residual is None else residual + y
         if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm is not None:
             return self._gemm_tiles(x, w, bias, residual, bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul)
         if w.kind in K_KINDS:
@@ -189,6 +200,23 @@ class KernelOps(TorchOps):
         if w.kind == "q4_1":
             return self.k.q4_1_linear(x, w.qs, w.d, w.m, bias, residual)
         return self.k.q8_0_linear(x, w.qs, w.d, bias, residual)
+
+    @property
+    def brgemm_bf16(self) -> bool:
+        """bfloat16 prefill GEMMs on brgemm straight from the blocks, float32 results (backend/csrc/gemm_bf16.h)
+        where the CPU has bfloat16 tiles; else tiles of W^T through bf16_matmul."""
+        return self.n16_gemm == torch.bfloat16 and self.bf16_tiles
+
+    def _on_brgemm(self, x: torch.Tensor, w: Weight) -> bool:
+        return (self.brgemm_bf16 and isinstance(w, QuantWeight) and w.layout == "n16"
+                and x.shape[0] >= N16_GEMM_ROWS)
+
+    def _brgemm(self, xb: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """xb (bfloat16) @ W^T in float32 on brgemm's bfloat16 tiles (the same products as bf16_matmul's)."""
+        y = self.k.n16_gemm_bf16(xb, w.qs, w.d, _mins(w), w.kind == "q4_1")
+        if bias is not None:
+            y += bias
+        return y
 
     def _gemm_tiles(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
                     residual: torch.Tensor | None, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

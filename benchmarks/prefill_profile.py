@@ -2,13 +2,14 @@
 where the CPU has AVX-512 VNNI, a float16 KV cache), and the prefill attention kernel against SDPA.
 
     .venv/bin/python benchmarks/prefill_profile.py [--gguf PATH] [--tokens 940] [--reps 3]
-                                                   [--gemms int16,float32,bfloat16]
+                                                   [--gemms int16,float32,bfloat16,bfloat16-onednn]
 
 One prompt of --tokens random tokens in one chunk (the engine's budget holds it whole), driven through the
 model runner. Each rep runs the prompt with the attention kernel on and off, interleaved (a shared machine
 drifts: compare within a run); the op table is the fastest rep with the kernel on. Then torch.matmul at the
 model's linear shapes, the float32 GEMM rate the linears can reach here. --gemms times the whole prompt once
-per rep with each PREFILL_GEMM choice for the n16 linears, interleaved (which one a CPU kind should default to)."""
+per rep with each PREFILL_GEMM choice for the n16 linears, interleaved (which one a CPU kind should default to);
+bfloat16-onednn is bfloat16 the way CPUs without brgemm's bfloat16 tiles take it (W^T tiles, oneDNN's GEMM)."""
 from __future__ import annotations
 
 import argparse
@@ -82,14 +83,15 @@ def main() -> None:
     ops.prefill_kernel = kernel_on
     assert best is not None
     if args.gemms:  # the prefill linears' GEMM choice (KernelOps.n16_gemm), each rep interleaved
-        chosen, by_gemm = ops.n16_gemm, defaultdict(list)
+        chosen, tiles, by_gemm = ops.n16_gemm, getattr(ops, "bf16_tiles", False), defaultdict(list)
         for _ in range(args.reps):
             for gemm in args.gemms.split(","):
-                ops.n16_gemm = None if gemm == "int16" else getattr(torch, gemm)
+                ops.n16_gemm = None if gemm == "int16" else getattr(torch, gemm.removesuffix("-onednn"))
+                ops.bf16_tiles = tiles and gemm == "bfloat16"  # bfloat16-onednn: W^T tiles, bf16_matmul
                 t0 = time.perf_counter()
                 runner.run(prompt)
                 by_gemm[gemm].append(time.perf_counter() - t0)
-        ops.n16_gemm = chosen
+        ops.n16_gemm, ops.bf16_tiles = chosen, tiles
         print("PREFILL_GEMM, each rep (ms): " + "; ".join(
             f"{g} {', '.join(f'{t * 1000:.0f}' for t in ts)}" for g, ts in by_gemm.items()))
     print(f"{torch.get_num_threads()} threads, {n}-token prompt, {path.name}: fastest rep {best[0] * 1000:.0f} ms")

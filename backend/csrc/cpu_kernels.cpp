@@ -13,6 +13,7 @@
 #include "decode_step.h"
 #include "dequant_n16.h"
 #include "encoder_attention.h"
+#include "gemm_bf16.h"
 #include "isa_switches.h"
 #include "layer_ops.h"
 #include "prefill_attention.h"
@@ -105,6 +106,33 @@ void dequantize_n16_t(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.size(1);
   at::parallel_for(g0, g1, 1, [&](int64_t a, int64_t b) { dequantize_groups_t(w, a, b, op + (a - g0) * G16, ldo); });
+}
+
+// x [M, K] bfloat16 @ W^T for an n16 matrix (any kind) on brgemm's bfloat16 tiles → [M, N] float32
+// (gemm_bf16.h; prefill chunks where the CPU has AMX-BF16, backend/ops.py).
+at::Tensor n16_gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
+                         bool q4, int64_t rows, int64_t depth) {
+  const QMatrix w = as_matrix(qs, d, mins, q4);
+  TORCH_CHECK(w.n16, "an n16 matrix");
+  TORCH_CHECK(rows > 0 && depth > 0 && depth % QK == 0, "rows > 0, depth a positive multiple of 32");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
+              x.size(1) == w.K, "x must be a contiguous bfloat16 [M, K]");
+  // Panels of at most PANEL_GROUPS groups, as many as a multiple of the threads (36 groups, 2 threads: 4 of 9).
+  const int64_t M = x.size(0), groups = w.N / G16, threads = at::get_num_threads();
+  const int64_t panels = (groups + PANEL_GROUPS * threads - 1) / (PANEL_GROUPS * threads) * threads;
+  const int64_t per = (groups + panels - 1) / panels;
+  at::Tensor y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (groups + per - 1) / per, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> f32(CHUNK_BLOCKS * QK * G16 * per);
+    std::vector<uint16_t> packed(w.K * G16 * per);
+    for (int64_t p = p0; p < p1; ++p)
+      gemm_bf16_groups(w, xp, M, p * per, std::min(groups, (p + 1) * per), yp, w.N, f32.data(), packed.data(),
+                       rows, depth);
+    at::native::cpublas::brgemm_release();
+  });
+  return y;
 }
 
 // x: [T, D] → x * rsqrt(mean(x²) + eps) * w, float32 throughout (as the reference does for float32).
@@ -332,6 +360,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         call_guard<release>());
   m.def("dequantize_into", &dequantize_into, "a whole block matrix into a float32 buffer", call_guard<release>());
   m.def("dequantize_n16_t", &dequantize_n16_t, "groups of an n16 matrix as a float32 W^T tile", call_guard<release>());
+  m.def("n16_gemm_bf16", &n16_gemm_bf16, "x (bfloat16) @ dequant(n16)^T on bfloat16 tiles, float32 sums and result",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("mins"), py::arg("q4"), py::arg("rows") = GEMM_ROWS,
+        py::arg("depth") = GEMM_DEPTH, call_guard<release>());
+  m.def("could_brgemm_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
+        "whether torch's brgemm multiplies bfloat16 here (oneDNN's micro-kernels: AMX)");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", call_guard<release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", call_guard<release>());
   m.def("rope_store", &rope_store, "RoPE on q and k, k and v into the paged cache; returns q", call_guard<release>());

@@ -16,13 +16,16 @@ namespace kvyard {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
-// Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16.
-inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+// Groups [g0, g1) of w into out [K][ldo] at column (g - g0) * 16; blocks [b0, b1) only (b1 < 0: to the last),
+// block b0's 32 rows first.
+inline void dequantize_groups_t_512(const QMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo,
+                                    int64_t b0 = 0, int64_t b1 = -1) {
   const int64_t nb = w.nb(), nsb = nb / SUPER;
+  if (b1 < 0) b1 = nb;
   for (int64_t g = g0; g < g1; ++g) {
     float* col = out + (g - g0) * G16;
-    for (int64_t b = 0; b < nb; ++b) {
-      float* o = col + b * QK * ldo;
+    for (int64_t b = b0; b < b1; ++b) {
+      float* o = col + (b - b0) * QK * ldo;
       switch (w.kind) {
         case BlockKind::Q4_1:
         case BlockKind::Q4_K:

@@ -1,0 +1,78 @@
+"""Prefill chunks on torch's brgemm (backend/csrc/gemm_bf16.h): x rounded to bfloat16 times the n16 blocks
+dequantized and rounded to bfloat16, products summed and returned in float32 — on a CPU with AMX-BF16 the
+default for prefill-sized batches (backend/ops.py KernelOps._brgemm). Elsewhere these skip: that CPU has no
+bfloat16 tiles, and its prefill keeps the other paths (test_kquant.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import kernels
+from backend.ops import N16_GEMM_ROWS, KernelOps
+from backend.quant import QuantWeight, StackedWeight
+from tests.backend.test_kquant import random_n16
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None or not kernels.cpu_has_native_bf16() or not K.could_brgemm_bf16(),
+                                reason="no bfloat16 tiles (AMX-BF16) the OS grants on this CPU")
+
+KINDS = ["q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "q5_k8", "q6_k8"]
+
+
+def rounded_product(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ W^T of the bfloat16-rounded operands in float64, and |x| @ |W|^T (the size of what float32 sums lose)."""
+    xb, wb = x.to(torch.bfloat16).double(), w.dequantize().to(torch.bfloat16).double()
+    return xb @ wb.T, xb.abs() @ wb.abs().T
+
+
+def mins(w: QuantWeight) -> torch.Tensor:
+    return w.m if w.m is not None else w.d
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_product_of_the_rounded_operands_in_float32(kind: str) -> None:
+    """Every kind, several panels (K=8192: four groups of 16 columns a panel, six groups), row blocks with a
+    tail (rows=64, 203 rows) and K in slices summed by brgemm (depth=1024): each output within float32 sums'
+    rounding of the exact product of the rounded operands — and not the float32 product."""
+    n, k = 96, 8192
+    w = random_n16(kind, n, k, seed=7)
+    x = torch.randn(203, k, generator=torch.Generator().manual_seed(7))
+    want, scale = rounded_product(x, w)
+    for rows, depth in [(64, 1024), (128, 8192), (7, 32)]:
+        got = K.n16_gemm_bf16(x.to(torch.bfloat16), w.qs, w.d, mins(w), kind == "q4_1", rows, depth)
+        assert got.dtype == torch.float32 and got.shape == (203, n)
+        err = (got.double() - want).abs()
+        assert (err <= 1e-5 * scale + 1e-6).all(), (rows, depth, float((err / scale).max()))
+    exact = x.double() @ w.dequantize().double().T
+    assert ((got.double() - exact).abs() > 3e-6 * scale).float().mean() > 0.5  # it rounded the operands
+
+
+def test_bad_arguments_are_refused() -> None:
+    w = random_n16("q4_k", 32, 256, seed=1)
+    x = torch.randn(4, 256)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        K.n16_gemm_bf16(x, w.qs, w.d, w.m, False)  # float32 x
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        K.n16_gemm_bf16(torch.randn(4, 128).bfloat16(), w.qs, w.d, w.m, False)  # K mismatch
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.n16_gemm_bf16(x.bfloat16(), w.qs, w.d, w.m, False, 64, 48)
+
+
+def test_prefill_sized_linears_take_it_with_bias_residual_and_stacked_parts() -> None:
+    """KernelOps with PREFILL_GEMM=bfloat16 here: from N16_GEMM_ROWS rows a linear is brgemm's bits (+ bias,
+    + residual; a stacked gate_up each part into its columns); below, the int16 kernel's."""
+    ops = KernelOps(K, "bfloat16")
+    assert ops.brgemm_bf16
+    k = 512
+    gate, up = random_n16("q4_k", 64, k, seed=2), random_n16("q6_k", 32, k, seed=3)
+    x = torch.randn(N16_GEMM_ROWS + 9, k, generator=torch.Generator().manual_seed(2))
+    bias, residual = torch.randn(64), torch.randn(N16_GEMM_ROWS + 9, 64)
+    tiles = K.n16_gemm_bf16(x.to(torch.bfloat16), gate.qs, gate.d, gate.m, False)
+    assert torch.equal(ops.linear(x, gate), tiles)
+    assert torch.equal(ops.linear(x, gate, bias, residual), residual + (tiles + bias))
+    stacked = StackedWeight([gate, up])
+    both = torch.cat([tiles, K.n16_gemm_bf16(x.to(torch.bfloat16), up.qs, up.d, up.m, False)], dim=-1)
+    assert torch.equal(ops.linear(x, stacked), both)
+    short = x[:N16_GEMM_ROWS - 1]
+    assert torch.equal(ops.linear(short, gate), KernelOps(K, "int16").linear(short, gate))
+    assert not KernelOps(K, "float32").brgemm_bf16 and not KernelOps(K, "int16").brgemm_bf16
