@@ -153,10 +153,12 @@ class LlamaModel:
             if lora is not None:
                 lora.add(x, attn, i, "o")
             h = ops.rms_norm(x, w[p + "ffn_norm"], c.rms_norm_eps)
-            gate_up = ops.linear(h, w[p + "gate_up"])
-            if lora is not None:
+            if lora is None:
+                m = ops.gate_up_silu(h, w[p + "gate_up"])                                # [T, F]
+            else:  # the adapters' deltas join gate_up before the activation
+                gate_up = ops.linear(h, w[p + "gate_up"])
                 lora.add(gate_up, h, i, "gate_up")
-            m = ops.silu_mul(gate_up)
+                m = ops.silu_mul(gate_up)
             x = ops.linear(m, w[p + "down"], residual=x)
             if lora is not None:
                 lora.add(x, m, i, "down")

@@ -91,6 +91,10 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) for a gate_up matrix: linear, then silu_mul."""
+        return self.silu_mul(self.linear(x, w))
+
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                    layer: int, slots: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
         """qkv: [T, (H+2Hkv)d] → q [T, H, d]; k (rotated) and v written into the cache at slots."""
@@ -182,17 +186,17 @@ class KernelOps(TorchOps):
         if isinstance(w, StackedWeight):  # each part into its own columns, as the fused step runs it
             rows = [p.shape[0] for p in w.parts]
             biases = bias.split(rows) if bias is not None else [None] * len(rows)
-            if all(self._on_brgemm(x, p) for p in w.parts):  # x rounded to bfloat16 once for every part
-                xb = x.to(torch.bfloat16)
-                y = torch.cat([self._brgemm(xb, p, b) for p, b in zip(w.parts, biases)], dim=-1)
+            if all(self._on_brgemm(x, p) for p in w.parts):  # x rounded once, each part into its columns
+                xb, y = x.to(torch.bfloat16), torch.empty(x.shape[0], w.shape[0])
+                for p, b, cols in zip(w.parts, biases, y.split(rows, dim=1)):
+                    self._brgemm(xb, p, b, out=cols)
             else:
                 y = torch.cat([self.linear(x, p, b) for p, b in zip(w.parts, biases)], dim=-1)
             return y if residual is None else residual + y
         if w.layout == "rows" and x.shape[0] > DENSE_ROWS:
             return self._gemm_tiles(x, w, bias, residual, torch.matmul)
         if self._on_brgemm(x, w):
-            y = self._brgemm(x.to(torch.bfloat16), w, bias)
-            return y if residual is None else residual + y
+            return self._brgemm(x.to(torch.bfloat16), w, bias, residual)
         if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm is not None:
             return self._gemm_tiles(x, w, bias, residual, bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul)
         if w.kind in K_KINDS:
@@ -211,12 +215,20 @@ class KernelOps(TorchOps):
         return (self.brgemm_bf16 and isinstance(w, QuantWeight) and w.layout == "n16"
                 and x.shape[0] >= N16_GEMM_ROWS)
 
-    def _brgemm(self, xb: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """xb (bfloat16) @ W^T in float32 on brgemm's bfloat16 tiles (the same products as bf16_matmul's)."""
-        y = self.k.n16_gemm_bf16(xb, w.qs, w.d, _mins(w), w.kind == "q4_1")
-        if bias is not None:
-            y += bias
-        return y
+    def _brgemm(self, xb: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """xb (bfloat16) @ W^T in float32 on brgemm's bfloat16 tiles (the same products as bf16_matmul's),
+        + bias, + residual (the order linear adds them in), into out where given."""
+        return self.k.n16_gemm_bf16(xb, w.qs, w.d, _mins(w), w.kind == "q4_1", bias=bias, residual=residual,
+                                    out=out)
+
+    def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """On brgemm (prefill chunks, AMX): the two halves' products straight into silu(gate) * up, the [T, 2F]
+        product never in memory; otherwise linear, then silu_mul."""
+        if self._on_brgemm(x, w) and w.shape[0] % 32 == 0:
+            assert isinstance(w, QuantWeight)
+            return self.k.n16_gemm_bf16_silu(x.to(torch.bfloat16), w.qs, w.d, _mins(w), w.kind == "q4_1")
+        return self.silu_mul(self.linear(x, w))
 
     def _gemm_tiles(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
                     residual: torch.Tensor | None, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -30,7 +30,7 @@ from backend.weights import load_weights  # noqa: E402
 from kvyard.model_config import load_model_config  # noqa: E402
 from kvyard.model_path import embedded_model_path  # noqa: E402
 
-OPS = ("embed", "rms_norm", "linear", "rope_store", "attention", "silu_mul")
+OPS = ("embed", "rms_norm", "linear", "gate_up_silu", "rope_store", "attention", "silu_mul")
 
 
 def main() -> None:

@@ -76,3 +76,38 @@ def test_prefill_sized_linears_take_it_with_bias_residual_and_stacked_parts() ->
     short = x[:N16_GEMM_ROWS - 1]
     assert torch.equal(ops.linear(short, gate), KernelOps(K, "int16").linear(short, gate))
     assert not KernelOps(K, "float32").brgemm_bf16 and not KernelOps(K, "int16").brgemm_bf16
+
+
+def test_bias_residual_and_a_strided_out_are_added_in_place() -> None:
+    """The epilogue: (product + bias) + residual, the same bits as adding them after; out a column slice of a
+    wider float32 (a stacked matrix's part) gets exactly those columns."""
+    w = random_n16("q4_k", 48, 512, seed=4)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    bias, residual = torch.randn(48), torch.randn(70, 48)
+    plain = K.n16_gemm_bf16(x, w.qs, w.d, w.m, False)
+    assert torch.equal(K.n16_gemm_bf16(x, w.qs, w.d, w.m, False, bias=bias, residual=residual),
+                       residual + (plain + bias))
+    wide = torch.full((70, 100), 7.0)
+    K.n16_gemm_bf16(x, w.qs, w.d, w.m, False, 16, 256, bias=bias, out=wide[:, 20:68])
+    assert torch.equal(wide[:, 20:68], plain + bias)
+    assert (wide[:, :20] == 7).all() and (wide[:, 68:] == 7).all()
+    with pytest.raises(RuntimeError, match="residual"):
+        K.n16_gemm_bf16(x, w.qs, w.d, w.m, False, residual=torch.randn(70, 47))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0"])
+def test_gate_up_straight_to_silu_times_up(kind: str) -> None:
+    """n16_gemm_bf16_silu is linear + silu_mul without the [T, 2F] product: the same bits as the kernel's
+    silu_mul over n16_gemm_bf16's gate_up (rows in blocks with a tail, K in slices); KernelOps.gate_up_silu
+    takes it from N16_GEMM_ROWS rows and is linear + silu_mul below."""
+    f, k = 80, 1024
+    w = random_n16(kind, 2 * f, k, seed=9)
+    x = torch.randn(N16_GEMM_ROWS + 45, k, generator=torch.Generator().manual_seed(9))
+    xb = x.to(torch.bfloat16)
+    want = K.silu_mul(K.n16_gemm_bf16(xb, w.qs, w.d, mins(w), kind == "q4_1"))
+    for rows, depth in [(128, 2048), (50, 256)]:
+        assert torch.equal(K.n16_gemm_bf16_silu(xb, w.qs, w.d, mins(w), kind == "q4_1", rows, depth), want)
+    ops = KernelOps(K, "bfloat16")
+    assert torch.equal(ops.gate_up_silu(x, w), want)
+    short = x[:N16_GEMM_ROWS - 1]
+    assert torch.equal(ops.gate_up_silu(short, w), K.silu_mul(ops.linear(short, w)))
