@@ -187,7 +187,7 @@ class KernelOps(TorchOps):
             rows = [p.shape[0] for p in w.parts]
             biases = bias.split(rows) if bias is not None else [None] * len(rows)
             if all(self._on_brgemm(x, p) for p in w.parts):  # x rounded once, each part into its columns
-                xb, y = x.to(torch.bfloat16), torch.empty(x.shape[0], w.shape[0])
+                xb, y = _bf16(x), torch.empty(x.shape[0], w.shape[0])
                 for p, b, cols in zip(w.parts, biases, y.split(rows, dim=1)):
                     self._brgemm(xb, p, b, out=cols)
             else:
@@ -196,7 +196,7 @@ class KernelOps(TorchOps):
         if w.layout == "rows" and x.shape[0] > DENSE_ROWS:
             return self._gemm_tiles(x, w, bias, residual, torch.matmul)
         if self._on_brgemm(x, w):
-            return self._brgemm(x.to(torch.bfloat16), w, bias, residual)
+            return self._brgemm(_bf16(x), w, bias, residual)
         if w.layout == "n16" and x.shape[0] >= N16_GEMM_ROWS and self.n16_gemm is not None:
             return self._gemm_tiles(x, w, bias, residual, bf16_matmul if self.n16_gemm == torch.bfloat16 else torch.matmul)
         if w.kind in K_KINDS:
@@ -227,7 +227,7 @@ class KernelOps(TorchOps):
         product never in memory; otherwise linear, then silu_mul."""
         if self._on_brgemm(x, w) and w.shape[0] % 32 == 0:
             assert isinstance(w, QuantWeight)
-            return self.k.n16_gemm_bf16_silu(x.to(torch.bfloat16), w.qs, w.d, _mins(w), w.kind == "q4_1")
+            return self.k.n16_gemm_bf16_silu(_bf16(x), w.qs, w.d, _mins(w), w.kind == "q4_1")
         return self.silu_mul(self.linear(x, w))
 
     def _gemm_tiles(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
@@ -306,6 +306,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16, row-major (what brgemm's A reads; .to keeps a transposed view's strides)."""
+    return x.to(torch.bfloat16).contiguous()
 
 
 def _mins(w: QuantWeight) -> torch.Tensor:

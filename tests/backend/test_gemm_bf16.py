@@ -73,6 +73,9 @@ def test_prefill_sized_linears_take_it_with_bias_residual_and_stacked_parts() ->
     stacked = StackedWeight([gate, up])
     both = torch.cat([tiles, K.n16_gemm_bf16(x.to(torch.bfloat16), up.qs, up.d, up.m, False)], dim=-1)
     assert torch.equal(ops.linear(x, stacked), both)
+    transposed = x.T.contiguous().T  # the same values, column-major
+    assert torch.equal(ops.linear(transposed, gate), tiles)
+    assert torch.equal(ops.linear(transposed, stacked), both)
     short = x[:N16_GEMM_ROWS - 1]
     assert torch.equal(ops.linear(short, gate), KernelOps(K, "int16").linear(short, gate))
     assert not KernelOps(K, "float32").brgemm_bf16 and not KernelOps(K, "int16").brgemm_bf16
@@ -109,5 +112,6 @@ def test_gate_up_straight_to_silu_times_up(kind: str) -> None:
         assert torch.equal(K.n16_gemm_bf16_silu(xb, w.qs, w.d, mins(w), kind == "q4_1", rows, depth), want)
     ops = KernelOps(K, "bfloat16")
     assert torch.equal(ops.gate_up_silu(x, w), want)
+    assert torch.equal(ops.gate_up_silu(x.T.contiguous().T, w), want)
     short = x[:N16_GEMM_ROWS - 1]
     assert torch.equal(ops.gate_up_silu(short, w), K.silu_mul(ops.linear(short, w)))
