@@ -22,8 +22,8 @@ inline int64_t panel_size(int64_t groups, int64_t most) {
   return (groups + panels - 1) / panels;
 }
 
-inline QMatrix gemm_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
-                      bool q4, int64_t rows, int64_t depth) {
+inline QMatrix gemm_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                             const at::Tensor& mins, bool q4, int64_t rows, int64_t depth) {
   const QMatrix w = as_matrix(qs, d, mins, q4);
   TORCH_CHECK(w.n16, "an n16 matrix");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
@@ -35,9 +35,10 @@ inline QMatrix gemm_operands(const at::Tensor& x, const at::Tensor& qs, const at
 // x [M, K] bfloat16 @ W^T for an n16 matrix (any kind) on brgemm's bfloat16 tiles (+ bias) (+ residual) →
 // [M, N] float32, or into out (a float32 [M, N] view whose rows may be strided: one part of a stacked
 // matrix's output). gemm_bf16.h; prefill chunks where the CPU has AMX-BF16, backend/ops.py.
-inline at::Tensor n16_gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
-                         bool q4, int64_t rows, int64_t depth, const c10::optional<at::Tensor>& bias,
-                         const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& out) {
+inline at::Tensor n16_gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                const at::Tensor& mins, bool q4, int64_t rows, int64_t depth,
+                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                                const c10::optional<at::Tensor>& out) {
   const QMatrix w = gemm_operands(x, qs, d, mins, q4, rows, depth);
   const int64_t M = x.size(0), groups = w.N / G16, per = panel_size(groups, PANEL_GROUPS);
   at::Tensor y = out ? *out : at::empty({M, w.N}, x.options().dtype(at::kFloat));
@@ -70,8 +71,8 @@ inline at::Tensor n16_gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const
 
 // silu(x @ gate^T) * (x @ up^T) for a gate_up n16 matrix (gate's F rows, then up's; F a multiple of 16) on
 // brgemm's bfloat16 tiles → [M, F] float32: linear + silu_mul without the [M, 2F] product in memory.
-inline at::Tensor n16_gemm_bf16_silu(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mins,
-                              bool q4, int64_t rows, int64_t depth) {
+inline at::Tensor n16_gemm_bf16_silu(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                     const at::Tensor& mins, bool q4, int64_t rows, int64_t depth) {
   const QMatrix w = gemm_operands(x, qs, d, mins, q4, rows, depth);
   TORCH_CHECK(w.N % (2 * G16) == 0, "gate_up's halves must be whole groups of 16 rows");
   const int64_t M = x.size(0), F = w.N / 2, groups = F / G16, per = panel_size(groups, SILU_PANEL_GROUPS);
