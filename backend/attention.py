@@ -104,23 +104,51 @@ def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: Attention
                     out: torch.Tensor, window: int = 0) -> None:
     """Each multi-token chunk attends causally over its cached prefix and itself; rows into out.
     window > 0: query i sees only keys (start + i - window, start + i] (a sliding window)."""
-    k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     for span in meta.prefills:
         qp = q[span.rows].transpose(0, 1).unsqueeze(0)                      # [1, H, Q, d]
-        n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
-        kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size, cache.scratch("pk", n))[:span.num_keys]
-        vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size, cache.scratch("pv", n))[:span.num_keys]
-        kp = kp.transpose(0, 1).unsqueeze(0).to(q.dtype)                    # [1, Hkv, K, d]
-        vp = vp.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        n_q, n_k = qp.shape[2], kp.shape[2]
-        if span.start == 0 and (not window or n_q <= window):
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-        else:
-            # Query i sits at position start+i and sees keys 0..start+i: the last row sees every key.
-            q_pos = torch.arange(span.start, span.start + n_q, device=q.device)
-            k_pos = torch.arange(n_k, device=q.device)[None, :]
-            mask = k_pos <= q_pos[:, None]
-            if window:
-                mask &= k_pos > q_pos[:, None] - window
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+        kp, vp = span_keys(cache, layer, span, q.dtype)
+        op = causal_attention(qp, kp, vp, span.start, window)
         out[span.rows] = op.squeeze(0).transpose(0, 1)
+
+
+def span_keys(cache: KVCache, layer: int, span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill chunk sees (its cached prefix and itself), [1, Hkv, K, d] in dtype."""
+    k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
+    n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
+    kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size, cache.scratch("pk", n))[:span.num_keys]
+    vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size, cache.scratch("pv", n))[:span.num_keys]
+    # a float16 cache under a float32 model: convert what was read
+    return kp.transpose(0, 1).unsqueeze(0).to(dtype), vp.transpose(0, 1).unsqueeze(0).to(dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0,
+                     scale: float | None = None) -> torch.Tensor:
+    """One chunk's attention: q [1, H, Q, d] at positions start.., k and v [1, Hkv, start + Q, d]; query i sees
+    keys 0..start+i (window > 0: only those after start + i - window). → [1, H, Q, d] in q's dtype."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if start == 0 and (not window or n_q <= window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+    if not window and q.device.type == "cpu":
+        return _prefix_then_chunk(q, k, v, start, scale)
+    q_pos = torch.arange(start, start + n_q, device=q.device)
+    k_pos = torch.arange(n_k, device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window:
+        mask &= k_pos > q_pos[:, None] - window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+def _prefix_then_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                       scale: float | None) -> torch.Tensor:
+    """causal_attention after a cached prefix, on a CPU: torch's flash kernel twice without a mask, over the
+    prefix (every key visible) and over the chunk (causal), the two merged by their log-sum-exps. A boolean
+    mask sends SDPA to a slower path (930 rows after 16 cached keys, 32 heads of 64, AMX Xeon: bfloat16
+    16.0 → 10.2 ms; float32 40.1 → 26.0 ms)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_chunk, lse_chunk = flash(q, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)   # lse [1, H, Q]
+    o_prefix, lse_prefix = flash(q, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+    top = torch.maximum(lse_chunk, lse_prefix)
+    w_chunk, w_prefix = (lse_chunk - top).exp_(), (lse_prefix - top).exp_()
+    total = w_chunk + w_prefix
+    merged = o_chunk.float().mul_((w_chunk / total).unsqueeze(-1))
+    return merged.add_(o_prefix.float().mul_((w_prefix / total).unsqueeze(-1))).to(q.dtype)

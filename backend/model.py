@@ -67,6 +67,9 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(config, max_positions or config.max_position_embeddings,
                                          self.device)  # [P, d/2] each, float32
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # 0: the whole context
+        # Long prefill chunks attend on bfloat16 tiles where the layers' linears multiply there (an AMX CPU's
+        # PREFILL_GEMM=bfloat16 over GGUF blocks); a model whose linears stay float32 keeps float32 attention.
+        self.attention_tiles = isinstance(self.ops, KernelOps) and self.ops.takes_tiles(weights["layers.0.qkv"])
         # Decode-only steps of up to DENSE_ROWS rows (the linears' kernel range) in one C++ call, when the
         # ops have one: the same kernels in the same order, so the same logits as the loop below.
         self.fused = self.ops.fused_decoder(config, weights, self.lm_head)
@@ -147,7 +150,7 @@ class LlamaModel:
             if c.qk_norm:
                 qkv = self._qk_norm(qkv, p)
             q = ops.rope_store(qkv, cos, sin, cache, i, meta.slot_mapping, c.num_heads, c.num_kv_heads)
-            attn = ops.attention(q, cache, i, meta, self.windows[i])                      # [T, H, d]
+            attn = ops.attention(q, cache, i, meta, self.windows[i], self.attention_tiles)  # [T, H, d]
             attn = attn.reshape(attn.shape[0], -1)
             x = ops.linear(attn, w[p + "o"], residual=x)
             if lora is not None:
