@@ -336,10 +336,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("n16_gemm_bf16", &n16_gemm_bf16, "x (bfloat16) @ dequant(n16)^T on bfloat16 tiles, float32 sums and result",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("mins"), py::arg("q4"), py::arg("rows") = GEMM_ROWS,
         py::arg("depth") = GEMM_DEPTH, py::arg("bias") = py::none(), py::arg("residual") = py::none(),
-        py::arg("out") = py::none(), call_guard<release>());
+        py::arg("out") = py::none(), py::arg("panel_groups") = PANEL_GROUPS, call_guard<release>());
   m.def("n16_gemm_bf16_silu", &n16_gemm_bf16_silu, "silu(x @ gate^T) * (x @ up^T) on bfloat16 tiles, float32",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("mins"), py::arg("q4"), py::arg("rows") = GEMM_ROWS,
-        py::arg("depth") = GEMM_DEPTH, call_guard<release>());
+        py::arg("depth") = GEMM_DEPTH, py::arg("panel_groups") = SILU_PANEL_GROUPS, call_guard<release>());
   m.def("could_brgemm_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
         "whether torch's brgemm multiplies bfloat16 here (oneDNN's micro-kernels: AMX)");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", call_guard<release>());

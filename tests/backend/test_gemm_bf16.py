@@ -56,6 +56,22 @@ def test_bad_arguments_are_refused() -> None:
         K.n16_gemm_bf16(torch.randn(4, 128).bfloat16(), w.qs, w.d, w.m, False)  # K mismatch
     with pytest.raises(RuntimeError, match="multiple of 32"):
         K.n16_gemm_bf16(x.bfloat16(), w.qs, w.d, w.m, False, 64, 48)
+    with pytest.raises(RuntimeError, match="panel_groups > 0"):
+        K.n16_gemm_bf16(x.bfloat16(), w.qs, w.d, w.m, False, panel_groups=0)
+    with pytest.raises(RuntimeError, match="panel_groups > 0"):
+        K.n16_gemm_bf16_silu(x.bfloat16(), w.qs, w.d, w.m, False, panel_groups=0)
+
+
+def test_the_panel_width_does_not_change_a_bit() -> None:
+    """Panels split the columns only: each output's sums run over K in the same slices whatever the panel width
+    (one group of 16 columns, 3, the default), with a thread count that leaves panels of unequal width."""
+    w, gu = random_n16("q6_k", 16 * 13, 4096, seed=5), random_n16("q4_k", 16 * 12, 4096, seed=6)
+    xb = torch.randn(150, 4096, generator=torch.Generator().manual_seed(5)).bfloat16()
+    want = K.n16_gemm_bf16(xb, w.qs, w.d, mins(w), False)
+    gate_up = K.n16_gemm_bf16_silu(xb, gu.qs, gu.d, mins(gu), False)
+    for groups in (1, 3, 16):
+        assert torch.equal(K.n16_gemm_bf16(xb, w.qs, w.d, mins(w), False, panel_groups=groups), want)
+        assert torch.equal(K.n16_gemm_bf16_silu(xb, gu.qs, gu.d, mins(gu), False, panel_groups=groups), gate_up)
 
 
 def test_prefill_sized_linears_take_it_with_bias_residual_and_stacked_parts() -> None:
