@@ -192,7 +192,7 @@ class KernelOps(TorchOps):
         if isinstance(w, StackedWeight):  # each part into its own columns, as the fused step runs it
             rows = [p.shape[0] for p in w.parts]
             biases = bias.split(rows) if bias is not None else [None] * len(rows)
-            if all(self._on_brgemm(x, p) for p in w.parts):  # x rounded once, each part into its columns
+            if self._on_brgemm(x, w):  # x rounded once, each part into its columns
                 xb, y = _bf16(x), torch.empty(x.shape[0], w.shape[0])
                 for p, b, cols in zip(w.parts, biases, y.split(rows, dim=1)):
                     self._brgemm(xb, p, b, out=cols)
@@ -236,8 +236,7 @@ class KernelOps(TorchOps):
     def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """On brgemm (prefill chunks, AMX): the two halves' products straight into silu(gate) * up, the [T, 2F]
         product never in memory; otherwise linear, then silu_mul."""
-        if self._on_brgemm(x, w) and w.shape[0] % 32 == 0:
-            assert isinstance(w, QuantWeight)
+        if isinstance(w, QuantWeight) and self._on_brgemm(x, w) and w.shape[0] % 32 == 0:
             return self.k.n16_gemm_bf16_silu(_bf16(x), w.qs, w.d, _mins(w), w.kind == "q4_1")
         return self.silu_mul(self.linear(x, w))
 
@@ -314,7 +313,6 @@ class KernelOps(TorchOps):
             return self._prefill_tiles(q, cache, layer, span)
         return self.k.prefill_attention(q, cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
                                         cache.block_size, span.start, q.shape[-1] ** -0.5, window)
-
 
     @staticmethod
     def _prefill_tiles(q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan) -> torch.Tensor:

@@ -131,3 +131,6 @@ def test_gate_up_straight_to_silu_times_up(kind: str) -> None:
     assert torch.equal(ops.gate_up_silu(x.T.contiguous().T, w), want)
     short = x[:N16_GEMM_ROWS - 1]
     assert torch.equal(ops.gate_up_silu(short, w), K.silu_mul(ops.linear(short, w)))
+    # A gate_up whose halves differ in kind (stacked parts): linear (each part on brgemm) + silu_mul.
+    stacked = StackedWeight([random_n16("q4_k", f, k, seed=10), random_n16("q6_k", f, k, seed=11)])
+    assert torch.equal(ops.gate_up_silu(x, stacked), K.silu_mul(ops.linear(x, stacked)))
