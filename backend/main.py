@@ -6,10 +6,7 @@ import logging
 import resource
 import signal
 import socket
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import uvicorn
@@ -28,6 +25,7 @@ from backend.model import LlamaModel, default_ops
 from backend.ops import TorchOps, Weight
 from backend.pooling_engine import PoolingEngine
 from backend.model_runner import ModelRunner
+from backend.openmp_threads import in_passing_thread, one_openmp_master
 from backend.registration import register_forever
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.gemma_encoder import GemmaEncoderModel
@@ -44,7 +42,6 @@ from kvyard.pooling_model import GEMMA_TYPES, ModelKind, load_pooling_spec
 from kvyard.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvyard.backend")
-T = TypeVar("T")
 
 
 def build_engine_loop(cfg: BackendConfig) -> tuple[EngineLoop, frozenset[int], int, GrammarCompiler | None]:
@@ -168,30 +165,6 @@ def reset_peak_resident() -> None:
         pass
 
 
-async def _in_passing_thread(fn: Callable[[BackendConfig], T], cfg: BackendConfig) -> T:
-    """fn(cfg) on a thread that ends when it returns. Loading runs torch's OpenMP regions; a thread that
-    lives on (asyncio's executor) keeps its OpenMP pool, and with two pools on two cores libgomp stops
-    spinning and puts workers to sleep after every region: the engine thread's decode step then takes
-    2-3x longer (measured: 15 -> 43 ms at batch 1). The engine thread must be the only OpenMP master."""
-    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    loop = asyncio.get_running_loop()
-
-    def run() -> None:
-        try:
-            result = fn(cfg)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(future.set_result, result)
-
-    thread = threading.Thread(target=run, name="load", daemon=True)
-    thread.start()
-    try:
-        return await future
-    finally:
-        await asyncio.to_thread(thread.join)
-
-
 def _bind_or_warn(host: str, port: int) -> socket.socket | None:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -207,7 +180,8 @@ def _bind_or_warn(host: str, port: int) -> socket.socket | None:
 async def serve_backend(cfg: BackendConfig) -> None:
     """Load, then serve gRPC on START_PORT+1 and HTTP on START_PORT+5 until SIGTERM/SIGINT, which
     turns health to NOT_SERVING and lets requests in flight finish for up to cfg.drain_grace_s."""
-    engine_loop, eos, max_model_len, grammars = await _in_passing_thread(build_engine_loop, cfg)
+    one_openmp_master()  # the engine thread steps the model: backend/openmp_threads.py
+    engine_loop, eos, max_model_len, grammars = await in_passing_thread(build_engine_loop, cfg)
     engine_loop.start()
     servicer = ModelRpcServicer(engine_loop, eos, max_model_len, cfg.role, cfg.decode_address, grammars)
     servicer.decode_channels = DecodeChannels(cfg.cluster_token)  # a PREFILL backend's hand-overs carry it

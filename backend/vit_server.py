@@ -25,6 +25,7 @@ from backend.engine_types import ImageInput
 from backend.grpc_server import set_serving, start_grpc_server
 from backend.image_preprocess import prompt_images
 from backend.main import peak_resident_mb, resident_mb
+from backend.openmp_threads import in_passing_thread, one_openmp_master
 from backend.pb_convert import embedding_to_pb, worker_status_to_pb
 from backend.registration import register_forever
 from backend.image_tower import ImageTower
@@ -127,9 +128,10 @@ async def serve_vit(cfg: BackendConfig) -> None:
     """Load the tower (only vision.* and projector.* are read), serve until SIGTERM/SIGINT."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    one_openmp_master()  # the tower's thread (VitServicer._runner) steps it: backend/openmp_threads.py
     model_cfg = load_model_config(cfg.checkpoint_path)
     before = resident_mb()
-    tower = await asyncio.to_thread(load_vision_tower, cfg.checkpoint_path, model_cfg, getattr(torch, cfg.dtype),
+    tower = await in_passing_thread(load_vision_tower, cfg.checkpoint_path, model_cfg, getattr(torch, cfg.dtype),
                                     torch.device(cfg.device))
     log.info("VIT resident: %.0f MB (%.0f MB before the tower, %.0f MB of tower weights, peak %.0f MB)",
              resident_mb(), before, tower.weight_bytes() / 2**20, peak_resident_mb())

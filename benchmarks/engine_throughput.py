@@ -160,7 +160,7 @@ def main() -> None:
 
     def offline() -> None:
         # On a thread that ends before the engine thread starts: one OpenMP master at a time (see
-        # backend/main.py's _in_passing_thread; two live pools make every parallel region sleep).
+        # backend/openmp_threads.py; two live pools make every parallel region sleep).
         engine_loop, *_ = build_engine_loop(cfg)
         engine = engine_loop.engine
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {cfg.device}, "
