@@ -30,11 +30,16 @@ class Spy:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.encoded: list[int] = []
+        self.batches: list[int] = []   # texts per encode_batch call
         self.pieces: list[int] = [0]
 
     def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
         self.encoded.append(len(text))
         return self.tok.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts: list[str], *args: Any, **kwargs: Any) -> Any:
+        self.batches.append(len(texts))
+        return self.tok.encode_batch(texts, *args, **kwargs)
 
     def post_process(self, *encodings: Any, **kwargs: Any) -> Any:
         self.pieces = [len(e.overflowing) for e in encodings if e is not None]  # what was cut off each side
@@ -115,6 +120,23 @@ def test_only_words_count_against_the_context(pipes: dict[str, PoolingPipeline])
     text = "\x01 " * 50_000
     assert len(text.split()) > 2 * 256
     assert tokenize(pipes["minilm"], [text])[0] == [[101, 102]]
+
+
+@pytest.mark.parametrize("name", ["minilm", "qwen3-embedder"])
+def test_plain_texts_are_tokenized_in_one_batch_as_one_by_one(pipes: dict[str, PoolingPipeline], name: str) -> None:
+    """Uncut single texts go through one encode_batch; each gets the ids the one-text path gives it (the
+    special tokens, a prompt, the characters tokenizers treat unevenly)."""
+    pipe = pipes[name]
+    texts = [_long_text(seed, words) for seed, words in enumerate([1, 5, 20, 30, 10, 3])] + ["", " ", "é"]
+    ids, spy = tokenize(pipe, texts, prompt="query: ")
+    assert spy.batches == [len(texts)] and spy.encoded == []
+    one_by_one = [tokenize(pipe, [text, ("a", "b")], prompt="query: ")[0][0] for text in texts]  # a pair: per text
+    assert ids == one_by_one
+    assert pipe.model is not None
+    limit = pipe.model.spec.max_len
+    error, spy = refused(pipe, ["short", "word " * (limit + limit // 2), MB8])  # MB8: too long by its words alone
+    assert error.message.startswith("input 1 has ") and "more than" not in error.message, error.message  # counted
+    assert spy.batches == [2] and spy.encoded == []
 
 
 def _long_text(seed: int, words: int) -> str:
