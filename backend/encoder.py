@@ -25,6 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +157,17 @@ def _padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return xb
 
 
+def residual_norm_kernel(cfg: EncoderConfig, device: torch.device, dtype: torch.dtype,
+                         act_dtype: torch.dtype) -> ModuleType | None:
+    """The compiled kernels where they take a layer's residual step (EncoderModel._residual_norm): a CPU's
+    bfloat16 matrices under float32 activations, post-norm layers, AVX-512; else None (torch's ops)."""
+    if device.type != "cpu" or dtype == act_dtype or cfg.prenorm or cfg.hidden_size % 16:
+        return None
+    from backend import kernels
+    module = kernels.load()
+    return module if module is not None and module.has_avx512() else None
+
+
 class EncoderModel:
     """Plain functions over a dict of tensors; no nn.Module (as backend/model.py)."""
 
@@ -185,6 +197,7 @@ class EncoderModel:
         self.dense = load_dense(spec.dense, self.act_dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(self.act_dtype, device, head_dim)
+        self._fused_norm = residual_norm_kernel(self.cfg, device, dtype, self.act_dtype)
         f = self.cfg.ntk_factor
         self._inv_freq = [1.0 / (theta * f) ** (torch.arange(0, head_dim, 2, device=device) / head_dim) / f ** (2 / head_dim)
                           for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta) if theta]
@@ -226,11 +239,15 @@ class EncoderModel:
         # The two widest activations reuse one buffer each through the layers (fewer fresh pages to fault in).
         qkv = x.new_empty((x.shape[0], 3 * D))                              # [N, 3D]
         h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (GLU: [N, 2I])
+        xb = _padded(x, self.dtype) if self._fused_norm is not None else None  # [N padded, D], the next GEMM's input
         for i in range(cfg.num_layers):
             p = f"encoder.layer.{i}."
             local = i in cfg.sliding
             pre = p + "attention.norm"  # ModernBERT's; none before its first layer
-            self._linear(self._norm(x, pre) if pre + ".weight" in w else x, p + "qkv", qkv)
+            if xb is not None:
+                self._float_out(xb, p + "qkv", x.shape[0], qkv)
+            else:
+                self._linear(self._norm(x, pre) if pre + ".weight" in w else x, p + "qkv", qkv)
             if rotary:
                 _rotate(qkv[:, :2 * D].view(-1, 2 * H, D // H), *rotary[local])  # q and k, every head
             a = packed_attention(self._kernel, qkv, offsets, sizes, H, cfg.window if local else 0, bias)  # [N, D]
@@ -238,9 +255,21 @@ class EncoderModel:
                 x = self._linear(a, p + "attention.output.dense").add_(x)
                 x = self._ffn(self._norm(x, p + "ffn.norm"), p, h).add_(x)
                 continue
+            if xb is not None:  # bfloat16 matrices: each residual step in one pass, x in place, xb its copy
+                self._residual_norm(torch.mm(_padded(a, self.dtype), w[p + "attention.output.dense.weight"]),
+                                    p + "attention.output", x, xb)
+                g = self._act(torch.addmm(self._up_bias[p], xb, w[p + "intermediate.dense.weight"]))
+                self._residual_norm(torch.mm(g, w[p + "output.dense.weight"]), p + "output", x, xb)
+                continue
             x = self._norm(self._linear(a, p + "attention.output.dense").add_(x), p + "attention.output.LayerNorm")
             x = self._norm(self._ffn(x, p, h).add_(x), p + "output.LayerNorm")
         return self._norm(x, "final_norm") if cfg.prenorm else x
+
+    def _residual_norm(self, y: torch.Tensor, p: str, x: torch.Tensor, xb: torch.Tensor) -> None:
+        """x ← LayerNorm(y[:N] + the dense layer's bias + x), xb ← x in bfloat16 (backend/csrc/encoder_norm.h)."""
+        assert self._fused_norm is not None
+        self._fused_norm.residual_norm_bf16(y, self.w[p + ".dense.bias"], x, self.w[p + ".LayerNorm.weight"],
+                                            self.w[p + ".LayerNorm.bias"], self.cfg.layer_norm_eps, xb)
 
     def _relative_bias(self, n: int) -> torch.Tensor:
         """MPNet's [H, n, n] bias: the learned value of each head for the bucket of key - query distance (exact

@@ -13,6 +13,7 @@
 #include "decode_step.h"
 #include "dequant_n16.h"
 #include "encoder_attention.h"
+#include "encoder_norm.h"
 #include "gemm_bf16_ops.h"
 #include "isa_switches.h"
 #include "layer_ops.h"
@@ -280,6 +281,40 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, 
   return out;
 }
 
+// x [n, D] float32, in place ← LayerNorm(float(y[:n]) + bias + x) · w + b (y: a GEMM's bfloat16 output, [≥ n, D]);
+// xb (optional) [≥ n, D] bfloat16 ← x rounded, rows past n zero: the next GEMM's input (encoder_norm.h).
+void residual_norm_bf16(const at::Tensor& y, const at::Tensor& bias, at::Tensor& x, const at::Tensor& w,
+                        const at::Tensor& b, double eps, const c10::optional<at::Tensor>& xb) {
+  TORCH_CHECK(cpu_has_avx512(), "residual_norm_bf16 needs AVX-512");
+  check_cpu_f32(x, "x");
+  check_cpu_f32(bias, "bias");
+  check_cpu_f32(w, "w");
+  check_cpu_f32(b, "b");
+  TORCH_CHECK(x.dim() == 2, "x must be [n, D]");
+  const int64_t n = x.size(0), D = x.size(1);
+  TORCH_CHECK(D % 16 == 0, "D must be a multiple of 16, got ", D);
+  TORCH_CHECK(bias.numel() == D && w.numel() == D && b.numel() == D, "bias, w and b must hold D = ", D, " floats");
+  auto check_bf16 = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 2 &&
+                t.size(0) >= n && t.size(1) == D, name, " must be a contiguous bfloat16 CPU tensor [>= ", n, ", ", D, "]");
+  };
+  check_bf16(y, "y");
+  uint16_t* xbp = nullptr;
+  if (xb.has_value()) {
+    check_bf16(*xb, "xb");
+    xbp = reinterpret_cast<uint16_t*>(xb->data_ptr<at::BFloat16>());
+    std::memset(xbp + n * D, 0, (xb->size(0) - n) * D * sizeof(uint16_t));
+  }
+  const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* xp = x.data_ptr<float>();
+  const float *bp = bias.data_ptr<float>(), *wp = w.data_ptr<float>(), *bb = b.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      residual_norm_row(yp + r * D, bp, xp + r * D, wp, bb, D, e, xbp == nullptr ? nullptr : xbp + r * D);
+  });
+}
+
 // logits: [R, V] float32; temps: [R] (0: greedy); u: [R] uniform draws in [0, 1) → [R] int64 token ids.
 at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, const at::Tensor& u_in) {
   const at::Tensor logits = logits_in.contiguous(), temps = temps_in.contiguous(), u = u_in.contiguous();
@@ -353,6 +388,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("start"), py::arg("scale"), py::arg("window") = 0, call_guard<release>());
   m.def("encoder_attention", &encoder_attention, "an encoder layer's attention over packed sequences (AVX-512)",
         py::arg("qkv"), py::arg("offsets"), py::arg("heads"), py::arg("scale"), call_guard<release>());
+  m.def("residual_norm_bf16", &residual_norm_bf16, "an encoder's LayerNorm(GEMM output + bias + residual) in place, "
+        "and its bfloat16 copy for the next GEMM (AVX-512)", py::arg("y"), py::arg("bias"), py::arg("x"), py::arg("w"),
+        py::arg("b"), py::arg("eps"), py::arg("xb") = py::none(), call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention, the K-quant kernels)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
   m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (vpdpwssd in the 512-bit int16 linears)");

@@ -89,6 +89,78 @@ def test_bfloat16_on_a_cpu_multiplies_in_bfloat16_and_keeps_the_rest_float32() -
     assert F.cosine_similarity(alone, ours[1:2]).min() >= 0.99999
 
 
+def _avx512_kernels():  # the compiled kernels where they run AVX-512, else None
+    from backend import kernels
+    module = kernels.load()
+    return module if module is not None and module.has_avx512() else None
+
+
+def test_the_fused_residual_step_matches_torch() -> None:
+    """residual_norm_bf16: LayerNorm(bfloat16 GEMM output + bias + residual) in place, its bfloat16 copy the
+    rounding torch gives the result, the padding rows zero; bad shapes and dtypes are refused."""
+    module = _avx512_kernels()
+    if module is None:
+        pytest.skip("the kernels' AVX-512 code does not run here")
+    g = torch.Generator().manual_seed(0)
+    n, padded, D = 45, 64, 384
+    y = (torch.randn(padded, D, generator=g) * 3).bfloat16()
+    bias, x0, w, b = (torch.randn(D, generator=g), torch.randn(n, D, generator=g) * 5 + 2,
+                      torch.randn(D, generator=g), torch.randn(D, generator=g))
+    reference = F.layer_norm(y[:n].float() + bias + x0, (D,), w, b, 1e-12)
+    x, xb = x0.clone(), torch.full((padded, D), 7.0, dtype=torch.bfloat16)
+    module.residual_norm_bf16(y, bias, x, w, b, 1e-12, xb)
+    assert torch.allclose(x, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(xb[:n], x.bfloat16()) and not xb[n:].any()
+    x2 = x0.clone()
+    module.residual_norm_bf16(y, bias, x2, w, b, 1e-12)  # no copy asked
+    assert torch.equal(x2, x)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        module.residual_norm_bf16(y[:, :40].contiguous(), bias[:40], x0[:, :40].contiguous(), w[:40], b[:40], 1e-12)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        module.residual_norm_bf16(y.float(), bias, x0.clone(), w, b, 1e-12)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        module.residual_norm_bf16(y[:n - 1].contiguous(), bias, x0.clone(), w, b, 1e-12)
+
+
+def test_bfloat16_layers_take_the_fused_residual_step_with_torchs_answer() -> None:
+    """A CPU's DTYPE=bfloat16 BERT takes the one-pass residual step where the kernels run AVX-512. Its sums run
+    in another order than torch's LayerNorm, so a few bfloat16 copies round the other way and the two paths
+    differ at bfloat16's noise (cosine 0.99999 measured), each as close to float32 sentence-transformers as the
+    other (0.999982 and 0.999981)."""
+    from sentence_transformers import SentenceTransformer
+    model = EncoderModel(load_pooling_spec(embedded_embedding_path()), torch.bfloat16, torch.device("cpu"))
+    if _avx512_kernels() is None:
+        assert model._fused_norm is None
+        pytest.skip("the kernels' AVX-512 code does not run here")
+    assert model._fused_norm is not None
+    batch = _batch(_tokenizer(embedded_embedding_path()), SENTENCES)
+    fused = _values(run_task(model, PoolTask.EMBED, *batch))
+    model._fused_norm = None
+    unfused = _values(run_task(model, PoolTask.EMBED, *batch))
+    assert F.cosine_similarity(fused, unfused).min() >= 0.99998
+    theirs = torch.from_numpy(SentenceTransformer(str(embedded_embedding_path()), device="cpu").encode(SENTENCES))
+    assert F.cosine_similarity(fused, theirs).min() >= F.cosine_similarity(unfused, theirs).min() - 1e-5
+    assert EncoderModel(load_pooling_spec(embedded_embedding_path()), torch.float32,
+                        torch.device("cpu"))._fused_norm is None  # float32 matrices: torch's ops as before
+
+
+@pytest.mark.parametrize(("arch", "unigram"), [("BertModel", False), ("XLMRobertaModel", True), ("GteModel", True),
+                                               ("NomicBertModel", False), ("DistilBertModel", False),
+                                               ("MPNetModel", False)])
+def test_every_post_norm_family_takes_the_fused_step_alike(tmp_path: Path, arch: str, unigram: bool) -> None:
+    """The families whose layers end in LayerNorm(x + sublayer) (biases or none, GeGLU / SwiGLU, rotary or
+    learned positions, MPNet's relative bias) take the one-pass residual step in bfloat16 with torch's answer."""
+    if _avx512_kernels() is None:
+        pytest.skip("the kernels' AVX-512 code does not run here")
+    path = tiny_encoder(tmp_path / "enc", arch=arch, unigram=unigram)
+    model = EncoderModel(load_pooling_spec(path), torch.bfloat16, torch.device("cpu"))
+    assert model._fused_norm is not None
+    batch = _batch(_tokenizer(path), SENTENCES)
+    fused = _values(run_task(model, PoolTask.EMBED, *batch))
+    model._fused_norm = None
+    assert F.cosine_similarity(fused, _values(run_task(model, PoolTask.EMBED, *batch))).min() >= 0.9999
+
+
 @pytest.mark.parametrize("pooling", ["mean_tokens", "cls_token", "max_tokens", "mean_sqrt_len_tokens"])
 def test_tiny_bert_pooling_matches_transformers(tmp_path: Path, pooling: str) -> None:
     import transformers
