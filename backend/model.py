@@ -12,7 +12,7 @@ from backend.attention import AttentionMetadata, KVCache
 from backend.cuda_graphs import GraphedDecoder
 from backend.lora import LoraBatch
 from backend.lora_weights import FUSED_TARGETS, LoraAdapter
-from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, KernelOps, TorchOps, Weight
+from backend.ops import DENSE_ROWS, KERNEL_HEAD_DIMS, CpuBf16Ops, KernelOps, TorchOps, Weight
 from backend.quant import BlockWeight, QuantWeight
 from kvyard.model_config import ModelConfig, RopeScaling
 
@@ -20,13 +20,16 @@ log = logging.getLogger("kvyard.backend")
 
 
 def default_ops(device: torch.device, dtype: torch.dtype, prefill_gemm: str = "auto") -> TorchOps:
-    """The C++ kernels for float32 on a CPU that has them; plain PyTorch everywhere else (CUDA, bf16).
+    """The C++ kernels for float32 on a CPU that has them; bfloat16 on an AVX-512 CPU: PyTorch with the kernels'
+    RMSNorm and SiLU·up; plain PyTorch everywhere else (CUDA, other CPUs' bfloat16).
     prefill_gemm: KernelOps' (BackendConfig.prefill_gemm)."""
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from backend import kernels
         module = kernels.load()
-        if module is not None:
+        if module is not None and dtype == torch.float32:
             return KernelOps(module, prefill_gemm)
+        if module is not None and module.has_avx512():
+            return CpuBf16Ops(module)
     return TorchOps()
 
 

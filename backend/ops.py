@@ -122,6 +122,26 @@ class TorchOps:
         return out
 
 
+class CpuBf16Ops(TorchOps):
+    """bfloat16 activations over dense weights on a CPU whose kernels run AVX-512 (DTYPE=bfloat16 from a Hugging
+    Face directory): TorchOps, with RMSNorm and SiLU·up each one pass of the C++ kernels (backend/csrc/bf16_rows.h)
+    where torch's bfloat16 ops took five to eight, the same roundings. A LLaVA-shaped prompt with a new image:
+    [1064, 576] RMSNorm 746 → 112 µs, [1064, 3072] SiLU·up 865 → 504 µs."""
+
+    def __init__(self, module: Any) -> None:
+        self.k = module
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] % 16:
+            return super().rms_norm(x, weight, eps)
+        return self.k.rms_norm_bf16(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[-1] % 32 or not gate_up.is_contiguous():
+            return super().silu_mul(gate_up)
+        return self.k.silu_mul_bf16_(gate_up)
+
+
 class KernelOps(TorchOps):
     """The C++ kernels (float32 on the CPU); QuantWeight or dense float32 weights."""
 

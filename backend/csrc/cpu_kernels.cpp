@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_rows.h"
 #include "decode_step.h"
 #include "dequant_n16.h"
 #include "encoder_attention.h"
@@ -315,6 +316,42 @@ void residual_norm_bf16(const at::Tensor& y, const at::Tensor& bias, at::Tensor&
   });
 }
 
+void check_bf16_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() >= 1 &&
+              t.size(-1) % 16 == 0, name, " must be a contiguous bfloat16 CPU tensor whose rows hold a multiple of 16");
+  TORCH_CHECK(cpu_has_avx512(), "the bfloat16 row ops need AVX-512");
+}
+
+// x [..., D] bfloat16, w [D] bfloat16 → RMSNorm(x) · w, bfloat16, rounded where TorchOps.rms_norm rounds.
+at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  check_bf16_rows(x, "x");
+  check_bf16_rows(w, "w");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  TORCH_CHECK(w.numel() == D, "w must hold ", D, " values");
+  at::Tensor y = at::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_bf16_row(xp + r * D, wp, D, static_cast<float>(eps), yp + r * D);
+  });
+  return y;
+}
+
+// gate_up [T, 2F] bfloat16, in place on its gate half → silu(gate) · up as a [T, F] view, rounded where
+// TorchOps.silu_mul rounds.
+at::Tensor silu_mul_bf16_(at::Tensor& gate_up) {
+  check_bf16_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 32 == 0, "gate_up must be [T, 2F], F a multiple of 16");
+  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
+  uint16_t* p = reinterpret_cast<uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul_bf16_row(p + r * 2 * F, F);
+  });
+  return gate_up.narrow(1, 0, F);
+}
+
 // logits: [R, V] float32; temps: [R] (0: greedy); u: [R] uniform draws in [0, 1) → [R] int64 token ids.
 at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, const at::Tensor& u_in) {
   const at::Tensor logits = logits_in.contiguous(), temps = temps_in.contiguous(), u = u_in.contiguous();
@@ -391,6 +428,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_norm_bf16", &residual_norm_bf16, "an encoder's LayerNorm(GEMM output + bias + residual) in place, "
         "and its bfloat16 copy for the next GEMM (AVX-512)", py::arg("y"), py::arg("bias"), py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("eps"), py::arg("xb") = py::none(), call_guard<release>());
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, one pass (AVX-512)", call_guard<release>());
+  m.def("silu_mul_bf16_", &silu_mul_bf16_, "silu(gate) * up of bfloat16 rows, in place on the gate half (AVX-512)",
+        call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention, the K-quant kernels)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
   m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (vpdpwssd in the 512-bit int16 linears)");

@@ -266,11 +266,14 @@ def test_decode_attention_row_alone_equals_its_batch(kv_dtype: torch.dtype, wind
 
 def test_kernels_off_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     from backend.model import default_ops
+    from backend.ops import CpuBf16Ops
     monkeypatch.setattr(kernels, "_cached", [None])
     assert type(default_ops(torch.device("cpu"), torch.float32)) is TorchOps
+    assert type(default_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps
     monkeypatch.setattr(kernels, "_cached", [K])
     assert isinstance(default_ops(torch.device("cpu"), torch.float32), KernelOps)
-    assert type(default_ops(torch.device("cpu"), torch.bfloat16)) is TorchOps
+    # bfloat16: torch's ops with the kernels' RMSNorm and SiLU·up where they run AVX-512 (tests/backend/test_bf16_rows.py)
+    assert type(default_ops(torch.device("cpu"), torch.bfloat16)) is (CpuBf16Ops if K.has_avx512() else TorchOps)
 
 
 @pytest.mark.skipif(K is None or not K.has_avx512(), reason="the prefill attention kernel needs AVX-512")
