@@ -124,7 +124,7 @@ class TorchOps:
 
 class CpuBf16Ops(TorchOps):
     """bfloat16 activations over dense weights on a CPU whose kernels run AVX-512 (DTYPE=bfloat16 from a Hugging
-    Face directory): TorchOps, with RMSNorm and SiLU·up each one pass of the C++ kernels (backend/csrc/bf16_rows.h)
+    Face directory): TorchOps, with RMSNorm, SiLU·up and RoPE + the K/V store each one pass of the C++ kernels (backend/csrc/bf16_rows.h)
     where torch's bfloat16 ops took five to eight, the same roundings. A LLaVA-shaped prompt with a new image:
     [1064, 576] RMSNorm 746 → 112 µs, [1064, 3072] SiLU·up 865 → 504 µs."""
 
@@ -140,6 +140,13 @@ class CpuBf16Ops(TorchOps):
         if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[-1] % 32 or not gate_up.is_contiguous():
             return super().silu_mul(gate_up)
         return self.k.silu_mul_bf16_(gate_up)
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                   layer: int, slots: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+        d = qkv.shape[-1] // (n_heads + 2 * n_kv)
+        if qkv.dtype != torch.bfloat16 or cache.data.dtype != torch.bfloat16 or d % 32 or cos.dtype != torch.float32:
+            return super().rope_store(qkv, cos, sin, cache, layer, slots, n_heads, n_kv)
+        return self.k.rope_store_bf16(qkv, cos, sin, cache.data[layer, 0], cache.data[layer, 1], slots, n_heads, n_kv)
 
 
 class KernelOps(TorchOps):

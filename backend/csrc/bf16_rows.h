@@ -61,6 +61,19 @@ inline void silu_mul_bf16_row(uint16_t* gu, int64_t F) {
   }
 }
 
+// One head of one token (d = 2 · half, half a multiple of 16): the Hugging Face rotation of pairs (i, i + half)
+// as TorchOps' bfloat16 _rope rounds it: cos and sin rounded first, each product, then the sum.
+inline void rope_bf16_head(const uint16_t* x, const float* cos, const float* sin, int64_t half, uint16_t* out) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 x1 = bf16x16_to_ps(x + i), x2 = bf16x16_to_ps(x + half + i);
+    const __m512 c = round_bf16(_mm512_loadu_ps(cos + i)), s = round_bf16(_mm512_loadu_ps(sin + i));
+    const __m512 lo = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)));
+    const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), ps_to_bf16x16(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + half + i), ps_to_bf16x16(hi));
+  }
+}
+
 #pragma GCC pop_options
 
 }  // namespace kvyard

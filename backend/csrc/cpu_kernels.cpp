@@ -352,6 +352,47 @@ at::Tensor silu_mul_bf16_(at::Tensor& gate_up) {
   return gate_up.narrow(1, 0, F);
 }
 
+// qkv [T, (H + 2 Hkv) d] bfloat16; cos, sin [T, d/2] float32; caches [S, Hkv, d] bfloat16; slots [T] int64 →
+// q [T, H, d] rotated; k rotated and v stored at their slots: TorchOps.rope_store's roundings, one pass.
+at::Tensor rope_store_bf16(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in, int64_t n_heads,
+                           int64_t n_kv) {
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor slots = slots_in.contiguous();
+  check_bf16_rows(qkv, "qkv");
+  check_cpu_f32(cos, "cos");
+  check_cpu_f32(sin, "sin");
+  const int64_t T = qkv.size(0), d = qkv.size(1) / (n_heads + 2 * n_kv), half = d / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (n_heads + 2 * n_kv) * d && half % 16 == 0,
+              "qkv must be [T, (H + 2 Hkv) d] with d a multiple of 32");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == half, "cos and sin must be [T, d/2]");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->is_contiguous() && c->dim() == 3 && c->size(1) == n_kv &&
+                c->size(2) == d, "caches must be contiguous bfloat16 [S, Hkv, d]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "slots must be [T] int64");
+  const int64_t S = k_cache.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < S, "slot ", sp[t], " is outside the cache");
+  at::Tensor q = at::empty({T, n_heads, d}, qkv.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>());
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  const int64_t W = qkv.size(1);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* row = xp + t * W;
+      for (int64_t h = 0; h < n_heads; ++h) rope_bf16_head(row + h * d, cp + t * half, snp + t * half, half, qp + (t * n_heads + h) * d);
+      for (int64_t h = 0; h < n_kv; ++h) {
+        rope_bf16_head(row + (n_heads + h) * d, cp + t * half, snp + t * half, half, kp + (sp[t] * n_kv + h) * d);
+        std::memcpy(vp + (sp[t] * n_kv + h) * d, row + (n_heads + n_kv + h) * d, d * sizeof(uint16_t));
+      }
+    }
+  });
+  return q;
+}
+
 // logits: [R, V] float32; temps: [R] (0: greedy); u: [R] uniform draws in [0, 1) → [R] int64 token ids.
 at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temps_in, const at::Tensor& u_in) {
   const at::Tensor logits = logits_in.contiguous(), temps = temps_in.contiguous(), u = u_in.contiguous();
@@ -431,6 +472,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, one pass (AVX-512)", call_guard<release>());
   m.def("silu_mul_bf16_", &silu_mul_bf16_, "silu(gate) * up of bfloat16 rows, in place on the gate half (AVX-512)",
         call_guard<release>());
+  m.def("rope_store_bf16", &rope_store_bf16, "RoPE on bfloat16 q and k, k and v into a bfloat16 paged cache; returns q "
+        "(AVX-512)", call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention, the K-quant kernels)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
   m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (vpdpwssd in the 512-bit int16 linears)");

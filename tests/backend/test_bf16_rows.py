@@ -70,3 +70,37 @@ def test_what_the_kernels_do_not_take_goes_to_torch() -> None:
         MODULE.rms_norm_bf16(x, torch.ones(40).bfloat16(), 1e-6)
     with pytest.raises(RuntimeError, match="bfloat16"):
         MODULE.silu_mul_bf16_(torch.randn(2, 64))
+
+
+@needs_avx512
+@pytest.mark.parametrize(("heads", "d"), [((9, 3), 64), ((4, 4), 128), ((2, 1), 32)])
+def test_rope_store_rounds_as_torch_and_fills_the_same_slots(heads: tuple[int, int], d: int) -> None:
+    from backend.attention import KVCache
+    H, Hkv = heads
+    T = 37
+    g = torch.Generator().manual_seed(d)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * d, generator=g) * 3).bfloat16()
+    angles = torch.arange(100, 100 + T)[:, None] * torch.rand(d // 2, generator=g)[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(64, generator=g)[:T]
+    caches = [KVCache(2, 8, 8, Hkv, d, torch.bfloat16, CPU) for _ in range(2)]
+    ours = CpuBf16Ops(MODULE).rope_store(qkv, cos, sin, caches[0], 1, slots, H, Hkv)
+    theirs = TorchOps().rope_store(qkv, cos, sin, caches[1], 1, slots, H, Hkv)
+    same_roundings(ours, theirs)
+    same_roundings(caches[0].data[1, 0].flatten(0, 1), caches[1].data[1, 0].flatten(0, 1))  # k, at the same slots
+    assert torch.equal(caches[0].data[1, 1], caches[1].data[1, 1])                          # v, as given
+    assert not caches[0].data[0].any()                                                     # another layer untouched
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuBf16Ops(MODULE).rope_store(qkv, cos, sin, caches[0], 1, slots + 1000, H, Hkv)
+
+
+@needs_avx512
+def test_rope_store_of_another_cache_dtype_goes_to_torch() -> None:
+    from backend.attention import KVCache
+    qkv = torch.randn(3, 4 * 64).bfloat16()
+    angles = torch.arange(3)[:, None] * torch.rand(32)[None, :]
+    caches = [KVCache(1, 2, 8, 1, 64, torch.float16, CPU) for _ in range(2)]
+    slots = torch.tensor([0, 5, 9])
+    ours = CpuBf16Ops(MODULE).rope_store(qkv, angles.cos(), angles.sin(), caches[0], 0, slots, 2, 1)
+    assert torch.equal(ours, TorchOps().rope_store(qkv, angles.cos(), angles.sin(), caches[1], 0, slots, 2, 1))
+    assert torch.equal(caches[0].data, caches[1].data)
