@@ -21,7 +21,7 @@ log = logging.getLogger("kvyard.backend")
 
 def default_ops(device: torch.device, dtype: torch.dtype, prefill_gemm: str = "auto") -> TorchOps:
     """The C++ kernels for float32 on a CPU that has them; bfloat16 on an AVX-512 CPU: PyTorch with the kernels'
-    RMSNorm and SiLU·up; plain PyTorch everywhere else (CUDA, other CPUs' bfloat16).
+    RMSNorm, SiLU·up and RoPE (CpuBf16Ops); plain PyTorch everywhere else (CUDA, other CPUs' bfloat16).
     prefill_gemm: KernelOps' (BackendConfig.prefill_gemm)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from backend import kernels

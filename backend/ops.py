@@ -124,9 +124,10 @@ class TorchOps:
 
 class CpuBf16Ops(TorchOps):
     """bfloat16 activations over dense weights on a CPU whose kernels run AVX-512 (DTYPE=bfloat16 from a Hugging
-    Face directory): TorchOps, with RMSNorm, SiLU·up and RoPE + the K/V store each one pass of the C++ kernels (backend/csrc/bf16_rows.h)
-    where torch's bfloat16 ops took five to eight, the same roundings. A LLaVA-shaped prompt with a new image:
-    [1064, 576] RMSNorm 746 → 112 µs, [1064, 3072] SiLU·up 865 → 504 µs."""
+    Face directory): TorchOps, with RMSNorm, SiLU·up and RoPE + the K/V store each one pass of the C++ kernels
+    (backend/csrc/bf16_rows.h) where torch's bfloat16 ops took five to eight, with the same roundings. A
+    LLaVA-shaped prompt with a new image: [1064, 576] RMSNorm 746 → 112 µs, [1064, 3072] SiLU·up 865 → 504 µs.
+    Shapes the kernels do not take (rows not a multiple of 16, another cache dtype) go to TorchOps."""
 
     def __init__(self, module: Any) -> None:
         self.k = module
