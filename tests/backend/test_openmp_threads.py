@@ -11,6 +11,8 @@ import ast
 import asyncio
 import os
 import resource
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,16 +82,33 @@ def test_a_serial_thread_starts_no_openmp_pool(every_core: None) -> None:
     assert in_thread(lambda: threads_after_wide_op(True)) == 0
 
 
+def switches_after_helper(kind: str) -> int:
+    """In a fresh process set up as a serving backend (the main thread serial, every core for torch): a helper
+    thread (`kind`: a plain executor's or helper_executor's) runs one wide op and lives on, then a new thread
+    steps REGIONS regions. A process that already ran torch on other threads (this test process) would hide the
+    difference, hence the subprocess."""
+    script = f"""
+import sys, torch
+from concurrent.futures import ThreadPoolExecutor
+from backend.openmp_threads import helper_executor, serial_torch_here
+from tests.backend.test_openmp_threads import engine_like_switches, wide_op
+torch.set_num_threads({CORES})
+serial_torch_here()
+with (ThreadPoolExecutor(1) if {kind!r} == "plain" else helper_executor()) as executor:
+    executor.submit(wide_op).result()
+    print(engine_like_switches())
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
 @needs_openmp
-def test_helper_threads_leave_the_engine_threads_openmp_awake(every_core: None) -> None:
+def test_helper_threads_leave_the_engine_threads_openmp_awake() -> None:
     """A plain executor thread that ran one wide op puts the next master's workers to sleep after nearly every
     region; helper_executor's threads do not."""
-    def after_helper(executor: ThreadPoolExecutor) -> int:
-        with executor:
-            executor.submit(wide_op).result()  # its thread lives on, as asyncio's executor threads do
-            return engine_like_switches()
-    plain = after_helper(ThreadPoolExecutor(1))
-    helper = after_helper(helper_executor())
+    plain, helper = switches_after_helper("plain"), switches_after_helper("helper")
     # Measured on 2 cores: plain ~800 (4 a region), helper 0-3 idle and 27-86 with two busy loops beside it.
     assert plain >= REGIONS, f"the control did not show sleeping workers ({plain} switches)"
     assert helper <= plain // 4, f"{helper} switches over {REGIONS} regions (a plain executor: {plain})"
