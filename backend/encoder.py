@@ -25,11 +25,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from backend import kernels
 from backend.encoder_attention import attention_kernel, packed_attention
 from backend.encoder_weights import LAYER_LINEARS, load_encoder_weights
 from backend.st_dense import dense_bytes, load_dense
@@ -157,17 +157,6 @@ def _padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return xb
 
 
-def residual_norm_kernel(cfg: EncoderConfig, device: torch.device, dtype: torch.dtype,
-                         act_dtype: torch.dtype) -> ModuleType | None:
-    """The compiled kernels where they take a layer's residual step (EncoderModel._residual_norm): a CPU's
-    bfloat16 matrices under float32 activations, post-norm layers, AVX-512; else None (torch's ops)."""
-    if device.type != "cpu" or dtype == act_dtype or cfg.prenorm or cfg.hidden_size % 16:
-        return None
-    from backend import kernels
-    module = kernels.load()
-    return module if module is not None and module.has_avx512() else None
-
-
 class EncoderModel:
     """Plain functions over a dict of tensors; no nn.Module (as backend/model.py)."""
 
@@ -197,7 +186,9 @@ class EncoderModel:
         self.dense = load_dense(spec.dense, self.act_dtype, device)
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         self._kernel = attention_kernel(self.act_dtype, device, head_dim)
-        self._fused_norm = residual_norm_kernel(self.cfg, device, dtype, self.act_dtype)
+        # Each post-norm layer's residual step in one pass (_residual_norm) under a CPU's bfloat16 matrices, AVX-512.
+        self._fused_norm = kernels.load_avx512() if device.type == "cpu" and dtype != self.act_dtype and \
+            not self.cfg.prenorm and self.cfg.hidden_size % 16 == 0 else None
         f = self.cfg.ntk_factor
         self._inv_freq = [1.0 / (theta * f) ** (torch.arange(0, head_dim, 2, device=device) / head_dim) / f ** (2 / head_dim)
                           for theta in (self.cfg.rope_theta, self.cfg.local_rope_theta) if theta]
@@ -238,7 +229,8 @@ class EncoderModel:
         bias = self._relative_bias(max(sizes)) if cfg.relative_buckets else None  # [H, T, T], every layer's
         # The two widest activations reuse one buffer each through the layers (fewer fresh pages to fault in).
         qkv = x.new_empty((x.shape[0], 3 * D))                              # [N, 3D]
-        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1]))  # [N, 4D] (GLU: [N, 2I])
+        h = x.new_empty((x.shape[0], w["encoder.layer.0.intermediate.dense.weight"].shape[1])) \
+            if self.dtype == self.act_dtype else None  # [N, 4D] (GLU: [N, 2I]); bfloat16 matrices: _ffn's own
         xb = _padded(x, self.dtype) if self._fused_norm is not None else None  # [N padded, D], the next GEMM's input
         for i in range(cfg.num_layers):
             p = f"encoder.layer.{i}."
@@ -328,7 +320,7 @@ class EncoderModel:
         # A copy to float32 then the bias: ~20 % faster than one mixed-dtype add (1376 x 1536 on 2 threads).
         return (y.float() if out is None else out.copy_(y)).add_(self.w[name + ".bias"])
 
-    def _ffn(self, x: torch.Tensor, p: str, h: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, x: torch.Tensor, p: str, h: torch.Tensor | None) -> torch.Tensor:
         """A layer's feed-forward before its residual: up (into h), activation, down. Under float32 activations
         with bfloat16 matrices the wide [N, 4D] activations stay bfloat16 (rows padded): the up GEMM adds its
         bias in its float32 sums and rounds once, which is what the down GEMM would round its input to anyway;

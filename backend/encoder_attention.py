@@ -20,8 +20,7 @@ def attention_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) ->
     if device.type != "cpu" or dtype != torch.float32 or head_dim not in KERNEL_HEAD_DIMS:
         return None
     from backend import kernels
-    module = kernels.load()
-    return module if module is not None and module.has_avx512() else None
+    return kernels.load_avx512()
 
 
 def packed_attention(kernel: ModuleType | None, qkv: torch.Tensor, offsets: torch.Tensor, lengths: list[int],

@@ -133,6 +133,12 @@ def load(verbose: bool = False) -> ModuleType | None:
     return module
 
 
+def load_avx512() -> ModuleType | None:
+    """The compiled kernels where their AVX-512 code runs (not capped below it), else None."""
+    module = load()
+    return module if module is not None and module.has_avx512() else None
+
+
 if __name__ == "__main__":  # `make setup` builds them once
     logging.basicConfig(level=logging.INFO)
     print("kvyard C++ kernels:", "ready" if load(verbose=True) is not None else "unavailable")

@@ -25,11 +25,9 @@ def default_ops(device: torch.device, dtype: torch.dtype, prefill_gemm: str = "a
     prefill_gemm: KernelOps' (BackendConfig.prefill_gemm)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from backend import kernels
-        module = kernels.load()
-        if module is not None and dtype == torch.float32:
-            return KernelOps(module, prefill_gemm)
-        if module is not None and module.has_avx512():
-            return CpuBf16Ops(module)
+        module = kernels.load() if dtype == torch.float32 else kernels.load_avx512()
+        if module is not None:
+            return KernelOps(module, prefill_gemm) if dtype == torch.float32 else CpuBf16Ops(module)
     return TorchOps()
 
 
