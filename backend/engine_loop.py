@@ -88,7 +88,15 @@ class EngineLoop:
             raise RequestError(ErrorCode.UNAVAILABLE, "the engine is not running")
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._commands.put(_Call(fn, done, undo))
-        return await done
+        try:
+            return await done
+        except asyncio.CancelledError:
+            # Cancelled after the result was set but before this task ran again: `done` holds a result
+            # nobody will take (a cancelled `done` is undone where it is resolved, in _settle).
+            if undo is not None and done.done() and not done.cancelled() and done.exception() is None:
+                result = done.result()
+                self.post(lambda engine: undo(engine, result))
+            raise
 
     def post(self, fn: Callable[[Engine], None]) -> None:
         """fn(engine) on the engine thread, nobody waiting (clean-up from finally blocks; in order with
