@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend import kernels
+from backend import attention, kernels
 from backend.attention import AttentionMetadata, KVCache, PrefillSpan, causal_attention
 from backend.ops import N16_GEMM_ROWS, KernelOps
 
@@ -34,6 +34,37 @@ def test_prefix_and_chunk_merge_to_the_masked_attention(dtype: torch.dtype, tol:
     got = causal_attention(q, k, v, start)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), masked_reference(q, k, v, start), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-6), (torch.bfloat16, 2e-2)])  # 160+ keys: the
+@pytest.mark.parametrize("start", [1, 16, 40, 300])  # float32 kernel itself is 2.6e-6 off float64 on one seed
+def test_both_ways_past_a_prefix_give_the_masked_attention(dtype: torch.dtype, tol: float, start: int) -> None:
+    """The chunk padded to a causal square (short prefixes) and the prefix and chunk merged (long ones) alike,
+    whichever causal_attention would pick for this length."""
+    torch.manual_seed(start)
+    n_heads, n_kv, n_q, d = 6, 2, 160, 64
+    q = (torch.randn(1, n_heads, n_q, d) * 2).to(dtype)
+    k, v = (torch.randn(1, n_kv, start + n_q, d).to(dtype) for _ in range(2))
+    want = masked_reference(q, k, v, start)
+    for way in (attention._padded_to_the_prefix, attention._prefix_then_chunk):
+        got = way(q, k, v, start, None)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol, msg=way.__name__)
+
+
+@pytest.mark.parametrize("dtype, short", [(torch.float32, 20), (torch.bfloat16, 40)])
+def test_a_short_prefix_pads_the_chunk_a_long_one_merges(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                          short: int) -> None:
+    """The padded rows cost what query rows do: up to an eighth of the chunk in float32, a quarter in bfloat16."""
+    taken: list[str] = []
+    for way in ("_padded_to_the_prefix", "_prefix_then_chunk"):
+        real = getattr(attention, way)
+        monkeypatch.setattr(attention, way, lambda *a, real=real, way=way: taken.append(way) or real(*a))
+    q = torch.randn(1, 4, 160, 32).to(dtype)
+    for start in (short, short + 1):
+        k, v = (torch.randn(1, 4, start + 160, 32).to(dtype) for _ in range(2))
+        causal_attention(q, k, v, start)
+    assert taken == ["_padded_to_the_prefix", "_prefix_then_chunk"]
 
 
 def test_a_window_still_limits_what_a_query_sees() -> None:
