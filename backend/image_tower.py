@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backend import kernels
 from backend.checkpoint import open_checkpoint
 from backend.image_preprocess import image_input
 from kvyard.model_config import ModelConfig
@@ -38,6 +39,9 @@ class ImageTower:
         # edge reads it, as a hint, to skip preprocessing an image whose embedding is here.
         self.known: frozenset[bytes] = frozenset()
         self.tower_runs = 0  # images the tower has computed (the rest came from the cache)
+        on_cpu = all(t.device.type == "cpu" for t in weights.values())
+        # Attention over a whole image on AMX-BF16 tiles (backend/csrc/flash_bf16.h) where they run it.
+        self.flash = kernels.load_flash_bf16() if dtype == torch.bfloat16 and on_cpu else None
 
     def weight_bytes(self) -> int:
         return sum(_nbytes(t) for t in self.w.values())
@@ -69,6 +73,14 @@ class ImageTower:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+
+    def _bidirectional(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Every patch attends to every patch: q, k, v [N, H, d] (rows at any stride) → [N, H, d]. The flash kernel
+        where it runs (1024 patches, 6 heads of 64, AMX Xeon: 2.4 → 2.0 ms against torch's flash kernel), else SDPA
+        on 4-D views (a 3-D input takes SDPA's math path on the CPU, ~4x slower at 1024 patches)."""
+        if self.flash is not None and q.shape[-1] % 32 == 0:
+            return self.flash.flash_attention_bf16(q, k, v, 0, False, q.shape[-1] ** -0.5)
+        return F.scaled_dot_product_attention(*(a.transpose(0, 1)[None] for a in (q, k, v)))[0].transpose(0, 1)
 
 
 def quick_gelu_(h: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,13 @@ def load_avx512() -> ModuleType | None:
     return module if module is not None and module.has_avx512() else None
 
 
+def load_flash_bf16() -> ModuleType | None:
+    """The compiled kernels where flash_attention_bf16 runs (AVX-512 and AMX-BF16 tiles torch's brgemm drives), else
+    None: prefill attention of bfloat16 operands on a CPU (backend/csrc/flash_bf16.h)."""
+    module = load_avx512()
+    return module if module is not None and module.could_brgemm_bf16() else None
+
+
 if __name__ == "__main__":  # `make setup` builds them once
     logging.basicConfig(level=logging.INFO)
     print("kvyard C++ kernels:", "ready" if load(verbose=True) is not None else "unavailable")

@@ -58,9 +58,10 @@ class VisionTower(ImageTower):
     def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
         b, n, width = x.shape
         heads = self.config.num_heads
-        q, k, v = self._linear(x, p + "qkv").view(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, N, d] each
-        out = F.scaled_dot_product_attention(q, k, v)                            # bidirectional
-        return self._linear(out.transpose(1, 2).reshape(b, n, width), p + "out_proj")
+        qkv = self._linear(x, p + "qkv").view(b, n, 3, heads, -1)                 # [B, N, 3, H, d]
+        outs = [self._bidirectional(*qkv[i].unbind(1)) for i in range(b)]        # [N, H, d] each
+        out = outs[0][None] if b == 1 else torch.stack(outs)
+        return self._linear(out.reshape(b, n, width), p + "out_proj")
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], self.config.layer_norm_eps)

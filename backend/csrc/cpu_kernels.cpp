@@ -15,6 +15,7 @@
 #include "dequant_n16.h"
 #include "encoder_attention.h"
 #include "encoder_norm.h"
+#include "flash_bf16.h"
 #include "gemm_bf16_ops.h"
 #include "isa_switches.h"
 #include "layer_ops.h"
@@ -352,6 +353,29 @@ at::Tensor silu_mul_bf16_(at::Tensor& gate_up) {
   return gate_up.narrow(1, 0, F);
 }
 
+// q [Q, H, d], k and v [N, Hkv, d] bfloat16 (d contiguous, heads d apart, rows at any stride) → attention,
+// [Q, H, d] bfloat16 (flash_bf16.h). causal: query i at position start + i sees keys 0..start + i, N = start + Q.
+at::Tensor flash_attention_bf16_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                                   bool causal, double scale, int64_t q_block, int64_t k_block) {
+  TORCH_CHECK(cpu_has_avx512() && __builtin_cpu_supports("avx512bf16") && at::native::cpublas::could_pack(at::kBFloat16),
+              "flash_attention_bf16 needs AVX-512 (BF16) and AMX-BF16 (torch's brgemm)");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1 &&
+                t->stride(1) == t->size(2), "q, k and v must be bfloat16 CPU tensors [rows, heads, d], each row's "
+                "heads contiguous");
+  const int64_t Q = q.size(0), H = q.size(1), d = q.size(2), N = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(d % 32 == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == N && v.size(1) == Hkv,
+              "k and v must be [N, Hkv, d] with d a multiple of 32, as q's");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "the query heads must be a multiple of the KV heads");
+  TORCH_CHECK(Q > 0 && N > 0 && start >= 0 && (!causal || N == start + Q), "causal: N must be start + Q");
+  TORCH_CHECK(q_block > 0 && k_block > 0 && k_block % 32 == 0, "q_block > 0, k_block a positive multiple of 32");
+  at::Tensor out = at::empty({Q, H, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto ptr = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  flash_attention_bf16(ptr(q), q.stride(0), ptr(k), k.stride(0), ptr(v), v.stride(0), ptr(out), H * d, Q, N, H, Hkv,
+                       d, start, causal, static_cast<float>(scale), q_block, k_block);
+  return out;
+}
+
 // qkv [T, (H + 2 Hkv) d] bfloat16; cos, sin [T, d/2] float32; caches [S, Hkv, d] bfloat16; slots [T] int64 →
 // q [T, H, d] rotated; k rotated and v stored at their slots: TorchOps.rope_store's roundings, one pass.
 at::Tensor rope_store_bf16(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
@@ -474,6 +498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         call_guard<release>());
   m.def("rope_store_bf16", &rope_store_bf16, "RoPE on bfloat16 q and k, k and v into a bfloat16 paged cache; returns q "
         "(AVX-512)", call_guard<release>());
+  m.def("flash_attention_bf16", &flash_attention_bf16_op, "prefill attention on AMX-BF16 tiles, bfloat16 in and out, "
+        "float32 sums and softmax", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("causal"),
+        py::arg("scale"), py::arg("q_block") = FLASH_Q, py::arg("k_block") = FLASH_K, call_guard<release>());
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernels (prefill_attention, the K-quant kernels)");
   m.def("cap_isa", &cap_isa, "the widest instruction set the kernels may use: 0 AVX2, 1 AVX-512 without VNNI, 2 native");
   m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (vpdpwssd in the 512-bit int16 linears)");
