@@ -111,19 +111,14 @@ def attend_prefills(q: torch.Tensor, cache: KVCache, layer: int, meta: Attention
         out[span.rows] = op.squeeze(0).transpose(0, 1)
 
 
-def span_rows(cache: KVCache, layer: int, span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values a prefill chunk sees (its cached prefix and itself), [K, Hkv, d] in dtype."""
+def span_keys(cache: KVCache, layer: int, span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill chunk sees (its cached prefix and itself), [1, Hkv, K, d] in dtype."""
     k_cache, v_cache = cache.data[layer, 0], cache.data[layer, 1]  # [S, Hkv, d]
     n = span.key_blocks.numel() * cache.block_size * k_cache.shape[1] * k_cache.shape[2]
     kp = _gather_blocks(k_cache, span.key_blocks, cache.block_size, cache.scratch("pk", n))[:span.num_keys]
     vp = _gather_blocks(v_cache, span.key_blocks, cache.block_size, cache.scratch("pv", n))[:span.num_keys]
-    return kp.to(dtype), vp.to(dtype)  # a float16 cache under a float32 model: convert what was read
-
-
-def span_keys(cache: KVCache, layer: int, span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """span_rows as SDPA takes them: [1, Hkv, K, d]."""
-    kp, vp = span_rows(cache, layer, span, dtype)
-    return kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+    # a float16 cache under a float32 model: convert what was read
+    return kp.transpose(0, 1).unsqueeze(0).to(dtype), vp.transpose(0, 1).unsqueeze(0).to(dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0,

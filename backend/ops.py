@@ -12,8 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backend.attention import (AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered, attend_prefills,
-                               span_rows)
+from backend.attention import AttentionMetadata, KVCache, PrefillSpan, attend_decode_gathered, attend_prefills
 from backend.quant import K_KINDS, BlockWeight, QuantWeight, StackedWeight
 from kvyard.model_config import ModelConfig
 
@@ -154,17 +153,17 @@ class CpuBf16Ops(TorchOps):
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
                   window: int = 0, tiles: bool = False) -> torch.Tensor:
-        """Prefill chunks in the flash kernel (a LLaVA-shaped prompt's 1076 rows, 9 heads of 64: 3.1 → 1.9 ms
-        against torch's flash kernel, the same bfloat16 probabilities and float32 sums); decode rows, a sliding
-        window, or head sizes it does not take as TorchOps."""
+        """Prefill chunks in the flash kernel, straight from the paged cache (a LLaVA-shaped prompt's 1076 rows, 9
+        heads of 64: 3.1 → 1.9 ms against torch's flash kernel, the same bfloat16 probabilities and float32 sums);
+        decode rows, a sliding window, or head sizes it does not take as TorchOps."""
         if not self.flash or window or q.dtype != torch.bfloat16 or q.shape[-1] % 32 or not meta.prefills:
             return super().attention(q, cache, layer, meta, window, tiles)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta)
         for span in meta.prefills:
-            k, v = span_rows(cache, layer, span, torch.bfloat16)
-            out[span.rows] = self.k.flash_attention_bf16(q[span.rows], k, v, span.start, True, q.shape[-1] ** -0.5)
+            self.k.flash_attention_paged(q[span.rows], cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
+                                         cache.block_size, span.start, q.shape[-1] ** -0.5, out=out[span.rows])
         return out
 
 
@@ -346,26 +345,30 @@ class KernelOps(TorchOps):
                 meta.decode_lens, cache.block_size, q.shape[-1] ** -0.5, window)
         if self.prefill_kernel:
             for span in meta.prefills:
-                out[span.rows] = self._prefill(q[span.rows], cache, layer, span, window, tiles)
+                self._prefill(q[span.rows], cache, layer, span, window, tiles, out[span.rows])
         else:
             attend_prefills(q, cache, layer, meta, out, window)
         return out
 
-    def _prefill(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan, window: int,
-                 tiles: bool) -> torch.Tensor:
-        """One chunk's causal attention over its cached prefix and itself, straight from the paged blocks; a
-        chunk as long as brgemm's (N16_GEMM_ROWS) on bfloat16 tiles instead where the model's linears run there."""
+    def _prefill(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan, window: int, tiles: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """One chunk's causal attention over its cached prefix and itself, straight from the paged blocks (into out
+        where given); a chunk as long as brgemm's (N16_GEMM_ROWS) on bfloat16 tiles instead where the model's
+        linears run there."""
         if tiles and self.brgemm_bf16 and q.shape[0] >= N16_GEMM_ROWS and not window:
-            return self._prefill_tiles(q, cache, layer, span)
-        return self.k.prefill_attention(q, cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
-                                        cache.block_size, span.start, q.shape[-1] ** -0.5, window)
+            return self._prefill_tiles(q, cache, layer, span, out)
+        y = self.k.prefill_attention(q, cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
+                                     cache.block_size, span.start, q.shape[-1] ** -0.5, window)
+        return y if out is None else out.copy_(y)
 
-    def _prefill_tiles(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan) -> torch.Tensor:
-        """q, the chunk's keys and values rounded to bfloat16 and the flash kernel over them (backend/csrc/
-        flash_bf16.h: brgemm's tiles, float32 sums and softmax; 946 rows, 32 heads of 64, AMX Xeon: 5.4 ms against
-        10.2 for torch's flash kernel and 23-26 ms for the float32 kernel)."""
-        k, v = span_rows(cache, layer, span, torch.bfloat16)
-        return self.k.flash_attention_bf16(_bf16(q), k, v, span.start, True, q.shape[-1] ** -0.5).float()
+    def _prefill_tiles(self, q: torch.Tensor, cache: KVCache, layer: int, span: PrefillSpan,
+                       out: torch.Tensor | None) -> torch.Tensor:
+        """The flash kernel straight from the paged float16 cache into out (backend/csrc/flash_bf16.h: q, keys and
+        values rounded to bfloat16 as they are read, brgemm's tiles, float32 sums, softmax and output; 946 rows, 32
+        heads of 64, AMX Xeon: 5.4 ms against 10.2 for torch's flash kernel, which also wanted the gathered,
+        converted copies, and 23-26 ms for the float32 kernel)."""
+        return self.k.flash_attention_paged(q, cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
+                                            cache.block_size, span.start, q.shape[-1] ** -0.5, out=out)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
