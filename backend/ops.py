@@ -133,6 +133,14 @@ class CpuBf16Ops(TorchOps):
         # Prefill chunks' attention on AMX-BF16 tiles (backend/csrc/flash_bf16.h) where torch's brgemm runs there.
         self.flash = bool(module.could_brgemm_bf16())
 
+    def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + x @ w^T as one oneDNN call (its sum into the residual's copy: [1060, 1536] → 576, 2.35 →
+        2.17 ms), the product added before its bfloat16 rounding rather than after."""
+        if residual is not None and bias is None and isinstance(w, torch.Tensor) and x.dim() == 2:
+            return torch.addmm(residual, x, w.t())
+        return super().linear(x, w, bias, residual)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] % 16:
             return super().rms_norm(x, weight, eps)
