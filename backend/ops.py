@@ -158,7 +158,6 @@ class CpuBf16Ops(TorchOps):
             return super().rope_store(qkv, cos, sin, cache, layer, slots, n_heads, n_kv)
         return self.k.rope_store_bf16(qkv, cos, sin, cache.data[layer, 0], cache.data[layer, 1], slots, n_heads, n_kv)
 
-
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
                   window: int = 0, tiles: bool = False) -> torch.Tensor:
         """Prefill chunks in the flash kernel, straight from the paged cache (a LLaVA-shaped prompt's 1076 rows, 9
