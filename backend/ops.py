@@ -117,8 +117,13 @@ class TorchOps:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta, window)
-        attend_prefills(q, cache, layer, meta, out, window)
+        self.attend_prefills(q, cache, layer, meta, out, window)
         return out
+
+    def attend_prefills(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                        out: torch.Tensor, window: int) -> None:
+        """Each multi-token chunk's rows of out (backend/attention.py's gathered keys and SDPA)."""
+        attend_prefills(q, cache, layer, meta, out, window)
 
 
 class CpuBf16Ops(TorchOps):
@@ -158,20 +163,17 @@ class CpuBf16Ops(TorchOps):
             return super().rope_store(qkv, cos, sin, cache, layer, slots, n_heads, n_kv)
         return self.k.rope_store_bf16(qkv, cos, sin, cache.data[layer, 0], cache.data[layer, 1], slots, n_heads, n_kv)
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
-                  window: int = 0, tiles: bool = False) -> torch.Tensor:
+    def attend_prefills(self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                        out: torch.Tensor, window: int) -> None:
         """Prefill chunks in the flash kernel, straight from the paged cache (a LLaVA-shaped prompt's 1076 rows, 9
         heads of 64: 3.1 → 1.9 ms against torch's flash kernel, the same bfloat16 probabilities and float32 sums);
-        decode rows, a sliding window, or head sizes it does not take as TorchOps."""
-        if not self.flash or window or q.dtype != torch.bfloat16 or q.shape[-1] % 32 or not meta.prefills:
-            return super().attention(q, cache, layer, meta, window, tiles)
-        out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = attend_decode_gathered(q[meta.decode_rows], cache, layer, meta)
+        a sliding window, or head sizes it does not take, as TorchOps."""
+        if not self.flash or window or q.dtype != torch.bfloat16 or q.shape[-1] % 32:
+            super().attend_prefills(q, cache, layer, meta, out, window)
+            return
         for span in meta.prefills:
             self.k.flash_attention_paged(q[span.rows], cache.data[layer, 0], cache.data[layer, 1], span.key_blocks,
                                          cache.block_size, span.start, q.shape[-1] ** -0.5, out=out[span.rows])
-        return out
 
 
 class KernelOps(TorchOps):
